@@ -1,0 +1,14 @@
+"""Django app configuration: registers the system checks."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class JoblockConfig(AppConfig):
+    name = "django_joblock"
+    verbose_name = "Job locks"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from . import checks  # noqa: F401  (registers the system checks)

@@ -1,0 +1,94 @@
+"""The Redis connection behind the locks, and the mapping of Redis failures to one exception.
+
+The connection is django-redis' ``get_redis_connection(alias, write=True)`` (never
+``cache.lock()``). The renewal thread gets its *own* client on the same server with short socket
+timeouts and no client-side retries, because redis-py's defaults can block for about a minute on
+a black-holed server, far past the lock's TTL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis import exceptions as redis_exceptions
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from .exceptions import JoblockConfigError, LockBackendUnavailable
+
+# Server replies that mean "cannot serve you now", as opposed to a bug in a command.
+_UNAVAILABLE_PREFIXES = ("OOM", "LOADING", "BUSY", "READONLY", "MASTERDOWN", "CLUSTERDOWN",
+                         "TRYAGAIN", "NOREPLICAS")
+
+
+# redis-py maps some of those replies to classes (and strips the prefix from the message).
+_UNAVAILABLE_CLASSES = tuple(
+    getattr(redis_exceptions, name)
+    for name in ("OutOfMemoryError", "BusyLoadingError", "ReadOnlyError")
+    if hasattr(redis_exceptions, name)
+)
+
+
+def connection(alias: str) -> Any:
+    """The django-redis client of cache ``alias`` (write side). Raises on a non-django-redis alias."""
+    from django.conf import settings
+
+    caches = getattr(settings, "CACHES", {})
+    if alias not in caches:
+        raise JoblockConfigError(
+            f"JOBLOCK['REDIS_ALIAS'] / using={alias!r} is not in settings.CACHES "
+            f"(known: {', '.join(sorted(caches)) or 'none'})."
+        )
+    from django_redis import get_redis_connection
+
+    try:
+        return get_redis_connection(alias, write=True)
+    except NotImplementedError as exc:
+        raise JoblockConfigError(
+            f"Cache {alias!r} is not a django-redis cache (BACKEND must be "
+            f"'django_redis.cache.RedisCache'); django-joblock needs its Redis connection."
+        ) from exc
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` means Redis could not serve the request (down, timeout, OOM...)."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, *_UNAVAILABLE_CLASSES)):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_UNAVAILABLE_PREFIXES)
+
+
+@contextmanager
+def unavailable_as(resource: str, key: str, owner: str, action: str) -> Iterator[None]:
+    """Turn Redis failures inside the block into :class:`LockBackendUnavailable`."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
+        if not is_unavailable(exc):
+            raise
+        raise LockBackendUnavailable(
+            f"Redis unavailable while trying to {action}: {type(exc).__name__}: {exc}",
+            resource=resource, key=key, owner=owner,
+        ) from exc
+
+
+def renewal_client(base: Any, timeout: float) -> redis.Redis:
+    """A client on ``base``'s server with ``timeout``-second sockets and no retries."""
+    pool = base.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry_on_timeout=False,
+        retry=Retry(NoBackoff(), 0),
+        client_name="joblock-renewer",
+        health_check_interval=0,
+    )
+    kwargs.pop("retry_on_error", None)
+    new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    return redis.Redis(connection_pool=new_pool)

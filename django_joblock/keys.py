@@ -1,0 +1,103 @@
+"""Resource validation and the canonical Redis key layout.
+
+A *resource* names the unit of exclusivity (``order:123``), never a job id: two deliveries of the
+same work carry different job ids but touch the same resource. Its *family* is the part before
+the first ``:`` (``order``); metrics and the dashboard group by family, never by resource id, so
+their cardinality stays bounded.
+
+Key layout (``P`` = ``JOBLOCK["KEY_PREFIX"]``)::
+
+    P:{order:123}:lock      HASH   the lock: token, fence, holder details (TTL = lock TTL)
+    P:{order:123}:fence     STRING last fence issued for the resource (expires after a day)
+    P:active:order          ZSET   active-lock index of a family: member "resource#owner",
+                                   score = expiry in Unix ms (a hint; readers prune and verify)
+    P:families              SET    families that ever held a lock
+
+The braces are a Redis Cluster hash tag: both keys a script touches hash to the same slot.
+Resources cannot contain braces, so a resource can never break out of its tag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from .exceptions import InvalidResource
+
+RESOURCE_RE = re.compile(r"[A-Za-z0-9_.:@/-]{1,200}\Z")
+MAX_RESOURCE_LENGTH = 200
+
+
+def validate_resource(resource: object) -> str:
+    """Return ``resource`` unchanged if valid, else raise :class:`InvalidResource` naming it."""
+    if not isinstance(resource, str):
+        raise InvalidResource(
+            f"Lock resource must be a str, got {type(resource).__name__}: {resource!r}."
+        )
+    if not RESOURCE_RE.match(resource):
+        if not resource:
+            reason = "it is empty"
+        elif len(resource) > MAX_RESOURCE_LENGTH:
+            reason = f"it is {len(resource)} characters long (at most {MAX_RESOURCE_LENGTH})"
+        else:
+            bad = sorted({c for c in resource if not re.match(r"[A-Za-z0-9_.:@/-]", c)})
+            reason = f"it contains {''.join(bad)!r}; allowed: A-Z a-z 0-9 _ . : @ / -"
+        shown = resource if len(resource) <= 80 else resource[:77] + "..."
+        raise InvalidResource(f"Invalid lock resource {shown!r}: {reason}.")
+    return resource
+
+
+def family(resource: str) -> str:
+    """The family of a resource: the part before its first ``:`` (``order:1`` -> ``order``)."""
+    return resource.split(":", 1)[0]
+
+
+def owner_hash(token: str) -> str:
+    """A short, stable, non-reversible name for an owner token, safe to log and display."""
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class LockKeys:
+    """The keys of one resource under one prefix."""
+
+    prefix: str
+    resource: str
+
+    @property
+    def lock(self) -> str:
+        return f"{self.prefix}:{{{self.resource}}}:lock"
+
+    @property
+    def fence(self) -> str:
+        return f"{self.prefix}:{{{self.resource}}}:fence"
+
+    @property
+    def family(self) -> str:
+        return family(self.resource)
+
+    @property
+    def index(self) -> str:
+        return active_index_key(self.prefix, self.family)
+
+
+def active_index_key(prefix: str, family_name: str) -> str:
+    """The active-lock ZSET of one family."""
+    return f"{prefix}:active:{family_name}"
+
+
+def families_key(prefix: str) -> str:
+    """The SET of families that have held a lock."""
+    return f"{prefix}:families"
+
+
+def index_member(resource: str, owner: str) -> str:
+    """Index member of one holding: per owner, so removing ours never removes another's."""
+    return f"{resource}#{owner}"
+
+
+def parse_index_member(member: str) -> tuple[str, str]:
+    """Split an index member back into ``(resource, owner_hash)``."""
+    resource, _, owner = member.rpartition("#")
+    return resource, owner

@@ -1,0 +1,37 @@
+"""Structured log records on the ``django_joblock`` logger.
+
+Every record carries the same ``extra`` fields so that a log pipeline can follow one lock:
+``job_id``, ``resource``, ``lock_key``, ``lock_owner`` (a short hash of the token, never the token),
+``lock_ttl`` (seconds), ``fence``, ``outcome`` and ``reason``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .locks import Lock
+
+logger = logging.getLogger("django_joblock")
+
+
+def log_lock(level: int, outcome: str, lock: Lock, message: str, reason: str = "") -> None:
+    """Log one lock event with the structured ``extra`` fields."""
+    if not logger.isEnabledFor(level):
+        return
+    logger.log(
+        level,
+        "%s: %s (resource=%s owner=%s fence=%s)",
+        outcome, message, lock.resource, lock.owner, lock.fence,
+        extra={
+            "job_id": lock.job_id or None,
+            "resource": lock.resource,
+            "lock_key": lock.key,
+            "lock_owner": lock.owner,
+            "lock_ttl": lock.ttl,
+            "fence": lock.fence,
+            "outcome": outcome,
+            "reason": reason,
+        },
+    )

@@ -1,0 +1,116 @@
+"""The Lua scripts, and the one place their return codes are given meaning.
+
+Each script is atomic on the Redis server, touches only keys passed in KEYS (all sharing the
+resource's hash tag, so they are Redis-Cluster-safe) and reads the server clock with ``TIME``.
+Redis >= 5 replicates script *effects*, so calling ``TIME`` before a write is allowed.
+
+Scripts are called by SHA (``EVALSHA``); :func:`run` and :func:`load_all` reload them after a
+``NOSCRIPT`` (a Redis restart or ``SCRIPT FLUSH``).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+# Last fence of a resource lives this long after its last acquire. The fence is also floored by
+# the server clock, so a forgotten counter cannot make the next fence go backwards.
+FENCE_COUNTER_TTL_MS = 86_400_000
+
+ACQUIRE = """
+-- Acquire a lock if free.
+-- KEYS[1] lock hash, KEYS[2] fence counter (same hash tag)
+-- ARGV[1] owner token, ARGV[2] ttl in ms, ARGV[3] fence counter ttl in ms,
+-- ARGV[4] host, ARGV[5] pid, ARGV[6] RQ job id, ARGV[7] job function, ARGV[8] worker name
+-- Returns {1, fence, server_ms} when acquired, {0, pttl_of_holder, server_ms} when busy.
+-- fence = max(counter + 1, server time in microseconds): strictly increasing per resource even
+-- after the counter is lost (expiry, eviction, FLUSHDB, restart without persistence), as long
+-- as the Redis server clock does not step backwards.
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, redis.call('PTTL', KEYS[1]), now_ms}
+end
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local fence = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+if fence < now_us then fence = now_us end
+local fence_s = string.format('%d', fence)
+redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence_s, 'ttl_ms', ARGV[2],
+  'host', ARGV[4], 'pid', ARGV[5], 'job_id', ARGV[6], 'job_func', ARGV[7], 'worker', ARGV[8],
+  'acquired_ms', now_ms, 'renewed_ms', now_ms, 'renewals', 0)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, fence, now_ms}
+"""
+
+RENEW = """
+-- Renew a lock we own: *replace* its TTL (never add to it).
+-- KEYS[1] lock hash
+-- ARGV[1] owner token, ARGV[2] ttl in ms
+-- Returns 1 renewed, 0 gone (expired/released), -1 held by another owner.
+local owner = redis.call('HGET', KEYS[1], 'token')
+if owner == ARGV[1] then
+  local t = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'renewed_ms',
+    tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'ttl_ms', ARGV[2])
+  redis.call('HINCRBY', KEYS[1], 'renewals', 1)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if owner then return -1 end
+return 0
+"""
+
+RELEASE = """
+-- Release a lock we own (compare-and-delete; never a blind DEL).
+-- KEYS[1] lock hash
+-- ARGV[1] owner token
+-- Returns 1 released, 0 gone (expired/released), -1 held by another owner.
+local owner = redis.call('HGET', KEYS[1], 'token')
+if owner == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if owner then return -1 end
+return 0
+"""
+
+
+class Outcome(enum.IntEnum):
+    """Return codes of RENEW and RELEASE."""
+
+    OK = 1
+    GONE = 0
+    OTHER_OWNER = -1
+
+    @property
+    def reason(self) -> str:
+        return {1: "ok", 0: "expired", -1: "taken by another owner"}[self.value]
+
+
+def sha(script: str) -> str:
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+ACQUIRE_SHA = sha(ACQUIRE)
+RENEW_SHA = sha(RENEW)
+RELEASE_SHA = sha(RELEASE)
+_SOURCES = {ACQUIRE_SHA: ACQUIRE, RENEW_SHA: RENEW, RELEASE_SHA: RELEASE}
+
+
+def load_all(client: Any) -> None:
+    """Load every script into the server's script cache (after a restart or SCRIPT FLUSH)."""
+    for source in _SOURCES.values():
+        client.script_load(source)
+
+
+def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:
+    """``EVALSHA`` one script, loading it first if the server forgot it."""
+    try:
+        return client.evalsha(script_sha, len(keys), *keys, *args)
+    except NoScriptError:
+        client.script_load(_SOURCES[script_sha])
+        return client.evalsha(script_sha, len(keys), *keys, *args)

@@ -1,0 +1,334 @@
+"""The one-per-process renewal thread: heartbeats, loss detection and the active-lock index.
+
+Every lock a process acquires is registered here. One daemon thread, however many locks:
+
+- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching all renewals that
+  are due within a quarter interval into one pipeline per Redis server (thousands of held locks
+  cost a handful of round trips per TTL, not thousands of threads or calls);
+- writes the family's active-lock index entry for locks held longer than ``INDEX_DELAY``
+  seconds, piggy-backed on the same pipelines (a lock released sooner never touches the index,
+  which keeps the acquire/release hot path to one round trip each);
+- moves a lock HELD -> SUSPECT when a renewal fails (connection dropped, timeout) and retries
+  quickly; SUSPECT -> LOST when the token is gone or owned by someone else, when no renewal can
+  be confirmed before the lock's local validity deadline, or when ``max_hold`` stopped the
+  renewals and the lock ran out. On LOST: ``lock.lost`` is True, the ``lock_lost`` signal is
+  sent, a warning is logged and ``on_lost`` is called.
+
+The thread talks to Redis through its own client with short socket timeouts and no client-side
+retries (see :func:`django_joblock.backend.renewal_client`), so a black-holed server is noticed
+and the lock declared LOST *before* the server-side TTL could let another holder in.
+
+A failure inside the thread never kills it silently: it is logged and the loop goes on; and the
+lock's own deadline (``Lock.remaining()``) keeps running out even if the thread were gone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from . import conf, lua
+from .backend import connection, renewal_client
+from .keys import families_key, index_member
+from .locks import Lock, LockState
+from .logs import log_lock, logger
+from .signals import lock_lost
+
+INDEX_DELAY = 0.5  # seconds a lock is held before it is written to the active-lock index
+COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pipeline
+BATCH = 2000  # renewals per pipeline, so one reply never approaches the socket timeout
+
+
+@dataclass
+class RenewalStats:
+    """Counters of this process's renewal thread (cumulative)."""
+
+    round_trips: int = 0
+    renewed: int = 0
+    renew_failed: int = 0
+    lost: int = 0
+    index_writes: int = 0
+    cpu_seconds: float = 0.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    lock: Lock
+    renew_due: float
+    index_due: float
+    hold_until: float
+    indexed: bool = False
+    failures: int = 0
+
+    def renewing(self, now: float) -> bool:
+        return self.lock.heartbeat and now < self.hold_until
+
+
+class Renewer:
+    """Registry of the locks held by this process, and the thread that keeps them."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._entries: dict[Lock, _Entry] = {}
+        self._thread: threading.Thread | None = None
+        self._clients: dict[str, tuple[Any, float]] = {}
+        self._families: set[tuple[str, str]] = set()
+        self._stats = RenewalStats()
+
+    # -- registry -------------------------------------------------------------------------
+    def add(self, held: Lock) -> None:
+        """Start keeping ``held`` (just acquired)."""
+        now = time.monotonic()
+        entry = _Entry(
+            lock=held,
+            renew_due=now + held.heartbeat_interval,
+            index_due=now + INDEX_DELAY,
+            hold_until=now + held.max_hold if held.max_hold is not None else math.inf,
+        )
+        with self._cond:
+            self._entries[held] = entry
+            self._ensure_client(held)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="joblock-renewer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, held: Lock) -> bool:
+        """Stop keeping ``held``; True if its active-index entry had been written."""
+        with self._cond:
+            entry = self._entries.pop(held, None)
+        return entry is not None and entry.indexed
+
+    def declare_lost(self, held: Lock, reason: str) -> None:
+        """Mark ``held`` LOST (once) and notify: signal, log, metric, ``on_lost``."""
+        with self._cond:
+            self._entries.pop(held, None)
+            if held.state not in (LockState.HELD, LockState.SUSPECT):
+                return
+            self._mark_lost(held, reason)
+        self._notify_lost(held, reason)
+
+    def held_locks(self) -> list[Lock]:
+        """The locks this process holds (acquired, not yet released or lost)."""
+        with self._cond:
+            return list(self._entries)
+
+    def stats(self) -> RenewalStats:
+        with self._cond:
+            return replace(self._stats)
+
+    # -- thread ---------------------------------------------------------------------------
+    def _ensure_client(self, held: Lock) -> None:
+        wanted = max(0.01, min(conf.get().RENEW_TIMEOUT, held.ttl / 5))
+        current = self._clients.get(held.alias)
+        if current is None or current[1] > wanted:
+            self._clients[held.alias] = (renewal_client(connection(held.alias), wanted), wanted)
+
+    def _mark_lost(self, held: Lock, reason: str) -> None:
+        held.state = LockState.LOST
+        held.lost_reason = reason
+        self._stats.lost += 1
+
+    def _notify_lost(self, held: Lock, reason: str) -> None:
+        log_lock(30, "lost", held, "lock lost", reason=reason)
+        try:
+            lock_lost.send(sender=Lock, lock=held, reason=reason)
+        except Exception:  # a receiver's bug must not stop the renewals of other locks
+            logger.exception("lock_lost receiver failed for %s", held.key)
+        if held.on_lost is not None:
+            try:
+                held.on_lost(held, reason)
+            except Exception:
+                logger.exception("on_lost callback failed for %s", held.key)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._step():
+                    return
+            except Exception:  # never die silently: log, back off a little, go on
+                logger.exception("django_joblock renewal thread error; continuing")
+                time.sleep(0.05)
+
+    def _step(self) -> bool:
+        started_cpu = time.thread_time()
+        lost: list[tuple[Lock, str]] = []
+        work: dict[str, list[tuple[_Entry, bool]]] = defaultdict(list)
+        with self._cond:
+            if self.pid != os.getpid():
+                return False
+            now = time.monotonic()
+            wake = math.inf
+            for entry in list(self._entries.values()):
+                reason = self._lost_reason(entry, now)
+                if reason:
+                    del self._entries[entry.lock]
+                    self._mark_lost(entry.lock, reason)
+                    lost.append((entry.lock, reason))
+                    continue
+                renew = entry.renewing(now) and (
+                    entry.renew_due <= now + COALESCE * entry.lock.heartbeat_interval
+                )
+                index = not entry.indexed and entry.index_due <= now
+                if renew or index:
+                    work[entry.lock.alias].append((entry, renew))
+                wake = min(wake, self._next_due(entry))
+            if not lost and not work:
+                self._cond.wait(None if wake == math.inf else max(0.0, wake - now))
+                return True
+        for held, reason in lost:
+            self._notify_lost(held, reason)
+        for alias, items in work.items():
+            for start in range(0, len(items), BATCH):
+                self._send(alias, items[start:start + BATCH])
+        with self._cond:
+            self._stats.cpu_seconds += time.thread_time() - started_cpu
+        return True
+
+    def _lost_reason(self, entry: _Entry, now: float) -> str:
+        held = entry.lock
+        timeout = self._clients[held.alias][1]
+        if now >= held._valid_until:
+            if not held.heartbeat:
+                return "ttl expired (heartbeat off)"
+            if now >= entry.hold_until:
+                return f"max_hold ({held.max_hold:g}s) reached"
+            return "no renewal confirmed before the validity deadline"
+        if held.state is LockState.SUSPECT and now + timeout >= held._valid_until:
+            # One more attempt could not be confirmed in time: give up *before* the deadline.
+            return f"renewals failing ({entry.failures} in a row) up to the validity deadline"
+        return ""
+
+    def _next_due(self, entry: _Entry) -> float:
+        due = entry.lock._valid_until
+        if entry.lock.state is LockState.SUSPECT:
+            due -= self._clients[entry.lock.alias][1]
+        if entry.renewing(entry.renew_due):
+            due = min(due, entry.renew_due)
+        if not entry.indexed:
+            due = min(due, entry.index_due)
+        return due
+
+    def _send(self, alias: str, items: list[tuple[_Entry, bool]]) -> None:
+        client, timeout = self._clients[alias]
+        prefix = conf.get().KEY_PREFIX
+        pipe = client.pipeline(transaction=False)
+        renewing = [entry for entry, renew in items if renew]
+        for entry in renewing:
+            pipe.evalsha(lua.RENEW_SHA, 1, entry.lock.key, entry.lock.token, entry.lock.ttl_ms)
+        scores: dict[str, dict[str, float]] = defaultdict(dict)
+        new_families: set[tuple[str, str]] = set()
+        wall_ms = time.time() * 1000
+        for entry, _renew in items:
+            held = entry.lock
+            scores[held.index_key][index_member(held.resource, held.owner)] = (
+                wall_ms + held.ttl_ms
+            )
+            if (prefix, held.family) not in self._families:
+                new_families.add((prefix, held.family))
+        for index_key, mapping in scores.items():
+            pipe.zadd(index_key, mapping)
+        for fam_prefix, fam in new_families:
+            pipe.sadd(families_key(fam_prefix), fam)
+        sent = time.monotonic()
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            self._failed(renewing, sent, exc, timeout)
+            return
+        with self._cond:
+            self._stats.round_trips += 1
+            self._stats.index_writes += len(items)
+            self._families |= new_families
+            for entry, _renew in items:
+                entry.indexed = True
+        self._renewed(renewing, replies[: len(renewing)], sent, client)
+
+    def _renewed(self, entries: list[_Entry], replies: Iterable[Any], sent: float,
+                 client: Any) -> None:
+        lost: list[tuple[Lock, str]] = []
+        reload = False
+        with self._cond:
+            for entry, reply in zip(entries, replies):
+                held = entry.lock
+                if self._entries.get(held) is not entry:
+                    continue  # released (or lost) while the pipeline was in flight
+                if isinstance(reply, NoScriptError):
+                    reload = True  # Redis restarted; retry at once, not a failure
+                    entry.renew_due = 0.0
+                elif isinstance(reply, Exception):
+                    self._stats.renew_failed += 1
+                    self._suspect(entry, sent, reply)
+                elif reply == lua.Outcome.OK:
+                    held.confirm_renewed(sent)
+                    entry.failures = 0
+                    entry.renew_due = sent + held.heartbeat_interval
+                    self._stats.renewed += 1
+                else:
+                    reason = lua.Outcome(reply).reason
+                    del self._entries[held]
+                    self._mark_lost(held, reason)
+                    lost.append((held, reason))
+        if reload:
+            try:
+                lua.load_all(client)
+            except Exception:
+                logger.warning("could not reload lock scripts", exc_info=True)
+        for held, reason in lost:
+            self._notify_lost(held, reason)
+
+    def _failed(self, entries: list[_Entry], sent: float, exc: Exception, timeout: float) -> None:
+        with self._cond:
+            self._stats.round_trips += 1
+            for entry in entries:
+                if self._entries.get(entry.lock) is entry:
+                    self._stats.renew_failed += 1
+                    self._suspect(entry, sent, exc)
+
+    def _suspect(self, entry: _Entry, sent: float, exc: BaseException) -> None:
+        held = entry.lock
+        entry.failures += 1
+        if held.state is LockState.HELD:
+            held.state = LockState.SUSPECT
+            log_lock(30, "renew_failed", held, "renewal failed; retrying", reason=repr(exc))
+        # Retry soon, but do not hammer a server that just timed out.
+        entry.renew_due = time.monotonic() + min(held.heartbeat_interval / 2,
+                                                 max(0.02, self._clients[held.alias][1] / 2))
+
+
+_renewer: Renewer | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """This process's :class:`Renewer` (a new one after ``fork``)."""
+    global _renewer
+    current = _renewer
+    if current is not None and current.pid == os.getpid():
+        return current
+    with _renewer_lock:
+        if _renewer is None or _renewer.pid != os.getpid():
+            _renewer = Renewer()
+        return _renewer
+
+
+def _after_fork_in_child() -> None:
+    # The parent's registry (and its condition's lock, possibly held at fork time) is not
+    # ours: a forked child starts with an empty registry and its own thread.
+    global _renewer, _renewer_lock
+    _renewer = None
+    _renewer_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

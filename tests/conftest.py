@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests import harness
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[harness.RedisServer | None]:
+    """The throwaway redis-server (None when the suite runs against an external REDIS_URL)."""
+    if harness.managed():
+        server = harness.RedisServer(int(os.environ[harness.PORT_ENV]))
+        server.start()
+        yield server
+        server.stop()
+        return
+    client = redis.Redis.from_url(harness.redis_url())
+    size = client.dbsize()
+    if size:
+        pytest.exit(
+            f"Refusing to run: the Redis database at {harness.redis_url()} holds {size} keys and "
+            "the tests flush it. Point REDIS_URL at an empty database.", returncode=3,
+        )
+    yield None
+
+
+@pytest.fixture
+def server(redis_server: harness.RedisServer | None) -> harness.RedisServer:
+    """The managed server, for tests that kill, restart or reconfigure Redis."""
+    if redis_server is None:
+        raise RuntimeError("This test injects Redis faults and needs redis-server on PATH.")
+    return redis_server
+
+
+@pytest.fixture(scope="session")
+def _proxy(redis_server: harness.RedisServer | None) -> Iterator[harness.Proxy]:
+    upstream = int(harness.redis_url().rsplit(":", 1)[1].split("/")[0])
+    proxy = harness.Proxy(int(os.environ[harness.PROXY_PORT_ENV]), upstream)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def proxy(_proxy: harness.Proxy) -> Iterator[harness.Proxy]:
+    """A TCP proxy in front of the test Redis (cache alias "proxied")."""
+    _proxy.set("forward")
+    yield _proxy
+    _proxy.set("forward")
+
+
+def _reset_connections() -> None:
+    from django_redis import get_redis_connection
+
+    for alias in ("default", "proxied"):
+        get_redis_connection(alias).connection_pool.disconnect()
+
+
+@pytest.fixture(autouse=True)
+def clean_redis(redis_server: harness.RedisServer | None) -> Iterator[None]:
+    """Each test starts on an empty Redis, with no lock left over from the previous one."""
+    from django_joblock.renewal import renewer
+
+    client = redis.Redis.from_url(harness.redis_url())
+    client.flushdb()
+    yield
+    for held in renewer().held_locks():
+        renewer().remove(held)
+    if redis_server is not None and redis_server.proc is None:
+        redis_server.start()  # a test that killed Redis must not break the next one
+    client = redis.Redis.from_url(harness.redis_url())
+    client.config_set("maxmemory", 0)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.flushdb()
+    _reset_connections()
+
+
+@pytest.fixture
+def rconn() -> Any:
+    """The django-redis connection the locks use."""
+    from django_redis import get_redis_connection
+
+    return get_redis_connection("default")
+
+
+def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:
+    """Start ``python -c code args...`` with Django set up on the test settings."""
+    env = dict(os.environ)
+    env.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    prelude = "import django; django.setup()\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code, *args], env=env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )

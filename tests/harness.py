@@ -1,0 +1,186 @@
+"""Real services for the tests: a throwaway redis-server the tests may kill, restart and
+reconfigure, and a TCP proxy that can delay or black-hole traffic to it.
+
+Ports are chosen once by the pytest process and handed to every child process through the
+environment, so subprocesses started by a test talk to the same server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Any
+
+import redis
+
+PORT_ENV = "JOBLOCK_TEST_REDIS_PORT"
+PROXY_PORT_ENV = "JOBLOCK_TEST_PROXY_PORT"
+DEAD_PORT_ENV = "JOBLOCK_TEST_DEAD_PORT"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_from_env(name: str) -> int:
+    if name not in os.environ:
+        os.environ[name] = str(free_port())
+    return int(os.environ[name])
+
+
+def managed() -> bool:
+    """True when the tests run their own redis-server (the binary is on PATH)."""
+    return shutil.which("redis-server") is not None and not os.environ.get("JOBLOCK_TEST_EXTERNAL")
+
+
+def redis_url() -> str:
+    """The Redis URL the test settings use."""
+    if managed():
+        return f"redis://127.0.0.1:{_port_from_env(PORT_ENV)}/0"
+    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def proxy_url() -> str:
+    return f"redis://127.0.0.1:{_port_from_env(PROXY_PORT_ENV)}/0"
+
+
+def dead_url() -> str:
+    """A URL where nothing listens (a Redis that is down)."""
+    return f"redis://127.0.0.1:{_port_from_env(DEAD_PORT_ENV)}/0"
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGTERM the server if the test process dies, so no orphan keeps the port.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class RedisServer:
+    """A redis-server without persistence on a fixed port, owned by the test process."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.dir = tempfile.mkdtemp(prefix="joblock-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
+             "--logfile", os.path.join(self.dir, "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        client = self.client()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}")
+                time.sleep(0.02)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL the server: everything in memory is gone (no persistence)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Proxy:
+    """A TCP proxy in front of Redis: ``forward``, ``delay`` (seconds per chunk) or ``blackhole``.
+
+    In ``blackhole`` mode bytes are read and dropped in both directions and no connection is
+    closed: to the client it looks like a server that stopped answering.
+    """
+
+    def __init__(self, listen_port: int, upstream_port: int) -> None:
+        self.listen_port = listen_port
+        self.upstream_port = upstream_port
+        self.mode = "forward"
+        self.delay = 0.0
+        self._sock = socket.create_server(("127.0.0.1", listen_port), reuse_port=False)
+        self._closed = False
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            self._conns += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            if self.mode == "blackhole":
+                continue
+            if self.mode == "delay" and self.delay:
+                time.sleep(self.delay)
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for sock in (src, dst):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def set(self, mode: str, delay: float = 0.0) -> None:
+        self.mode, self.delay = mode, delay
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        for conn in self._conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.01) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return bool(value)
+        time.sleep(interval)

@@ -1,0 +1,83 @@
+"""Settings for the test suite: PostgreSQL from DATABASE_URL, else SQLite; a throwaway Redis."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+from tests import harness
+
+BASE_DIR = Path(__file__).resolve().parent
+SECRET_KEY = "tests-only-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django_joblock",
+    "tests.testapp",
+]
+
+_sqlite = f"sqlite:///{BASE_DIR.parent / '.test-db.sqlite3'}"
+DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _sqlite)}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file (not :memory:) so that subprocesses started by a test see the same test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR.parent / ".test-db-test.sqlite3")}
+
+REDIS_URL = harness.redis_url()
+
+
+def _cache(location: str) -> dict[str, object]:
+    return {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": location,
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
+    }
+
+
+CACHES = {
+    "default": _cache(REDIS_URL),
+    # Same server behind the test TCP proxy (delay / black-hole faults).
+    "proxied": _cache(harness.proxy_url()),
+    # Nothing listens here: a Redis that is down.
+    "down": _cache(harness.dead_url()),
+    "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+}
+
+JOBLOCK: dict[str, object] = {}
+
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "loggers": {"django_joblock": {"level": "DEBUG"}},
+}
