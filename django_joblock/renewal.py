@@ -24,6 +24,8 @@ lock's own deadline (``Lock.remaining()``) keeps running out even if the thread 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import os
 import threading
@@ -67,18 +69,30 @@ class _Entry:
     hold_until: float
     indexed: bool = False
     failures: int = 0
+    in_flight: bool = False
 
     def renewing(self, now: float) -> bool:
         return self.lock.heartbeat and now < self.hold_until
 
+    def renew_at(self) -> float:
+        return self.renew_due
+
 
 class Renewer:
-    """Registry of the locks held by this process, and the thread that keeps them."""
+    """Registry of the locks held by this process, and the thread that keeps them.
+
+    Scheduling is a heap of ``(when, seq, entry)``; an entry is pushed again whenever its next
+    moment changes and stale heap items are skipped, so a wake-up costs O(k log n) for the k
+    locks due, not O(n), and registering a lock wakes the thread only if it is due first.
+    """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._cond = threading.Condition()
         self._entries: dict[Lock, _Entry] = {}
+        self._heap: list[tuple[float, int, _Entry]] = []
+        self._seq = itertools.count()
+        self._wake_at = math.inf
         self._thread: threading.Thread | None = None
         self._clients: dict[str, tuple[Any, float]] = {}
         self._families: set[tuple[str, str]] = set()
@@ -90,19 +104,21 @@ class Renewer:
         now = time.monotonic()
         entry = _Entry(
             lock=held,
-            renew_due=now + held.heartbeat_interval,
+            renew_due=now + held.heartbeat_interval if held.heartbeat else math.inf,
             index_due=now + INDEX_DELAY,
             hold_until=now + held.max_hold if held.max_hold is not None else math.inf,
         )
         with self._cond:
             self._entries[held] = entry
             self._ensure_client(held)
+            when = self._schedule(entry)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="joblock-renewer", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if when < self._wake_at:
+                self._cond.notify()
 
     def remove(self, held: Lock) -> bool:
         """Stop keeping ``held``; True if its active-index entry had been written."""
@@ -134,6 +150,21 @@ class Renewer:
         current = self._clients.get(held.alias)
         if current is None or current[1] > wanted:
             self._clients[held.alias] = (renewal_client(connection(held.alias), wanted), wanted)
+
+    def _timeout(self, held: Lock) -> float:
+        return float(self._clients[held.alias][1])
+
+    def _schedule(self, entry: _Entry) -> float:
+        """Push ``entry`` at its next moment (caller holds the condition)."""
+        held = entry.lock
+        when = held._valid_until
+        if held.state is LockState.SUSPECT:
+            when -= self._timeout(held)
+        when = min(when, entry.renew_at())
+        if not entry.indexed:
+            when = min(when, entry.index_due)
+        heapq.heappush(self._heap, (when, next(self._seq), entry))
+        return when
 
     def _mark_lost(self, held: Lock, reason: str) -> None:
         held.state = LockState.LOST
@@ -169,56 +200,74 @@ class Renewer:
             if self.pid != os.getpid():
                 return False
             now = time.monotonic()
-            wake = math.inf
-            for entry in list(self._entries.values()):
+            seen: set[int] = set()
+            later: list[_Entry] = []
+            # Gather everything due within a quarter interval of the first due lock into one
+            # batch: renewing a little early is harmless (renew replaces the TTL) and turns a
+            # stream of individual deadlines into a few pipelines per interval.
+            horizon = now
+            if self._heap and self._heap[0][0] <= now:
+                horizon = now + COALESCE * self._heap[0][2].lock.heartbeat_interval
+            while self._heap and self._heap[0][0] <= horizon:
+                _when, _seq, entry = heapq.heappop(self._heap)
+                if self._entries.get(entry.lock) is not entry or entry.in_flight:
+                    continue  # released, lost, or already in this batch
+                if id(entry) in seen:
+                    continue
+                seen.add(id(entry))
                 reason = self._lost_reason(entry, now)
                 if reason:
                     del self._entries[entry.lock]
                     self._mark_lost(entry.lock, reason)
                     lost.append((entry.lock, reason))
                     continue
-                renew = entry.renewing(now) and (
-                    entry.renew_due <= now + COALESCE * entry.lock.heartbeat_interval
-                )
-                index = not entry.indexed and entry.index_due <= now
+                if not entry.renewing(now):
+                    entry.renew_due = math.inf  # heartbeat off or max_hold reached
+                renew = entry.renew_at() <= horizon
+                index = not entry.indexed and entry.index_due <= horizon
                 if renew or index:
+                    entry.in_flight = True
                     work[entry.lock.alias].append((entry, renew))
-                wake = min(wake, self._next_due(entry))
+                else:
+                    later.append(entry)
+            for entry in later:
+                self._schedule(entry)
             if not lost and not work:
-                self._cond.wait(None if wake == math.inf else max(0.0, wake - now))
+                self._wake_at = self._heap[0][0] if self._heap else math.inf
+                self._cond.wait(None if self._wake_at == math.inf
+                                else max(0.0, self._wake_at - now))
+                self._wake_at = -math.inf  # awake: add() need not notify
                 return True
+            self._wake_at = -math.inf
         for held, reason in lost:
             self._notify_lost(held, reason)
         for alias, items in work.items():
             for start in range(0, len(items), BATCH):
-                self._send(alias, items[start:start + BATCH])
+                chunk = items[start:start + BATCH]
+                try:
+                    self._send(alias, chunk)
+                finally:
+                    with self._cond:
+                        for entry, _renew in chunk:
+                            entry.in_flight = False
+                            if self._entries.get(entry.lock) is entry:
+                                self._schedule(entry)
         with self._cond:
             self._stats.cpu_seconds += time.thread_time() - started_cpu
         return True
 
     def _lost_reason(self, entry: _Entry, now: float) -> str:
         held = entry.lock
-        timeout = self._clients[held.alias][1]
         if now >= held._valid_until:
             if not held.heartbeat:
                 return "ttl expired (heartbeat off)"
             if now >= entry.hold_until:
                 return f"max_hold ({held.max_hold:g}s) reached"
             return "no renewal confirmed before the validity deadline"
-        if held.state is LockState.SUSPECT and now + timeout >= held._valid_until:
+        if held.state is LockState.SUSPECT and now + self._timeout(held) >= held._valid_until:
             # One more attempt could not be confirmed in time: give up *before* the deadline.
             return f"renewals failing ({entry.failures} in a row) up to the validity deadline"
         return ""
-
-    def _next_due(self, entry: _Entry) -> float:
-        due = entry.lock._valid_until
-        if entry.lock.state is LockState.SUSPECT:
-            due -= self._clients[entry.lock.alias][1]
-        if entry.renewing(entry.renew_due):
-            due = min(due, entry.renew_due)
-        if not entry.indexed:
-            due = min(due, entry.index_due)
-        return due
 
     def _send(self, alias: str, items: list[tuple[_Entry, bool]]) -> None:
         client, timeout = self._clients[alias]
@@ -304,7 +353,7 @@ class Renewer:
             log_lock(30, "renew_failed", held, "renewal failed; retrying", reason=repr(exc))
         # Retry soon, but do not hammer a server that just timed out.
         entry.renew_due = time.monotonic() + min(held.heartbeat_interval / 2,
-                                                 max(0.02, self._clients[held.alias][1] / 2))
+                                                 max(0.02, self._timeout(held) / 2))
 
 
 _renewer: Renewer | None = None

@@ -1,19 +1,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
 from tests import harness
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[harness.RedisServer | None]:
@@ -90,15 +84,3 @@ def rconn() -> Any:
     from django_redis import get_redis_connection
 
     return get_redis_connection("default")
-
-
-def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Popen[str]:
-    """Start ``python -c code args...`` with Django set up on the test settings."""
-    env = dict(os.environ)
-    env.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    prelude = "import django; django.setup()\n"
-    return subprocess.Popen(
-        [sys.executable, "-c", prelude + code, *args], env=env, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )

@@ -1,0 +1,171 @@
+"""The renewal thread keeps long holds alive and notices loss (real Redis, real faults)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from django_joblock import LockState, lock
+from django_joblock.renewal import renewer
+from django_joblock.signals import lock_lost
+from tests.harness import wait_for
+
+
+class LostRecorder:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+        self.at = 0.0
+
+    def __call__(self, held, reason):  # type: ignore[no-untyped-def]
+        self.reason, self.at = reason, time.monotonic()
+        self.event.set()
+
+
+def test_heartbeat_keeps_the_lock_through_5x_its_ttl(rconn):
+    held = lock("report:1", ttl=0.6)
+    assert held.acquire()
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        assert rconn.hget(held.key, "token").decode() == held.token
+        assert held.held
+        assert not lock("report:1", ttl=1).acquire(), "nobody else may get it meanwhile"
+        time.sleep(0.1)
+    assert int(rconn.hget(held.key, "renewals")) >= 5
+    assert held.release()
+
+
+def test_without_heartbeat_the_same_hold_loses_the_lock(rconn):
+    """Negative control for the test above."""
+    held = lock("report:1", ttl=0.6, heartbeat=False)
+    assert held.acquire()
+    time.sleep(1.0)
+    assert rconn.exists(held.key) == 0
+    assert held.lost
+
+
+def test_server_side_expiry_is_detected_within_one_interval(rconn):
+    recorder = LostRecorder()
+    held = lock("report:2", ttl=1.5, on_lost=recorder)
+    assert held.acquire()
+    rconn.pexpire(held.key, 1)
+    fault_at = time.monotonic()
+    assert recorder.event.wait(held.heartbeat_interval + 0.5), "loss not noticed"
+    assert recorder.at - fault_at <= held.heartbeat_interval + 0.5
+    assert recorder.reason == "expired"
+    assert held.lost and held.state is LockState.LOST and not held.held
+
+
+def test_replaced_token_is_detected_and_signalled(rconn):
+    recorder = LostRecorder()
+    signalled = []
+
+    def receiver(sender, lock, reason, **kwargs):  # type: ignore[no-untyped-def]
+        signalled.append((lock, reason))
+
+    lock_lost.connect(receiver)
+    try:
+        held = lock("report:3", ttl=1.5, on_lost=recorder)
+        assert held.acquire()
+        rconn.hset(held.key, "token", "someone-else")
+        assert recorder.event.wait(held.heartbeat_interval + 0.5)
+    finally:
+        lock_lost.disconnect(receiver)
+    assert recorder.reason == "taken by another owner"
+    assert signalled == [(held, "taken by another owner")]
+    assert held.release() is False
+    assert rconn.hget(held.key, "token") == b"someone-else", "release must not delete theirs"
+
+
+def test_black_holed_redis_is_declared_lost_before_another_holder_can_enter(proxy, rconn):
+    recorder = LostRecorder()
+    held = lock("report:4", ttl=2.0, using="proxied", on_lost=recorder)
+    assert held.acquire()
+    time.sleep(0.8)  # one renewal through the proxy
+    assert int(rconn.hget(held.key, "renewals")) >= 1
+    proxy.set("blackhole")
+    other_at = None
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        contender = lock("report:4", ttl=5)
+        if contender.acquire():
+            other_at = time.monotonic()
+            contender.release()
+            break
+        time.sleep(0.005)
+    # Negative control: the black hole really stopped the renewals, so the server let
+    # another holder in once the TTL ran out.
+    assert other_at is not None, "renewals were not actually blocked"
+    assert recorder.event.is_set(), "the holder never noticed it had lost the lock"
+    assert recorder.at < other_at, (
+        f"declared LOST {recorder.at - other_at:+.3f}s after another holder got in"
+    )
+    assert "renewals failing" in recorder.reason or "deadline" in recorder.reason
+
+
+def test_dropped_connection_is_retried_and_the_lock_survives(rconn):
+    recorder = LostRecorder()
+    held = lock("report:5", ttl=1.2, on_lost=recorder)
+    assert held.acquire()
+
+    def renewer_ids() -> set[int]:
+        return {c["id"] for c in rconn.client_list() if c.get("name") == "joblock-renewer"}
+
+    assert wait_for(renewer_ids, 2.0), "the renewal thread should have connected"
+    before = renewer_ids()
+    for client_id in before:
+        rconn.client_kill_filter(_id=client_id)
+    time.sleep(held.ttl * 2.5)
+    after = renewer_ids()
+    assert after and not (after & before), "negative control: the connection was really dropped"
+    assert held.held and not recorder.event.is_set()
+    assert rconn.hget(held.key, "token").decode() == held.token
+    assert held.release()
+
+
+def test_max_hold_stops_renewing(rconn):
+    recorder = LostRecorder()
+    held = lock("report:6", ttl=0.5, max_hold=0.8, on_lost=recorder)
+    assert held.acquire()
+    assert recorder.event.wait(3.0)
+    assert recorder.reason.startswith("max_hold")
+    # Declared lost locally a little *before* the server expires it (drift margin).
+    assert wait_for(lambda: rconn.exists(held.key) == 0, 1.0)
+    assert int(renewer().stats().renewed) >= 1, "it was renewed until max_hold"
+
+
+def test_ten_thousand_locks_are_renewed_by_one_thread(rconn):
+    threads_before = threading.active_count()
+    stats_before = renewer().stats()
+    locks = [lock(f"bulk:{i}", ttl=3.0) for i in range(10_000)]
+    for held in locks:
+        assert held.acquire()
+    time.sleep(4.0)  # longer than the TTL: every lock needed at least one renewal
+    pipe = rconn.pipeline(transaction=False)
+    for held in locks:
+        pipe.hget(held.key, "token")
+        pipe.hget(held.key, "renewals")
+    replies = pipe.execute()
+    tokens, renewals = replies[0::2], replies[1::2]
+    assert all(t is not None and t.decode() == h.token for t, h in zip(tokens, locks))
+    assert all(int(r) >= 1 for r in renewals)
+    assert all(held.held for held in locks)
+    assert threading.active_count() <= threads_before + 1, "one renewal thread, not one per lock"
+    stats = renewer().stats()
+    round_trips = stats.round_trips - stats_before.round_trips
+    assert stats.renewed - stats_before.renewed >= 10_000
+    assert round_trips < 200, f"renewals must be batched ({round_trips} round trips)"
+    for held in locks:
+        held.release()
+    assert renewer().held_locks() == []
+
+
+def test_active_index_lists_long_held_locks(rconn):
+    held = lock("order:77", ttl=5)
+    assert held.acquire()
+    assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3.0)
+    members = rconn.zrange("joblock:active:order", 0, -1)
+    assert members == [f"order:77#{held.owner}".encode()]
+    assert rconn.sismember("joblock:families", "order")
+    held.release()
+    assert rconn.zcard("joblock:active:order") == 0
