@@ -23,12 +23,24 @@ from .fencing import fenced_update
 from .locks import Lock, LockState, current_lock, lock
 
 __all__ = [
-    "lock", "Lock", "LockState", "current_lock",
-    "fenced_update", "FencedModel",
-    "JoblockError", "JoblockConfigError", "InvalidResource",
-    "LockError", "LockNotAcquired", "LockLost", "LockBackendUnavailable",
-    "StaleFence", "LockContentionTimeout",
-    "IdempotencyError", "IdempotencyKeyMismatch", "IdempotencyInProgress",
+    "FencedModel",
+    "IdempotencyError",
+    "IdempotencyInProgress",
+    "IdempotencyKeyMismatch",
+    "InvalidResource",
+    "JoblockConfigError",
+    "JoblockError",
+    "Lock",
+    "LockBackendUnavailable",
+    "LockContentionTimeout",
+    "LockError",
+    "LockLost",
+    "LockNotAcquired",
+    "LockState",
+    "StaleFence",
+    "current_lock",
+    "fenced_update",
+    "lock",
 ]
 
 

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis import exceptions as redis_exceptions
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -36,7 +36,7 @@ _UNAVAILABLE_CLASSES = tuple(
 
 
 def connection(alias: str) -> Any:
-    """The django-redis client of cache ``alias`` (write side). Raises on a non-django-redis alias."""
+    """The django-redis client of cache ``alias`` (write side); raises on a bad alias."""
     from django.conf import settings
 
     caches = getattr(settings, "CACHES", {})

@@ -71,7 +71,7 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     try:
         client = renewal_client(connection(alias), timeout=2.0)
         memory = client.info("memory")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
         return [_message("W010", f"Redis of cache {alias!r} does not answer: {exc}",
                          hint="Locks cannot be taken; every acquire raises "
                               "LockBackendUnavailable.")]

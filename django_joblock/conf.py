@@ -202,7 +202,7 @@ def _merge(raw: dict[str, Any]) -> dict[str, Any]:
     merged = {**DEFAULTS, **raw}
     merged["REQUEUE_BACKOFF"] = {**DEFAULT_BACKOFF, **raw.get("REQUEUE_BACKOFF", {})}
     merged["ALERTS"] = {**DEFAULT_ALERTS, **raw.get("ALERTS", {})}
-    for key, kind in _NUMBERS.items():
+    for key in _NUMBERS:
         if merged[key] is not None:
             merged[key] = float(merged[key])
     return merged

@@ -175,12 +175,12 @@ class Renewer:
         log_lock(30, "lost", held, "lock lost", reason=reason)
         try:
             lock_lost.send(sender=Lock, lock=held, reason=reason)
-        except Exception:  # a receiver's bug must not stop the renewals of other locks
+        except Exception:  # noqa: BLE001 - a receiver's bug must not stop other renewals
             logger.exception("lock_lost receiver failed for %s", held.key)
         if held.on_lost is not None:
             try:
                 held.on_lost(held, reason)
-            except Exception:
+            except Exception:  # noqa: BLE001 - same: logged, never fatal to the thread
                 logger.exception("on_lost callback failed for %s", held.key)
 
     def _run(self) -> None:
@@ -188,7 +188,7 @@ class Renewer:
             try:
                 if not self._step():
                     return
-            except Exception:  # never die silently: log, back off a little, go on
+            except Exception:  # noqa: BLE001 - never die silently: log, back off, go on
                 logger.exception("django_joblock renewal thread error; continuing")
                 time.sleep(0.05)
 
@@ -293,7 +293,7 @@ class Renewer:
         sent = time.monotonic()
         try:
             replies = pipe.execute(raise_on_error=False)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             self._failed(renewing, sent, exc, timeout)
             return
         with self._cond:
@@ -309,7 +309,7 @@ class Renewer:
         lost: list[tuple[Lock, str]] = []
         reload = False
         with self._cond:
-            for entry, reply in zip(entries, replies):
+            for entry, reply in zip(entries, replies, strict=True):
                 held = entry.lock
                 if self._entries.get(held) is not entry:
                     continue  # released (or lost) while the pipeline was in flight
@@ -332,7 +332,7 @@ class Renewer:
         if reload:
             try:
                 lua.load_all(client)
-            except Exception:
+            except Exception:  # noqa: BLE001 - the next renewal retries and reports
                 logger.warning("could not reload lock scripts", exc_info=True)
         for held, reason in lost:
             self._notify_lost(held, reason)

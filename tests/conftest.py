@@ -9,6 +9,7 @@ import redis
 
 from tests import harness
 
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[harness.RedisServer | None]:
     """The throwaway redis-server (None when the suite runs against an external REDIS_URL)."""

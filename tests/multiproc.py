@@ -29,7 +29,7 @@ def run_all(client, commands: list[tuple[str, ...]], timeout: float = 120) -> No
     client.set("test:go", 1)
     failures = []
     for proc in procs:
-        out, err = proc.communicate(timeout=timeout)
+        _out, err = proc.communicate(timeout=timeout)
         if proc.returncode != 0:
             failures.append(f"exit {proc.returncode}: {err[-2000:]}")
     assert not failures, "\n".join(failures)

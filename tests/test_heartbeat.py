@@ -147,7 +147,7 @@ def test_ten_thousand_locks_are_renewed_by_one_thread(rconn):
         pipe.hget(held.key, "renewals")
     replies = pipe.execute()
     tokens, renewals = replies[0::2], replies[1::2]
-    assert all(t is not None and t.decode() == h.token for t, h in zip(tokens, locks))
+    assert all(t is not None and t.decode() == h.token for t, h in zip(tokens, locks, strict=True))
     assert all(int(r) >= 1 for r in renewals)
     assert all(held.held for held in locks)
     assert threading.active_count() <= threads_before + 1, "one renewal thread, not one per lock"

@@ -12,8 +12,8 @@ from django_joblock import (
     LockState,
     current_lock,
     lock,
+    lua,
 )
-from django_joblock import lua
 
 
 def test_acquire_contend_release(rconn):

@@ -1,0 +1,74 @@
+"""fenced_update: the database rejects a superseded holder's write (PostgreSQL and SQLite)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from django_joblock import StaleFence, fenced_update, lock
+from tests.testapp.models import Account
+
+pytestmark = pytest.mark.django_db
+
+
+def test_first_write_sets_the_fence():
+    Account.objects.create(name="a")
+    assert fenced_update(Account.objects.filter(name="a"), 10, balance=5) == 1
+    row = Account.objects.get(name="a")
+    assert (row.balance, row.lock_fence) == (5, 10)
+
+
+def test_higher_fence_wins_lower_and_equal_are_rejected():
+    Account.objects.create(name="a")
+    qs = Account.objects.filter(name="a")
+    fenced_update(qs, 20, balance=1)
+    for stale in (19, 20):
+        with pytest.raises(StaleFence) as info:
+            fenced_update(qs, stale, balance=99)
+        assert (info.value.fence, info.value.current) == (stale, 20)
+    assert Account.objects.get(name="a").balance == 1
+    assert fenced_update(qs, 21, balance=2) == 1
+    assert Account.objects.get(name="a").balance == 2
+
+
+def test_empty_queryset_is_reported():
+    with pytest.raises(StaleFence, match="no row matched"):
+        fenced_update(Account.objects.filter(name="missing"), 5, balance=1)
+
+
+@pytest.mark.parametrize("fence", [None, 0, -1, "5", True])
+def test_bad_fence(fence):
+    with pytest.raises(ValueError, match="fence"):
+        fenced_update(Account.objects.all(), fence, balance=1)
+
+
+def test_lock_fence_cannot_be_passed_as_a_value():
+    with pytest.raises(ValueError, match="lock_fence"):
+        fenced_update(Account.objects.all(), 5, lock_fence=1)
+
+
+def test_expired_holder_write_is_rejected_after_new_holder_wrote(rconn):
+    Account.objects.create(name="acct")
+    qs = Account.objects.filter(name="acct")
+    old = lock("account:acct", ttl=0.2, heartbeat=False)
+    assert old.acquire()
+    time.sleep(0.3)  # the old holder "pauses" past its TTL
+    with lock("account:acct", ttl=5) as new:
+        fenced_update(qs, new.fence, balance=100)
+    with pytest.raises(StaleFence):
+        fenced_update(qs, old.fence, balance=-1)
+    assert Account.objects.get(name="acct").balance == 100
+
+
+def test_without_fencing_the_stale_write_lands(rconn):
+    """Negative control: a plain update from the expired holder overwrites the new holder's."""
+    Account.objects.create(name="acct")
+    qs = Account.objects.filter(name="acct")
+    old = lock("account:acct", ttl=0.2, heartbeat=False)
+    assert old.acquire()
+    time.sleep(0.3)
+    with lock("account:acct", ttl=5):
+        qs.update(balance=100)
+    qs.update(balance=-1)
+    assert Account.objects.get(name="acct").balance == -1
