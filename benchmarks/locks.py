@@ -1,0 +1,249 @@
+"""Acquire + release throughput and latency of django-joblock against its peers, in one run.
+
+    python benchmarks/locks.py [--cycles N] [--rounds R] [--hold-locks N] [--hold-ttl S]
+
+Every contender does the same thing: build a lock object for one resource, acquire it without
+waiting, release it. Contenders run in interleaved rounds (A B C ... A B C ...) so that machine
+noise hits them alike; cycles/s is the median over rounds, latency percentiles are over every
+cycle. Ratios are against the raw floor (``SET NX PX`` + ``EVALSHA`` compare-and-delete) and
+against python-redis-lock with ``auto_renewal``, measured in this same run.
+
+The second part holds many locks in one process for a few TTL periods and reports the renewal
+thread's round trips and CPU per TTL period.
+
+Redis: ``REDIS_URL`` (default redis://127.0.0.1:6379/0); a private redis-server on a free port is
+started instead when the binary is on PATH and ``REDIS_URL`` is not set. Keys are namespaced
+under ``bench`` and removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def private_redis() -> tuple[str, subprocess.Popen[bytes] | None]:
+    if os.environ.get("REDIS_URL") or not shutil.which("redis-server"):
+        return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="joblock-bench-")
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    return f"redis://127.0.0.1:{port}/0", proc
+
+
+def setup_django(url: str, metrics: bool | None = None) -> None:
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        settings.configure(
+            INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth",
+                            "django_joblock"],
+            DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+            CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}},
+            JOBLOCK={"KEY_PREFIX": "bench"},
+            USE_TZ=True,
+        )
+        django.setup()
+
+
+def contenders(url: str) -> dict[str, Callable[[str], Any]]:
+    """name -> one acquire+release cycle on a resource."""
+    import redis
+    from django_redis import get_redis_connection
+
+    from django_joblock import Lock
+
+    client = get_redis_connection("default")
+    release_sha = client.script_load(RELEASE)
+
+    def raw_floor(resource: str) -> None:
+        key = f"bench:raw:{resource}"
+        token = secrets.token_hex(16)
+        if client.set(key, token, nx=True, px=30_000):
+            client.evalsha(release_sha, 1, key, token)
+
+    def redis_py(resource: str) -> None:
+        held = client.lock(f"bench:redispy:{resource}", timeout=30)
+        if held.acquire(blocking=False):
+            held.release()
+
+    found: dict[str, Callable[[str], Any]] = {
+        "raw SET NX PX + Lua release (floor)": raw_floor,
+        "redis-py Lock": redis_py,
+    }
+    try:
+        import redis_lock
+
+        # python-redis-lock wants decoded responses off; django-redis' client fits.
+        def prl(auto: bool) -> Callable[[str], None]:
+            def cycle(resource: str) -> None:
+                held = redis_lock.Lock(client, f"prl:{resource}", expire=30, auto_renewal=auto)
+                if held.acquire(blocking=False):
+                    held.release()
+            return cycle
+
+        found["python-redis-lock"] = prl(False)
+        found["python-redis-lock auto_renewal"] = prl(True)
+    except ImportError:
+        print("(python-redis-lock not installed: pip install --group bench)")
+    try:
+        from pottery import Redlock
+
+        pottery_client = redis.Redis.from_url(url)
+
+        def pottery_cycle(resource: str) -> None:
+            held = Redlock(key=f"bench:pottery:{resource}", masters={pottery_client},
+                           auto_release_time=30)
+            if held.acquire(blocking=False):
+                held.release()
+
+        found["pottery Redlock (1 master)"] = pottery_cycle
+    except ImportError:
+        print("(pottery not installed: pip install --group bench)")
+
+    def ours(heartbeat: bool) -> Callable[[str], None]:
+        def cycle(resource: str) -> None:
+            held = Lock(resource, ttl=30, heartbeat=heartbeat)
+            if held.acquire():
+                held.release()
+        return cycle
+
+    found["django-joblock, heartbeat off"] = ours(False)
+    found["django-joblock, heartbeat on"] = ours(True)
+    return found
+
+
+def measure(cycle: Callable[[str], Any], n: int, tag: str) -> tuple[float, list[float]]:
+    latencies = []
+    started = time.perf_counter()
+    for i in range(n):
+        t0 = time.perf_counter()
+        cycle(f"bench:{tag}:{i % 64}")
+        latencies.append(time.perf_counter() - t0)
+    return n / (time.perf_counter() - started), latencies
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+def throughput_table(url: str, cycles: int, rounds: int) -> dict[str, float]:
+    runs = contenders(url)
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    lats: dict[str, list[float]] = {name: [] for name in runs}
+    for name, cycle in runs.items():  # warm-up: scripts loaded, connections open
+        measure(cycle, 200, "warm")
+    for _ in range(rounds):
+        for name, cycle in runs.items():
+            rate, latency = measure(cycle, cycles, "run")
+            rates[name].append(rate)
+            lats[name].extend(latency)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    floor = medians["raw SET NX PX + Lua release (floor)"]
+    prl_auto = medians.get("python-redis-lock auto_renewal")
+    print(f"\nacquire + release, {rounds} interleaved rounds x {cycles} cycles, one process\n")
+    header = f"{'contender':38} {'cycles/s':>10} {'p50 µs':>8} {'p99 µs':>8} {'vs floor':>9}"
+    header += f" {'vs prl+auto':>11}" if prl_auto else ""
+    print(header)
+    print("-" * len(header))
+    for name in runs:
+        line = (f"{name:38} {medians[name]:10.0f} {pct(lats[name], 50) * 1e6:8.0f} "
+                f"{pct(lats[name], 99) * 1e6:8.0f} {medians[name] / floor:8.2f}x")
+        if prl_auto:
+            line += f" {medians[name] / prl_auto:10.2f}x"
+        print(line)
+    return medians
+
+
+def hold_many(count: int, ttl: float) -> None:
+    from django_joblock import Lock
+    from django_joblock.renewal import renewer
+
+    held = [Lock(f"hold:{i}", ttl=ttl) for i in range(count)]
+    started = time.perf_counter()
+    for one in held:
+        if not one.acquire():
+            raise SystemExit(f"could not take {one.resource}")
+    acquired_in = time.perf_counter() - started
+    time.sleep(ttl)  # settle: every lock has been renewed at least once
+    before, t0 = renewer().stats(), time.perf_counter()
+    periods = 3
+    time.sleep(ttl * periods)
+    after, elapsed = renewer().stats(), time.perf_counter() - t0
+    lost = sum(1 for one in held if not one.held)
+    trips = (after.round_trips - before.round_trips) / periods
+    renewed = (after.renewed - before.renewed) / periods
+    cpu = (after.cpu_seconds - before.cpu_seconds) / periods
+    print(f"\n{count} locks held by one process, TTL {ttl:g}s (heartbeat every {ttl / 3:.2f}s); "
+          f"acquired in {acquired_in:.1f}s; measured over {periods} TTL periods ({elapsed:.1f}s)\n")
+    print(f"  renewal threads            : 1 (threads alive in process: "
+          f"{__import__('threading').active_count()})")
+    print(f"  round trips per TTL period : {trips:.1f}")
+    print(f"  renewals per TTL period    : {renewed:.0f} ({renewed / count:.2f} per lock)")
+    print(f"  renewals per round trip    : {renewed / max(trips, 1):.0f}")
+    print(f"  renewal-thread CPU per TTL : {cpu * 1000:.0f} ms = {cpu / ttl * 100:.1f}% of one core")
+    print(f"  locks lost                 : {lost}")
+    for one in held:
+        one.release()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cycles", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hold-locks", type=int, default=10_000)
+    parser.add_argument("--hold-ttl", type=float, default=10.0)
+    args = parser.parse_args()
+    url, proc = private_redis()
+    try:
+        setup_django(url)
+        import redis
+
+        print(f"Redis {redis.Redis.from_url(url).info('server')['redis_version']} at {url}; "
+              f"Python {sys.version.split()[0]}; redis-py {redis.__version__}")
+        throughput_table(url, args.cycles, args.rounds)
+        if args.hold_locks:
+            hold_many(args.hold_locks, args.hold_ttl)
+    finally:
+        if proc is not None:
+            proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
