@@ -166,26 +166,35 @@ def throughput_table(url: str, cycles: int, rounds: int) -> dict[str, float]:
     runs = contenders(url)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     lats: dict[str, list[float]] = {name: [] for name in runs}
-    for name, cycle in runs.items():  # warm-up: scripts loaded, connections open
+    for cycle in runs.values():  # warm-up: scripts loaded, connections open
         measure(cycle, 200, "warm")
-    for _ in range(rounds):
-        for name, cycle in runs.items():
-            rate, latency = measure(cycle, cycles, "run")
+    names = list(runs)
+    for index in range(rounds):
+        # Rotate the starting contender each round so that none always runs first or last.
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            rate, latency = measure(runs[name], cycles, "run")
             rates[name].append(rate)
             lats[name].extend(latency)
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    floor = medians["raw SET NX PX + Lua release (floor)"]
-    prl_auto = medians.get("python-redis-lock auto_renewal")
-    print(f"\nacquire + release, {rounds} interleaved rounds x {cycles} cycles, one process\n")
+    floor_name, prl_name = "raw SET NX PX + Lua release (floor)", "python-redis-lock auto_renewal"
+
+    def ratio(name: str, base: str) -> float:
+        # Median of per-round ratios: each pair ran minutes apart at most, seconds apart
+        # usually, so slow drift of this shared machine cancels out.
+        return statistics.median(a / b for a, b in zip(rates[name], rates[base], strict=True))
+
+    prl_auto = prl_name in rates
+    print(f"\nacquire + release, {rounds} interleaved rounds x {cycles} cycles, one process; "
+          "ratios are medians of per-round ratios\n")
     header = f"{'contender':38} {'cycles/s':>10} {'p50 µs':>8} {'p99 µs':>8} {'vs floor':>9}"
     header += f" {'vs prl+auto':>11}" if prl_auto else ""
     print(header)
     print("-" * len(header))
     for name in runs:
         line = (f"{name:38} {medians[name]:10.0f} {pct(lats[name], 50) * 1e6:8.0f} "
-                f"{pct(lats[name], 99) * 1e6:8.0f} {medians[name] / floor:8.2f}x")
+                f"{pct(lats[name], 99) * 1e6:8.0f} {ratio(name, floor_name):8.2f}x")
         if prl_auto:
-            line += f" {medians[name] / prl_auto:10.2f}x"
+            line += f" {ratio(name, prl_name):10.2f}x"
         print(line)
     return medians
 
@@ -216,7 +225,8 @@ def hold_many(count: int, ttl: float) -> None:
     print(f"  round trips per TTL period : {trips:.1f}")
     print(f"  renewals per TTL period    : {renewed:.0f} ({renewed / count:.2f} per lock)")
     print(f"  renewals per round trip    : {renewed / max(trips, 1):.0f}")
-    print(f"  renewal-thread CPU per TTL : {cpu * 1000:.0f} ms = {cpu / ttl * 100:.1f}% of one core")
+    print(f"  renewal-thread CPU per TTL : {cpu * 1000:.0f} ms "
+          f"= {cpu / ttl * 100:.1f}% of one core")
     print(f"  locks lost                 : {lost}")
     for one in held:
         one.release()
@@ -224,8 +234,8 @@ def hold_many(count: int, ttl: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cycles", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cycles", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--hold-locks", type=int, default=10_000)
     parser.add_argument("--hold-ttl", type=float, default=10.0)
     args = parser.parse_args()

@@ -8,8 +8,9 @@ a black-holed server, far past the lock's TTL.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import inspect
+import os
+import threading
 from typing import Any
 
 import redis
@@ -35,8 +36,27 @@ _UNAVAILABLE_CLASSES = tuple(
 )
 
 
+_clients: dict[str, Any] = {}
+
+
 def connection(alias: str) -> Any:
-    """The django-redis client of cache ``alias`` (write side); raises on a bad alias."""
+    """The django-redis client of cache ``alias`` (write side); raises on a bad alias.
+
+    Cached per alias (redis-py clients are thread-safe and fork-safe: the pool reconnects in a
+    child); the cache is dropped when ``CACHES`` or ``JOBLOCK`` change.
+    """
+    client = _clients.get(alias)
+    if client is None:
+        client = _clients[alias] = _lookup(alias)
+    return client
+
+
+def forget_connections() -> None:
+    """Drop cached clients (after a settings change)."""
+    _clients.clear()
+
+
+def _lookup(alias: str) -> Any:
     from django.conf import settings
 
     caches = getattr(settings, "CACHES", {})
@@ -56,6 +76,95 @@ def connection(alias: str) -> Any:
         ) from exc
 
 
+def _takes_no_command_name() -> bool:
+    # redis-py >= 5.3 deprecates get_connection(command_name); older versions require it.
+    param = inspect.signature(redis.ConnectionPool.get_connection).parameters.get("command_name")
+    return param is None or param.default is not inspect.Parameter.empty
+
+
+_NO_COMMAND_NAME = _takes_no_command_name()
+
+
+def pack(args: tuple[Any, ...]) -> bytes:
+    """RESP-encode one command of str / bytes / int arguments (UTF-8 for str)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+def execute(client: Any, *args: Any) -> Any:
+    """Send one command on a pooled connection of ``client`` and return the raw reply.
+
+    The lock hot path (acquire and release scripts) uses this instead of
+    ``client.execute_command``: it skips redis-py's per-command retry and instrumentation
+    layers (about a third of a loopback round trip) and, on purpose, never retries. A retried
+    acquire whose first reply was lost would find our own lock and report it busy; the caller
+    maps the failure to :class:`LockBackendUnavailable` instead. A connection that failed
+    mid-command is dropped, never returned to the pool half-read. Clients without a plain
+    connection pool (e.g. Redis Cluster) take the regular path.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or not hasattr(pool, "release"):
+        return client.execute_command(*args)
+    packed = pack(args)
+    conn = _dedicated(pool)
+    try:
+        if conn._sock is not None and conn.can_read():
+            # Closed by the server (restart, CLIENT KILL) or unread bytes: reconnect before
+            # sending, as the pool's own checkout does; the command was never sent.
+            conn.disconnect()
+        conn.send_packed_command([packed])
+        return conn.read_response()
+    except ResponseError:
+        raise  # the reply was read whole; the connection is fine
+    except BaseException:
+        conn.disconnect()
+        raise
+
+
+class _Dedicated:
+    """One pooled connection checked out for the life of a thread (returned when it ends).
+
+    Checking a connection out of and back into redis-py's pool costs more than the rest of a
+    command's client-side work (locks, pid checks, instrumentation). The connection stays
+    *in use* in the pool's books, so nobody else is handed it; ``pool.disconnect()`` still
+    closes it and the next command reconnects.
+    """
+
+    __slots__ = ("conn", "pid", "pool")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.pid = os.getpid()
+        self.conn = pool.get_connection() if _NO_COMMAND_NAME else pool.get_connection("EVALSHA")
+
+    def __del__(self) -> None:  # the thread ended (thread-locals are cleared) or pool changed
+        if self.pid == os.getpid():
+            try:
+                self.pool.release(self.conn)
+            except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to save
+                pass
+
+
+_local = threading.local()
+
+
+def _dedicated(pool: Any) -> Any:
+    """This thread's dedicated connection of ``pool`` (a new one after a fork)."""
+    held: dict[int, _Dedicated] | None = getattr(_local, "held", None)
+    if held is None:
+        held = _local.held = {}
+    found = held.get(id(pool))
+    if found is None or found.pid != os.getpid() or found.pool is not pool:
+        found = held[id(pool)] = _Dedicated(pool)
+    return found.conn
+
+
 def is_unavailable(exc: BaseException) -> bool:
     """True when ``exc`` means Redis could not serve the request (down, timeout, OOM...)."""
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, *_UNAVAILABLE_CLASSES)):
@@ -63,18 +172,23 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith(_UNAVAILABLE_PREFIXES)
 
 
-@contextmanager
-def unavailable_as(resource: str, key: str, owner: str, action: str) -> Iterator[None]:
-    """Turn Redis failures inside the block into :class:`LockBackendUnavailable`."""
-    try:
-        yield
-    except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
-        if not is_unavailable(exc):
-            raise
-        raise LockBackendUnavailable(
-            f"Redis unavailable while trying to {action}: {type(exc).__name__}: {exc}",
-            resource=resource, key=key, owner=owner,
-        ) from exc
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
+
+
+def unavailable(exc: BaseException, action: str, *, resource: str, key: str,
+                owner: str) -> LockBackendUnavailable:
+    """The :class:`LockBackendUnavailable` to raise for ``exc`` (one of ``REDIS_ERRORS``).
+
+    Re-raises ``exc`` itself when it is not an availability problem (e.g. a WRONGTYPE reply:
+    a bug or a foreign key in our namespace, which must not be reported as "Redis down").
+    Use as ``except REDIS_ERRORS as exc: raise unavailable(exc, ...) from exc``.
+    """
+    if not is_unavailable(exc):
+        raise exc
+    return LockBackendUnavailable(
+        f"Redis unavailable while trying to {action}: {type(exc).__name__}: {exc}",
+        resource=resource, key=key, owner=owner,
+    )
 
 
 def renewal_client(base: Any, timeout: float) -> redis.Redis:

@@ -246,3 +246,6 @@ def reset() -> None:
 def _on_setting_changed(setting: str, **kwargs: Any) -> None:
     if setting in ("JOBLOCK", "CACHES"):
         reset()
+        from .backend import forget_connections
+
+        forget_connections()

@@ -29,9 +29,10 @@ from types import TracebackType
 from typing import Any
 
 from redis.exceptions import NoScriptError
+from rq import get_current_job as _get_current_job
 
 from . import conf, lua
-from .backend import connection, unavailable_as
+from .backend import REDIS_ERRORS, connection, unavailable
 from .backoff import full_jitter
 from .exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
 from .keys import LockKeys, owner_hash, validate_resource
@@ -40,7 +41,20 @@ from .signals import lock_acquired, lock_contended, lock_released
 
 # Blocking acquire: first retry after <= 5 ms, doubling, never more than 0.5 s between tries.
 ACQUIRE_BACKOFF = {"base": 0.005, "factor": 2.0, "cap": 0.5}
-_HOST = socket.gethostname()[:255]
+# Constant script arguments, encoded once (redis-py passes bytes through untouched).
+_HOST = socket.gethostname()[:255].encode()
+_FENCE_TTL = str(lua.FENCE_COUNTER_TTL_MS).encode()
+_PID: tuple[int, bytes] = (0, b"")
+
+
+def _pid() -> bytes:
+    """This process's pid as bytes (recomputed after a fork)."""
+    global _PID
+    pid = os.getpid()
+    if _PID[0] != pid:
+        _PID = (pid, str(pid).encode())
+    return _PID[1]
+
 
 OnLost = Callable[["Lock", str], Any]
 
@@ -76,9 +90,7 @@ def _number(name: str, value: object, *, allow_zero: bool, resource: str) -> flo
 def _job_context() -> tuple[str, str, str]:
     """(job id, function name, worker name) of the RQ job running in this thread, if any."""
     try:
-        from rq import get_current_job
-
-        job = get_current_job()
+        job = _get_current_job()
     except Exception:  # noqa: BLE001 - outside a worker, rq may raise on a missing connection
         return "", "", ""
     if job is None:
@@ -133,7 +145,7 @@ class Lock:
         self.index_key: str = keys.index
         self.families_key: str = f"{settings.KEY_PREFIX}:families"
         self.token: str = secrets.token_hex(16)
-        self.owner: str = owner_hash(self.token)
+        self._owner: tuple[str, str] = ("", "")
         self.fence: int | None = None
         self.state: LockState = LockState.UNLOCKED
         self.lost_reason: str = ""
@@ -181,6 +193,16 @@ class Lock:
     def _client(self) -> Any:
         return connection(self.alias)
 
+    def _unavailable(self, exc: BaseException, action: str) -> LockBackendUnavailable:
+        return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
+
+    @property
+    def owner(self) -> str:
+        """Short hash of the current token: safe to log and show (the token is not)."""
+        if self._owner[0] != self.token:
+            self._owner = (self.token, owner_hash(self.token))
+        return self._owner[1]
+
     def acquire(self, wait: float | None = None) -> bool:
         """Take the lock, retrying a busy lock with exponential backoff + full jitter.
 
@@ -193,28 +215,31 @@ class Lock:
                             resource=self.resource, key=self.key, owner=self.owner)
         wait = self.wait if wait is None else _number("wait", wait, allow_zero=True,
                                                       resource=self.resource)
-        # A fresh token per acquisition: a late renew of the previous holding can never
-        # extend this one.
-        self.token = secrets.token_hex(16)
-        self.owner = owner_hash(self.token)
+        if self.state is not LockState.UNLOCKED:
+            # A fresh token per acquisition: a late renew of the previous holding can never
+            # extend this one.
+            self.token = secrets.token_hex(16)
         self.job_id, job_func, worker = _job_context()
         client = self._client()
-        args = [self.token, self.ttl_ms, lua.FENCE_COUNTER_TTL_MS, _HOST, os.getpid(),
-                self.job_id, job_func, worker]
+        args = [self.token, self.ttl_ms, _FENCE_TTL, _HOST, _pid(), self.job_id, job_func,
+                worker]
         started = time.monotonic()
         deadline = started + wait
         attempt = 0
         while True:
             sent = time.monotonic()
-            with unavailable_as(self.resource, self.key, self.owner, "acquire the lock"):
+            try:
                 reply = lua.run(client, lua.ACQUIRE_SHA, [self.key, self.fence_key], args)
-            if reply[0] == 1:
-                self._on_acquired(int(reply[1]), sent, waited=sent - started)
+            except REDIS_ERRORS as exc:
+                raise self._unavailable(exc, "acquire the lock") from exc
+            if reply > 0:
+                self._on_acquired(reply, sent, waited=sent - started)
                 return True
             now = time.monotonic()
             if now >= deadline:
                 lock_contended.send(sender=Lock, lock=self, waited=now - started)
-                log_lock(20, "contended", self, "lock busy", reason=f"held, pttl={reply[1]}ms")
+                log_lock(20, "contended", self, "lock busy",
+                         reason=f"held, pttl={lua.busy_pttl_ms(reply)}ms")
                 return False
             delay = full_jitter(attempt, base=ACQUIRE_BACKOFF["base"],
                                 factor=ACQUIRE_BACKOFF["factor"], cap=ACQUIRE_BACKOFF["cap"])
@@ -246,9 +271,11 @@ class Lock:
         if self.state not in (LockState.HELD, LockState.SUSPECT):
             return False
         sent = time.monotonic()
-        with unavailable_as(self.resource, self.key, self.owner, "renew the lock"):
+        try:
             code = lua.Outcome(lua.run(self._client(), lua.RENEW_SHA, [self.key],
                                        [self.token, self.ttl_ms]))
+        except REDIS_ERRORS as exc:
+            raise self._unavailable(exc, "renew the lock") from exc
         if code is lua.Outcome.OK:
             self.confirm_renewed(sent)
             log_lock(10, "renewed", self, "lock renewed")
@@ -270,7 +297,7 @@ class Lock:
         self.state = LockState.RELEASED
         held_for = time.monotonic() - (self.acquired_at or time.monotonic())
         client = self._client()
-        with unavailable_as(self.resource, self.key, self.owner, "release the lock"):
+        try:
             if indexed:
                 pipe = client.pipeline(transaction=False)
                 pipe.evalsha(lua.RELEASE_SHA, 1, self.key, self.token)
@@ -281,6 +308,8 @@ class Lock:
                     code = lua.Outcome(lua.run(client, lua.RELEASE_SHA, [self.key], [self.token]))
             else:
                 code = lua.Outcome(lua.run(client, lua.RELEASE_SHA, [self.key], [self.token]))
+        except REDIS_ERRORS as exc:
+            raise self._unavailable(exc, "release the lock") from exc
         released = code is lua.Outcome.OK
         lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
         log_lock(10 if released else 30, "released", self,

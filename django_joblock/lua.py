@@ -16,6 +16,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from .backend import execute
+
 # Last fence of a resource lives this long after its last acquire. The fence is also floored by
 # the server clock, so a forgotten counter cannot make the next fence go backwards.
 FENCE_COUNTER_TTL_MS = 86_400_000
@@ -25,25 +27,33 @@ ACQUIRE = """
 -- KEYS[1] lock hash, KEYS[2] fence counter (same hash tag)
 -- ARGV[1] owner token, ARGV[2] ttl in ms, ARGV[3] fence counter ttl in ms,
 -- ARGV[4] host, ARGV[5] pid, ARGV[6] RQ job id, ARGV[7] job function, ARGV[8] worker name
--- Returns {1, fence, server_ms} when acquired, {0, pttl_of_holder, server_ms} when busy.
+-- Returns the fence (> 0) when acquired; when busy, -1 - (holder's PTTL in ms), i.e. <= -1.
+-- (One integer rather than an array: the cheapest reply to parse on the hot path.)
 -- fence = max(counter + 1, server time in microseconds): strictly increasing per resource even
 -- after the counter is lost (expiry, eviction, FLUSHDB, restart without persistence), as long
 -- as the Redis server clock does not step backwards.
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {0, redis.call('PTTL', KEYS[1]), now_ms}
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl ~= -2 then
+  return -1 - math.max(pttl, 0)
 end
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local fence = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-if fence < now_us then fence = now_us end
-local fence_s = string.format('%d', fence)
-redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[3])
+local fence_s = string.format('%d', now_us)
+-- Common case in one call: store the clock and read the old counter (SET ... GET, Redis 6.2+).
+local last = tonumber(redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[3], 'GET') or '0')
+local fence = now_us
+if last >= now_us then
+  -- More than one acquisition within a microsecond, or the clock is behind the counter.
+  fence = last + 1
+  fence_s = string.format('%d', fence)
+  redis.call('SET', KEYS[2], fence_s, 'PX', ARGV[3])
+end
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence_s, 'ttl_ms', ARGV[2],
   'host', ARGV[4], 'pid', ARGV[5], 'job_id', ARGV[6], 'job_func', ARGV[7], 'worker', ARGV[8],
   'acquired_ms', now_ms, 'renewed_ms', now_ms, 'renewals', 0)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, fence, now_ms}
+return fence
 """
 
 RENEW = """
@@ -101,6 +111,11 @@ RELEASE_SHA = sha(RELEASE)
 _SOURCES = {ACQUIRE_SHA: ACQUIRE, RENEW_SHA: RENEW, RELEASE_SHA: RELEASE}
 
 
+def busy_pttl_ms(reply: int) -> int:
+    """The holder's remaining TTL (ms) encoded in a negative ACQUIRE reply."""
+    return -reply - 1
+
+
 def load_all(client: Any) -> None:
     """Load every script into the server's script cache (after a restart or SCRIPT FLUSH)."""
     for source in _SOURCES.values():
@@ -108,9 +123,9 @@ def load_all(client: Any) -> None:
 
 
 def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:
-    """``EVALSHA`` one script, loading it first if the server forgot it."""
+    """``EVALSHA`` one script (lean path, no retries), loading it if the server forgot it."""
     try:
-        return client.evalsha(script_sha, len(keys), *keys, *args)
+        return execute(client, "EVALSHA", script_sha, len(keys), *keys, *args)
     except NoScriptError:
-        client.script_load(_SOURCES[script_sha])
-        return client.evalsha(script_sha, len(keys), *keys, *args)
+        execute(client, "SCRIPT", "LOAD", _SOURCES[script_sha])
+        return execute(client, "EVALSHA", script_sha, len(keys), *keys, *args)

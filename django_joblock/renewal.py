@@ -47,6 +47,8 @@ from .signals import lock_lost
 INDEX_DELAY = 0.5  # seconds a lock is held before it is written to the active-lock index
 COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pipeline
 BATCH = 2000  # renewals per pipeline, so one reply never approaches the socket timeout
+IDLE_POLL = 0.25  # seconds between wake-ups while nothing is held ...
+IDLE_STOP = 60.0  # ... for this long; after that the thread sleeps until a lock is added
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Renewer:
         self._heap: list[tuple[float, int, _Entry]] = []
         self._seq = itertools.count()
         self._wake_at = math.inf
+        self._idle_since: float | None = None
         self._thread: threading.Thread | None = None
         self._clients: dict[str, tuple[Any, float]] = {}
         self._families: set[tuple[str, str]] = set()
@@ -233,10 +236,7 @@ class Renewer:
             for entry in later:
                 self._schedule(entry)
             if not lost and not work:
-                self._wake_at = self._heap[0][0] if self._heap else math.inf
-                self._cond.wait(None if self._wake_at == math.inf
-                                else max(0.0, self._wake_at - now))
-                self._wake_at = -math.inf  # awake: add() need not notify
+                self._sleep(now)
                 return True
             self._wake_at = -math.inf
         for held, reason in lost:
@@ -255,6 +255,27 @@ class Renewer:
         with self._cond:
             self._stats.cpu_seconds += time.thread_time() - started_cpu
         return True
+
+    def _sleep(self, now: float) -> None:
+        """Wait for the next due entry (caller holds the condition).
+
+        Stale heap items (released locks) are dropped first, so a stream of short holds does
+        not wake the thread. With nothing held it still wakes every IDLE_POLL seconds for a
+        while: then registering a lock (due INDEX_DELAY later at the soonest, for normal TTLs)
+        need not ``notify``, keeping a thread switch off the acquire hot path.
+        """
+        while self._heap and self._entries.get(self._heap[0][2].lock) is not self._heap[0][2]:
+            heapq.heappop(self._heap)
+        if self._heap:
+            self._idle_since = None
+            self._wake_at = self._heap[0][0]
+        elif self._idle_since is None or now - self._idle_since < IDLE_STOP:
+            self._idle_since = now if self._idle_since is None else self._idle_since
+            self._wake_at = now + IDLE_POLL
+        else:
+            self._wake_at = math.inf
+        self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
+        self._wake_at = -math.inf  # awake: add() need not notify
 
     def _lost_reason(self, entry: _Entry, now: float) -> str:
         held = entry.lock
