@@ -6,6 +6,7 @@ The public API. Everything else is an implementation detail and may change.
 from __future__ import annotations
 
 from .exceptions import (
+    IdempotencyClaimLost,
     IdempotencyError,
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
@@ -20,13 +21,17 @@ from .exceptions import (
     StaleFence,
 )
 from .fencing import fenced_update
+from .idempotency import Claim, fingerprint_of, idempotent
 from .locks import Lock, LockState, current_lock, lock
 
 __all__ = [
+    "Claim",
     "FencedModel",
+    "IdempotencyClaimLost",
     "IdempotencyError",
     "IdempotencyInProgress",
     "IdempotencyKeyMismatch",
+    "IdempotencyRecord",
     "InvalidResource",
     "JoblockConfigError",
     "JoblockError",
@@ -40,6 +45,8 @@ __all__ = [
     "StaleFence",
     "current_lock",
     "fenced_update",
+    "fingerprint_of",
+    "idempotent",
     "lock",
 ]
 
@@ -47,8 +54,8 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # Model classes can only be imported once the app registry is ready; resolve them lazily
     # so that ``import django_joblock`` works in settings files.
-    if name == "FencedModel":
-        from .models import FencedModel
+    if name in ("FencedModel", "IdempotencyRecord"):
+        from . import models
 
-        return FencedModel
+        return getattr(models, name)
     raise AttributeError(f"module 'django_joblock' has no attribute {name!r}")

@@ -86,3 +86,7 @@ class IdempotencyKeyMismatch(IdempotencyError):
 
 class IdempotencyInProgress(IdempotencyError):
     """Another owner holds a live lease on this idempotency key."""
+
+
+class IdempotencyClaimLost(IdempotencyError):
+    """This claim's lease was taken over by another claim; its success was not recorded."""

@@ -57,6 +57,36 @@ def _racy_increment(client) -> None:  # type: ignore[no-untyped-def]
     client.set("test:counter", value + 1)
 
 
+def claim(key: str, hold: float) -> None:
+    """Claim ``key``; print ``ran`` / ``replay`` / ``in_progress``."""
+    from django_redis import get_redis_connection
+
+    from django_joblock import IdempotencyInProgress, idempotent
+
+    client = get_redis_connection("default")
+    _wait_for_go(client)
+    try:
+        with idempotent(key) as claimed:
+            if claimed.done:
+                print("replay", flush=True)
+                return
+            client.incr("test:effects")
+            time.sleep(hold)
+            claimed.succeed({"pid": os.getpid()})
+            print("ran", flush=True)
+    except IdempotencyInProgress:
+        print("in_progress", flush=True)
+
+
+def claim_and_hang(key: str, lease: float) -> None:
+    """Claim ``key`` with a short lease, say so on stdout, then hang until killed."""
+    from django_joblock import idempotent
+
+    with idempotent(key, lease=lease):
+        print("claimed", flush=True)
+        time.sleep(600)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
@@ -65,5 +95,9 @@ if __name__ == "__main__":
         fence_race(int(args[0]))
     elif mode == "increment":
         increment(int(args[0]), args[1] == "lock")
+    elif mode == "claim":
+        claim(args[0], float(args[1]))
+    elif mode == "claim_and_hang":
+        claim_and_hang(args[0], float(args[1]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")

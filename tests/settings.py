@@ -29,8 +29,13 @@ INSTALLED_APPS = [
 _sqlite = f"sqlite:///{BASE_DIR.parent / '.test-db.sqlite3'}"
 DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _sqlite)}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # A file (not :memory:) so that subprocesses started by a test see the same test database.
+    # A file (not :memory:) so that subprocesses started by a test see the same test database;
+    # IMMEDIATE transactions and a busy timeout so that concurrent writers queue, not fail.
     DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR.parent / ".test-db-test.sqlite3")}
+    DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
+if os.environ.get("JOBLOCK_CHILD_DB_NAME"):
+    # A child process started by a test: use the test database the parent created.
+    DATABASES["default"]["NAME"] = os.environ["JOBLOCK_CHILD_DB_NAME"]
 
 REDIS_URL = harness.redis_url()
 

@@ -1,0 +1,272 @@
+"""Idempotency claims: an effect is applied once even when a job runs twice.
+
+    with idempotent("refund:R-1", scope="refunds", fingerprint=args) as claim:
+        if claim.done:
+            return claim.result              # an earlier run succeeded: replay its result
+        with transaction.atomic():
+            Refund.objects.create(...)       # the business write ...
+            claim.succeed({"refund": 42})    # ... and the marker, in the same transaction
+
+Protocol (no read-then-write window):
+
+1. ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``: the first claimer of a key owns it.
+   One statement on the happy path.
+2. Otherwise read the row. ``succeeded``: replay (``claim.done``; the ``duplicate_blocked``
+   signal is sent). ``running`` with a live lease: :class:`IdempotencyInProgress`. Another
+   fingerprint: :class:`IdempotencyKeyMismatch`. ``failed``, or ``running`` with an expired
+   lease (its owner died): take it over with a compare-and-set ``UPDATE`` on the owner,
+   status and attempts just read; ``attempts`` goes up by one. Losing that race reads again.
+3. ``claim.succeed(result)``: ``UPDATE ... WHERE owner = <this claim> AND status = 'running'``,
+   one statement, inside the caller's transaction, so a rollback of the business write rolls
+   the marker back too. If the lease was taken over meanwhile, it raises
+   :class:`IdempotencyClaimLost` and writes nothing.
+4. Leaving the block with an exception marks the record ``failed`` with the error text (again
+   only while this claim is the owner): the next claim runs again. Leaving it normally without
+   ``succeed()`` records a success with result ``None``; a ``succeed()`` that was rolled back
+   is recorded as failed.
+
+Leases and expiry use this server's clock (``timezone.now()``): keep app servers NTP-synced.
+Works on PostgreSQL and SQLite (>= 3.35, for ``RETURNING``); other databases use a savepoint
+and ``IntegrityError`` for step 1 (one more statement).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import IntegrityError, connections, router, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from . import conf
+from .exceptions import (
+    IdempotencyClaimLost,
+    IdempotencyError,
+    IdempotencyInProgress,
+    IdempotencyKeyMismatch,
+)
+from .signals import duplicate_blocked
+
+MAX_KEY_LENGTH = 255
+MAX_SCOPE_LENGTH = 100
+_TAKEOVER_TRIES = 5
+
+
+def fingerprint_of(value: Any) -> str:
+    """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces)."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _model() -> Any:
+    from .models import IdempotencyRecord
+
+    return IdempotencyRecord
+
+
+def _job_id() -> str:
+    from .locks import _job_context
+
+    return _job_context()[0]
+
+
+@dataclass
+class Claim:
+    """The outcome of claiming a key. ``done``: an earlier success, ``result`` its result."""
+
+    key: str
+    scope: str
+    fingerprint: str
+    token: str
+    record_id: int
+    attempts: int
+    using: str
+    done: bool = False
+    result: Any = None
+    _succeed_called: bool = field(default=False, repr=False)
+    _committed: bool = field(default=False, repr=False)
+
+    def succeed(self, result: Any = None) -> None:
+        """Record success with ``result`` (JSON-serialisable) in the current transaction.
+
+        Raises :class:`IdempotencyClaimLost` if another claim has taken the lease over, and
+        :class:`IdempotencyError` on a replayed claim or a result that is not JSON.
+        """
+        if self.done:
+            raise IdempotencyError(f"Key {self.key!r} was already done; nothing to record.")
+        try:
+            json.dumps(result, cls=DjangoJSONEncoder)
+        except (TypeError, ValueError) as exc:
+            raise IdempotencyError(
+                f"Result for idempotency key {self.key!r} is not JSON-serialisable: {exc}"
+            ) from exc
+        now = timezone.now()
+        updated = self._mine().update(
+            status="succeeded", result=result, error="", finished_at=now, updated_at=now,
+            lease_expires_at=None, expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
+        )
+        if updated != 1:
+            raise IdempotencyClaimLost(
+                f"Idempotency key {self.key!r} (scope {self.scope!r}): this claim's lease was "
+                "taken over by another claim; its success was not recorded."
+            )
+        self._succeed_called = True
+        self.result = result
+        transaction.on_commit(self._mark_committed, using=self.using)
+
+    def _mark_committed(self) -> None:
+        self._committed = True
+
+    def _mine(self) -> Any:
+        return _model().objects.using(self.using).filter(
+            pk=self.record_id, owner=self.token, status="running"
+        )
+
+    def _fail(self, error: str) -> None:
+        now = timezone.now()
+        self._mine().update(status="failed", error=error[:10_000], finished_at=now,
+                            updated_at=now, lease_expires_at=None)
+
+
+class idempotent:
+    """Claim ``key`` (within ``scope``) for the duration of the block; see the module docs.
+
+    ``fingerprint``: any JSON-serialisable value describing the arguments (hashed with
+    sha256); the same key with another fingerprint raises :class:`IdempotencyKeyMismatch`.
+    ``lease`` (s, default ``JOBLOCK["IDEMPOTENCY_LEASE"]``): how long a running claim keeps
+    others out before it is presumed dead. ``using``: the database alias.
+    """
+
+    def __init__(self, key: str, *, scope: str = "", fingerprint: Any = None,
+                 lease: float | None = None, using: str | None = None) -> None:
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+            raise ValueError(f"idempotent(): key must be a non-empty str of at most "
+                             f"{MAX_KEY_LENGTH} characters, got {key!r}.")
+        if not isinstance(scope, str) or len(scope) > MAX_SCOPE_LENGTH:
+            raise ValueError(f"idempotent(): scope must be a str of at most {MAX_SCOPE_LENGTH} "
+                             f"characters, got {scope!r}.")
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                                  or lease <= 0):
+            raise ValueError(f"idempotent(): lease must be > 0 seconds, got {lease!r}.")
+        self.key = key
+        self.scope = scope
+        self.fingerprint = "" if fingerprint is None else fingerprint_of(fingerprint)
+        self.lease = float(lease) if lease is not None else conf.get().IDEMPOTENCY_LEASE
+        self.using = using or router.db_for_write(_model())
+        self.claim: Claim | None = None
+
+    def __enter__(self) -> Claim:
+        self.claim = claim(self)
+        return self.claim
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        held = self.claim
+        if held is None or held.done:
+            return
+        if exc is not None:
+            held._fail(f"{type(exc).__name__}: {exc}")
+        elif held._committed or (held._succeed_called
+                                 and connections[self.using].in_atomic_block):
+            return  # recorded, or will be with the enclosing transaction
+        elif held._succeed_called:
+            held._fail("succeed() was rolled back with its transaction")
+        else:
+            held.succeed(None)
+
+
+def claim(spec: idempotent) -> Claim:
+    """Claim ``spec.key`` race-free; see the module docs for the protocol."""
+    model = _model()
+    token = secrets.token_hex(16)
+    now = timezone.now()
+    from .locks import current_lock
+
+    held = current_lock()
+    fence = held.fence if held is not None and held.held else None
+    job_id = _job_id()
+    values = {
+        "scope": spec.scope, "key": spec.key, "fingerprint": spec.fingerprint,
+        "status": "running", "result": None, "error": "", "owner": token, "fence": fence,
+        "rq_job_id": job_id, "attempts": 1,
+        "lease_expires_at": now + timedelta(seconds=spec.lease),
+        "created_at": now, "updated_at": now, "finished_at": None,
+        "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
+    }
+    for _ in range(_TAKEOVER_TRIES):
+        record_id = _insert(model, spec.using, values)
+        if record_id is not None:
+            return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
+        row = (model.objects.using(spec.using)
+               .filter(scope=spec.scope, key=spec.key)
+               .values("id", "status", "fingerprint", "owner", "attempts", "lease_expires_at",
+                       "result")
+               .first())
+        if row is None:
+            continue  # purged in between: insert again
+        if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
+            raise IdempotencyKeyMismatch(
+                f"Idempotency key {spec.key!r} (scope {spec.scope!r}) was used with other "
+                f"arguments (fingerprint {row['fingerprint'][:12]}..., now "
+                f"{spec.fingerprint[:12]}...)."
+            )
+        if row["status"] == "succeeded":
+            done = Claim(spec.key, spec.scope, row["fingerprint"], token, row["id"],
+                         row["attempts"], spec.using, done=True, result=row["result"])
+            duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
+            return done
+        now = timezone.now()
+        lease_until: datetime | None = row["lease_expires_at"]
+        if row["status"] == "running" and lease_until is not None and lease_until > now:
+            raise IdempotencyInProgress(
+                f"Idempotency key {spec.key!r} (scope {spec.scope!r}) is being processed by "
+                f"another claim (attempt {row['attempts']}, lease for another "
+                f"{(lease_until - now).total_seconds():.1f}s)."
+            )
+        taken = (model.objects.using(spec.using)
+                 .filter(pk=row["id"], owner=row["owner"], status=row["status"],
+                         attempts=row["attempts"])
+                 .update(owner=token, status="running", attempts=F("attempts") + 1, error="",
+                         fence=fence, rq_job_id=job_id, updated_at=now, finished_at=None,
+                         lease_expires_at=now + timedelta(seconds=spec.lease),
+                         fingerprint=spec.fingerprint or row["fingerprint"]))
+        if taken == 1:
+            return Claim(spec.key, spec.scope, spec.fingerprint or row["fingerprint"], token,
+                         row["id"], row["attempts"] + 1, spec.using)
+    raise IdempotencyInProgress(
+        f"Idempotency key {spec.key!r} (scope {spec.scope!r}) changed hands "
+        f"{_TAKEOVER_TRIES} times while claiming; another claim is active."
+    )
+
+
+def _insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
+    """Insert the row unless (scope, key) exists; its id, or None on conflict."""
+    connection = connections[using]
+    if connection.vendor not in ("postgresql", "sqlite"):
+        try:
+            with transaction.atomic(using=using):
+                return int(model.objects.using(using).create(**values).pk)
+        except IntegrityError:
+            return None
+    meta = model._meta
+    quote = connection.ops.quote_name
+    columns, params = [], []
+    for name, value in values.items():
+        model_field = meta.get_field(name)
+        columns.append(quote(model_field.column))
+        params.append(model_field.get_db_prep_save(value, connection))
+    conflict = ", ".join(quote(meta.get_field(f).column) for f in ("scope", "key"))
+    sql = (f"INSERT INTO {quote(meta.db_table)} ({', '.join(columns)}) "
+           f"VALUES ({', '.join(['%s'] * len(params))}) "
+           f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {quote(meta.pk.column)}")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    return None if row is None else int(row[0])
