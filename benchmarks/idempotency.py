@@ -72,7 +72,7 @@ def naive(prefix: str, n: int) -> None:
 
     for i in range(n):
         now = timezone.now()
-        record, created = IdempotencyRecord.objects.get_or_create(
+        record, _created = IdempotencyRecord.objects.get_or_create(
             scope="naive", key=f"{prefix}:{i}",
             defaults={"created_at": now, "updated_at": now, "expires_at": now},
         )
