@@ -31,8 +31,13 @@ def setup(url: str) -> tuple[str, Any]:
 
     base = dj_database_url.parse(url)
     name = f"joblock_bench_{os.getpid()}"
-    admin = psycopg.connect(host=base["HOST"], port=base["PORT"] or 5432,
-                            user=base["USER"], dbname=base["NAME"], autocommit=True)
+    admin = psycopg.connect(
+        host=base["HOST"],
+        port=base["PORT"] or 5432,
+        user=base["USER"],
+        dbname=base["NAME"],
+        autocommit=True,
+    )
     admin.execute(f'CREATE DATABASE "{name}"')
     import django
     from django.conf import settings
@@ -40,8 +45,12 @@ def setup(url: str) -> tuple[str, Any]:
     settings.configure(
         INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_joblock"],
         DATABASES={"default": {**base, "NAME": name}},
-        CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache",
-                            "LOCATION": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")}},
+        CACHES={
+            "default": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+            }
+        },
         USE_TZ=True,
     )
     django.setup()
@@ -73,7 +82,8 @@ def naive(prefix: str, n: int) -> None:
     for i in range(n):
         now = timezone.now()
         record, _created = IdempotencyRecord.objects.get_or_create(
-            scope="naive", key=f"{prefix}:{i}",
+            scope="naive",
+            key=f"{prefix}:{i}",
             defaults={"created_at": now, "updated_at": now, "expires_at": now},
         )
         if record.status == "succeeded":
@@ -122,10 +132,14 @@ def main() -> int:
     try:
         from django.db import connection
 
-        print(f"PostgreSQL {connection.cursor().connection.info.server_version} "
-              f"(database {name}); {args.rounds} interleaved rounds x {args.ops} keys\n")
-        rates: dict[str, list[float]] = {"django-joblock idempotent()": [],
-                                         "naive get_or_create + save": []}
+        print(
+            f"PostgreSQL {connection.cursor().connection.info.server_version} "
+            f"(database {name}); {args.rounds} interleaved rounds x {args.ops} keys\n"
+        )
+        rates: dict[str, list[float]] = {
+            "django-joblock idempotent()": [],
+            "naive get_or_create + save": [],
+        }
         runs = {"django-joblock idempotent()": ours, "naive get_or_create + save": naive}
         for round_no in range(args.rounds):
             for label, fn in runs.items():

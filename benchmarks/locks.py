@@ -48,9 +48,21 @@ def private_redis() -> tuple[str, subprocess.Popen[bytes] | None]:
         port = sock.getsockname()[1]
     workdir = tempfile.mkdtemp(prefix="joblock-bench-")
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     import redis
 
@@ -70,8 +82,7 @@ def setup_django(url: str, metrics: bool | None = None) -> None:
 
     if not settings.configured:
         settings.configure(
-            INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth",
-                            "django_joblock"],
+            INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_joblock"],
             DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
             CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}},
             JOBLOCK={"KEY_PREFIX": "bench"},
@@ -114,6 +125,7 @@ def contenders(url: str) -> dict[str, Callable[[str], Any]]:
                 held = redis_lock.Lock(client, f"prl:{resource}", expire=30, auto_renewal=auto)
                 if held.acquire(blocking=False):
                     held.release()
+
             return cycle
 
         found["python-redis-lock"] = prl(False)
@@ -126,8 +138,9 @@ def contenders(url: str) -> dict[str, Callable[[str], Any]]:
         pottery_client = redis.Redis.from_url(url)
 
         def pottery_cycle(resource: str) -> None:
-            held = Redlock(key=f"bench:pottery:{resource}", masters={pottery_client},
-                           auto_release_time=30)
+            held = Redlock(
+                key=f"bench:pottery:{resource}", masters={pottery_client}, auto_release_time=30
+            )
             if held.acquire(blocking=False):
                 held.release()
 
@@ -140,6 +153,7 @@ def contenders(url: str) -> dict[str, Callable[[str], Any]]:
             held = Lock(resource, ttl=30, heartbeat=heartbeat)
             if held.acquire():
                 held.release()
+
         return cycle
 
     found["django-joblock, heartbeat off"] = ours(False)
@@ -171,7 +185,7 @@ def throughput_table(url: str, cycles: int, rounds: int) -> dict[str, float]:
     names = list(runs)
     for index in range(rounds):
         # Rotate the starting contender each round so that none always runs first or last.
-        for name in names[index % len(names):] + names[:index % len(names)]:
+        for name in names[index % len(names) :] + names[: index % len(names)]:
             rate, latency = measure(runs[name], cycles, "run")
             rates[name].append(rate)
             lats[name].extend(latency)
@@ -184,15 +198,19 @@ def throughput_table(url: str, cycles: int, rounds: int) -> dict[str, float]:
         return statistics.median(a / b for a, b in zip(rates[name], rates[base], strict=True))
 
     prl_auto = prl_name in rates
-    print(f"\nacquire + release, {rounds} interleaved rounds x {cycles} cycles, one process; "
-          "ratios are medians of per-round ratios\n")
+    print(
+        f"\nacquire + release, {rounds} interleaved rounds x {cycles} cycles, one process; "
+        "ratios are medians of per-round ratios\n"
+    )
     header = f"{'contender':38} {'cycles/s':>10} {'p50 µs':>8} {'p99 µs':>8} {'vs floor':>9}"
     header += f" {'vs prl+auto':>11}" if prl_auto else ""
     print(header)
     print("-" * len(header))
     for name in runs:
-        line = (f"{name:38} {medians[name]:10.0f} {pct(lats[name], 50) * 1e6:8.0f} "
-                f"{pct(lats[name], 99) * 1e6:8.0f} {ratio(name, floor_name):8.2f}x")
+        line = (
+            f"{name:38} {medians[name]:10.0f} {pct(lats[name], 50) * 1e6:8.0f} "
+            f"{pct(lats[name], 99) * 1e6:8.0f} {ratio(name, floor_name):8.2f}x"
+        )
         if prl_auto:
             line += f" {ratio(name, prl_name):10.2f}x"
         print(line)
@@ -218,15 +236,20 @@ def hold_many(count: int, ttl: float) -> None:
     trips = (after.round_trips - before.round_trips) / periods
     renewed = (after.renewed - before.renewed) / periods
     cpu = (after.cpu_seconds - before.cpu_seconds) / periods
-    print(f"\n{count} locks held by one process, TTL {ttl:g}s (heartbeat every {ttl / 3:.2f}s); "
-          f"acquired in {acquired_in:.1f}s; measured over {periods} TTL periods ({elapsed:.1f}s)\n")
-    print(f"  renewal threads            : 1 (threads alive in process: "
-          f"{__import__('threading').active_count()})")
+    print(
+        f"\n{count} locks held by one process, TTL {ttl:g}s (heartbeat every {ttl / 3:.2f}s); "
+        f"acquired in {acquired_in:.1f}s; measured over {periods} TTL periods ({elapsed:.1f}s)\n"
+    )
+    print(
+        f"  renewal threads            : 1 (threads alive in process: "
+        f"{__import__('threading').active_count()})"
+    )
     print(f"  round trips per TTL period : {trips:.1f}")
     print(f"  renewals per TTL period    : {renewed:.0f} ({renewed / count:.2f} per lock)")
     print(f"  renewals per round trip    : {renewed / max(trips, 1):.0f}")
-    print(f"  renewal-thread CPU per TTL : {cpu * 1000:.0f} ms "
-          f"= {cpu / ttl * 100:.1f}% of one core")
+    print(
+        f"  renewal-thread CPU per TTL : {cpu * 1000:.0f} ms = {cpu / ttl * 100:.1f}% of one core"
+    )
     print(f"  locks lost                 : {lost}")
     for one in held:
         one.release()
@@ -244,8 +267,10 @@ def main() -> int:
         setup_django(url)
         import redis
 
-        print(f"Redis {redis.Redis.from_url(url).info('server')['redis_version']} at {url}; "
-              f"Python {sys.version.split()[0]}; redis-py {redis.__version__}")
+        print(
+            f"Redis {redis.Redis.from_url(url).info('server')['redis_version']} at {url}; "
+            f"Python {sys.version.split()[0]}; redis-py {redis.__version__}"
+        )
         throughput_table(url, args.cycles, args.rounds)
         if args.hold_locks:
             hold_many(args.hold_locks, args.hold_ttl)

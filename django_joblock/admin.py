@@ -17,16 +17,29 @@ from .models import IdempotencyRecord
 class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Read-only: records are written by claims and removed by ``joblock_purge`` only."""
 
-    list_display = ("key", "scope", "status", "attempts", "rq_job_id", "updated_at",
-                    "expires_at")
+    list_display = ("key", "scope", "status", "attempts", "rq_job_id", "updated_at", "expires_at")
     list_filter = ("status", "scope")
     search_fields = ("key",)
     ordering = ("-updated_at",)
     date_hierarchy = "updated_at"
     show_full_result_count = False  # no COUNT(*) over a large table on every page
-    fields = ("scope", "key", "status", "attempts", "result_pretty", "error", "fingerprint",
-              "owner_short", "fence", "rq_job_id", "lease_expires_at", "created_at",
-              "updated_at", "finished_at", "expires_at")
+    fields = (
+        "scope",
+        "key",
+        "status",
+        "attempts",
+        "result_pretty",
+        "error",
+        "fingerprint",
+        "owner_short",
+        "fence",
+        "rq_job_id",
+        "lease_expires_at",
+        "created_at",
+        "updated_at",
+        "finished_at",
+        "expires_at",
+    )
     readonly_fields = fields
 
     @admin.display(description="result")

@@ -24,8 +24,16 @@ from redis.retry import Retry
 from .exceptions import JoblockConfigError, LockBackendUnavailable
 
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
-_UNAVAILABLE_PREFIXES = ("OOM", "LOADING", "BUSY", "READONLY", "MASTERDOWN", "CLUSTERDOWN",
-                         "TRYAGAIN", "NOREPLICAS")
+_UNAVAILABLE_PREFIXES = (
+    "OOM",
+    "LOADING",
+    "BUSY",
+    "READONLY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "NOREPLICAS",
+)
 
 
 # redis-py maps some of those replies to classes (and strips the prefix from the message).
@@ -175,8 +183,9 @@ def is_unavailable(exc: BaseException) -> bool:
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
 
 
-def unavailable(exc: BaseException, action: str, *, resource: str, key: str,
-                owner: str) -> LockBackendUnavailable:
+def unavailable(
+    exc: BaseException, action: str, *, resource: str, key: str, owner: str
+) -> LockBackendUnavailable:
     """The :class:`LockBackendUnavailable` to raise for ``exc`` (one of ``REDIS_ERRORS``).
 
     Re-raises ``exc`` itself when it is not an availability problem (e.g. a WRONGTYPE reply:
@@ -187,7 +196,9 @@ def unavailable(exc: BaseException, action: str, *, resource: str, key: str,
         raise exc
     return LockBackendUnavailable(
         f"Redis unavailable while trying to {action}: {type(exc).__name__}: {exc}",
-        resource=resource, key=key, owner=owner,
+        resource=resource,
+        key=key,
+        owner=owner,
     )
 
 

@@ -50,13 +50,15 @@ def check_redis_alias(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     backend = caches.get(alias, {}).get("BACKEND")
     if backend != DJANGO_REDIS_BACKEND:
         found = "missing" if alias not in caches else f"BACKEND {backend!r}"
-        return [_message(
-            "E005",
-            f"JOBLOCK['REDIS_ALIAS'] = {alias!r} must name a django-redis cache in CACHES "
-            f"({found}).",
-            hint=f"Add CACHES[{alias!r}] = {{'BACKEND': '{DJANGO_REDIS_BACKEND}', "
-                 "'LOCATION': 'redis://127.0.0.1:6379/0'}, or point REDIS_ALIAS at one.",
-        )]
+        return [
+            _message(
+                "E005",
+                f"JOBLOCK['REDIS_ALIAS'] = {alias!r} must name a django-redis cache in CACHES "
+                f"({found}).",
+                hint=f"Add CACHES[{alias!r}] = {{'BACKEND': '{DJANGO_REDIS_BACKEND}', "
+                "'LOCATION': 'redis://127.0.0.1:6379/0'}, or point REDIS_ALIAS at one.",
+            )
+        ]
     return []
 
 
@@ -72,17 +74,23 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         client = renewal_client(connection(alias), timeout=2.0)
         memory = client.info("memory")
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
-        return [_message("W010", f"Redis of cache {alias!r} does not answer: {exc}",
-                         hint="Locks cannot be taken; every acquire raises "
-                              "LockBackendUnavailable.")]
+        return [
+            _message(
+                "W010",
+                f"Redis of cache {alias!r} does not answer: {exc}",
+                hint="Locks cannot be taken; every acquire raises LockBackendUnavailable.",
+            )
+        ]
     policy = str(memory.get("maxmemory_policy", "noeviction"))
     maxmemory = int(memory.get("maxmemory", 0) or 0)
     if maxmemory and policy != "noeviction":
-        return [_message(
-            "W011",
-            f"Redis of cache {alias!r} has maxmemory={maxmemory} with maxmemory-policy="
-            f"{policy!r}: under memory pressure it may evict a held lock and let a second "
-            "holder in.",
-            hint="Use a dedicated Redis (or database) with maxmemory-policy noeviction for locks.",
-        )]
+        return [
+            _message(
+                "W011",
+                f"Redis of cache {alias!r} has maxmemory={maxmemory} with maxmemory-policy="
+                f"{policy!r}: under memory pressure it may evict a held lock and let a second "
+                "holder in.",
+                hint="Use a Redis with maxmemory-policy noeviction (or no maxmemory) for locks.",
+            )
+        ]
     return []

@@ -121,8 +121,9 @@ def _check_number(key: str, value: object, kind: str) -> list[Problem]:
     if value is None and kind == "optional_positive":
         return []
     if not _is_number(value):
-        return [Problem("E003", key, f"JOBLOCK[{key!r}] must be a number of seconds, "
-                                     f"got {value!r}.")]
+        return [
+            Problem("E003", key, f"JOBLOCK[{key!r}] must be a number of seconds, got {value!r}.")
+        ]
     assert isinstance(value, (int, float))
     if kind == "non_negative" and value < 0:
         return [Problem("E003", key, f"JOBLOCK[{key!r}] must be >= 0, got {value!r}.")]
@@ -135,8 +136,11 @@ def _check_mapping(key: str, value: object, defaults: dict[str, float]) -> list[
     if not isinstance(value, dict):
         return [Problem("E003", key, f"JOBLOCK[{key!r}] must be a dict, got {value!r}.")]
     found = [
-        Problem("E002", f"{key}.{sub}",
-                f"Unknown key JOBLOCK[{key!r}][{sub!r}]; known: {', '.join(sorted(defaults))}.")
+        Problem(
+            "E002",
+            f"{key}.{sub}",
+            f"Unknown key JOBLOCK[{key!r}][{sub!r}]; known: {', '.join(sorted(defaults))}.",
+        )
         for sub in value
         if sub not in defaults
     ]
@@ -153,8 +157,11 @@ def problems(raw: object) -> list[Problem]:
     if not isinstance(raw, dict):
         return [Problem("E001", "JOBLOCK", f"JOBLOCK must be a dict, got {type(raw).__name__}.")]
     found: list[Problem] = [
-        Problem("E002", str(key), f"Unknown key JOBLOCK[{key!r}]; known keys: "
-                                  f"{', '.join(sorted(DEFAULTS))}.")
+        Problem(
+            "E002",
+            str(key),
+            f"Unknown key JOBLOCK[{key!r}]; known keys: {', '.join(sorted(DEFAULTS))}.",
+        )
         for key in raw
         if key not in DEFAULTS
     ]
@@ -164,16 +171,27 @@ def problems(raw: object) -> list[Problem]:
     for key in ("REDIS_ALIAS", "KEY_PREFIX"):
         value = raw.get(key, DEFAULTS[key])
         if not isinstance(value, str) or not value:
-            found.append(Problem("E003", key, f"JOBLOCK[{key!r}] must be a non-empty string, "
-                                              f"got {value!r}."))
+            found.append(
+                Problem("E003", key, f"JOBLOCK[{key!r}] must be a non-empty string, got {value!r}.")
+            )
     prefix = raw.get("KEY_PREFIX", DEFAULTS["KEY_PREFIX"])
     if isinstance(prefix, str) and prefix and not _PREFIX_RE.match(prefix):
-        found.append(Problem("E003", "KEY_PREFIX", f"JOBLOCK['KEY_PREFIX'] {prefix!r} may only "
-                                                   "use [A-Za-z0-9_.-] (at most 64)."))
+        found.append(
+            Problem(
+                "E003",
+                "KEY_PREFIX",
+                f"JOBLOCK['KEY_PREFIX'] {prefix!r} may only use [A-Za-z0-9_.-] (at most 64).",
+            )
+        )
     on_lost = raw.get("ON_LOCK_LOST", DEFAULTS["ON_LOCK_LOST"])
     if on_lost not in ON_LOCK_LOST_CHOICES:
-        found.append(Problem("E003", "ON_LOCK_LOST", f"JOBLOCK['ON_LOCK_LOST'] must be one of "
-                                                     f"{ON_LOCK_LOST_CHOICES}, got {on_lost!r}."))
+        found.append(
+            Problem(
+                "E003",
+                "ON_LOCK_LOST",
+                f"JOBLOCK['ON_LOCK_LOST'] must be one of {ON_LOCK_LOST_CHOICES}, got {on_lost!r}.",
+            )
+        )
     if "REQUEUE_BACKOFF" in raw:
         found += _check_mapping("REQUEUE_BACKOFF", raw["REQUEUE_BACKOFF"], DEFAULT_BACKOFF)
     if "ALERTS" in raw:
@@ -183,18 +201,33 @@ def problems(raw: object) -> list[Problem]:
     merged = _merge(raw)
     ttl, interval = merged["LOCK_TTL"], merged["HEARTBEAT_INTERVAL"]
     if interval is not None and interval >= ttl:
-        found.append(Problem("E004", "HEARTBEAT_INTERVAL",
-                             f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) must be shorter than "
-                             f"LOCK_TTL ({ttl}s), or the lock expires between renewals."))
+        found.append(
+            Problem(
+                "E004",
+                "HEARTBEAT_INTERVAL",
+                f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) must be shorter than "
+                f"LOCK_TTL ({ttl}s), or the lock expires between renewals.",
+            )
+        )
     elif interval is not None and interval > ttl / 2:
-        found.append(Problem("W001", "HEARTBEAT_INTERVAL",
-                             f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) is more than half of "
-                             f"LOCK_TTL ({ttl}s): one slow renewal loses the lock. Use TTL/3."))
+        found.append(
+            Problem(
+                "W001",
+                "HEARTBEAT_INTERVAL",
+                f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) is more than half of "
+                f"LOCK_TTL ({ttl}s): one slow renewal loses the lock. Use TTL/3.",
+            )
+        )
     if merged["IDEMPOTENCY_TTL"] < merged["REQUEUE_MAX_WAIT"]:
-        found.append(Problem("W003", "IDEMPOTENCY_TTL",
-                             f"JOBLOCK['IDEMPOTENCY_TTL'] ({merged['IDEMPOTENCY_TTL']}s) is "
-                             f"shorter than REQUEUE_MAX_WAIT ({merged['REQUEUE_MAX_WAIT']}s): a "
-                             "requeued duplicate could outlive the record that blocks it."))
+        found.append(
+            Problem(
+                "W003",
+                "IDEMPOTENCY_TTL",
+                f"JOBLOCK['IDEMPOTENCY_TTL'] ({merged['IDEMPOTENCY_TTL']}s) is "
+                f"shorter than REQUEUE_MAX_WAIT ({merged['REQUEUE_MAX_WAIT']}s): a "
+                "requeued duplicate could outlive the record that blocks it.",
+            )
+        )
     return found
 
 

@@ -31,8 +31,9 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
     if isinstance(fence, bool) or not isinstance(fence, int) or fence <= 0:
         raise ValueError(f"fenced_update: fence must be a positive int, got {fence!r}.")
     if "lock_fence" in values:
-        raise ValueError("fenced_update: lock_fence is set from the fence argument; "
-                         "do not pass it in values.")
+        raise ValueError(
+            "fenced_update: lock_fence is set from the fence argument; do not pass it in values."
+        )
     updated = queryset.filter(Q(lock_fence__isnull=True) | Q(lock_fence__lt=fence)).update(
         lock_fence=fence, **values
     )
@@ -46,6 +47,7 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
             detail = f"rows already carry fence {current}"
         raise StaleFence(
             f"Stale fence {fence} rejected for {model}: {detail}",
-            fence=fence, current=current,
+            fence=fence,
+            current=current,
         )
     return updated

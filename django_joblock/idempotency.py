@@ -109,8 +109,13 @@ class Claim:
             ) from exc
         now = timezone.now()
         updated = self._mine().update(
-            status="succeeded", result=result, error="", finished_at=now, updated_at=now,
-            lease_expires_at=None, expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
+            status="succeeded",
+            result=result,
+            error="",
+            finished_at=now,
+            updated_at=now,
+            lease_expires_at=None,
+            expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
         )
         if updated != 1:
             raise IdempotencyClaimLost(
@@ -125,14 +130,21 @@ class Claim:
         self._committed = True
 
     def _mine(self) -> Any:
-        return _model().objects.using(self.using).filter(
-            pk=self.record_id, owner=self.token, status="running"
+        return (
+            _model()
+            .objects.using(self.using)
+            .filter(pk=self.record_id, owner=self.token, status="running")
         )
 
     def _fail(self, error: str) -> None:
         now = timezone.now()
-        self._mine().update(status="failed", error=error[:10_000], finished_at=now,
-                            updated_at=now, lease_expires_at=None)
+        self._mine().update(
+            status="failed",
+            error=error[:10_000],
+            finished_at=now,
+            updated_at=now,
+            lease_expires_at=None,
+        )
 
 
 class idempotent:
@@ -144,16 +156,28 @@ class idempotent:
     others out before it is presumed dead. ``using``: the database alias.
     """
 
-    def __init__(self, key: str, *, scope: str = "", fingerprint: Any = None,
-                 lease: float | None = None, using: str | None = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        *,
+        scope: str = "",
+        fingerprint: Any = None,
+        lease: float | None = None,
+        using: str | None = None,
+    ) -> None:
         if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
-            raise ValueError(f"idempotent(): key must be a non-empty str of at most "
-                             f"{MAX_KEY_LENGTH} characters, got {key!r}.")
+            raise ValueError(
+                f"idempotent(): key must be a non-empty str of at most "
+                f"{MAX_KEY_LENGTH} characters, got {key!r}."
+            )
         if not isinstance(scope, str) or len(scope) > MAX_SCOPE_LENGTH:
-            raise ValueError(f"idempotent(): scope must be a str of at most {MAX_SCOPE_LENGTH} "
-                             f"characters, got {scope!r}.")
-        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
-                                  or lease <= 0):
+            raise ValueError(
+                f"idempotent(): scope must be a str of at most {MAX_SCOPE_LENGTH} "
+                f"characters, got {scope!r}."
+            )
+        if lease is not None and (
+            isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0
+        ):
             raise ValueError(f"idempotent(): lease must be > 0 seconds, got {lease!r}.")
         self.key = key
         self.scope = scope
@@ -166,15 +190,18 @@ class idempotent:
         self.claim = claim(self)
         return self.claim
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         held = self.claim
         if held is None or held.done:
             return
         if exc is not None:
             held._fail(f"{type(exc).__name__}: {exc}")
-        elif held._committed or (held._succeed_called
-                                 and connections[self.using].in_atomic_block):
+        elif held._committed or (held._succeed_called and connections[self.using].in_atomic_block):
             return  # recorded, or will be with the enclosing transaction
         elif held._succeed_called:
             held._fail("succeed() was rolled back with its transaction")
@@ -193,22 +220,34 @@ def claim(spec: idempotent) -> Claim:
     fence = held.fence if held is not None and held.held else None
     job_id = _job_id()
     values = {
-        "scope": spec.scope, "key": spec.key, "fingerprint": spec.fingerprint,
-        "status": "running", "result": None, "error": "", "owner": token, "fence": fence,
-        "rq_job_id": job_id, "attempts": 1,
+        "scope": spec.scope,
+        "key": spec.key,
+        "fingerprint": spec.fingerprint,
+        "status": "running",
+        "result": None,
+        "error": "",
+        "owner": token,
+        "fence": fence,
+        "rq_job_id": job_id,
+        "attempts": 1,
         "lease_expires_at": now + timedelta(seconds=spec.lease),
-        "created_at": now, "updated_at": now, "finished_at": None,
+        "created_at": now,
+        "updated_at": now,
+        "finished_at": None,
         "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
     }
     for _ in range(_TAKEOVER_TRIES):
         record_id = _insert(model, spec.using, values)
         if record_id is not None:
             return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
-        row = (model.objects.using(spec.using)
-               .filter(scope=spec.scope, key=spec.key)
-               .values("id", "status", "fingerprint", "owner", "attempts", "lease_expires_at",
-                       "result")
-               .first())
+        row = (
+            model.objects.using(spec.using)
+            .filter(scope=spec.scope, key=spec.key)
+            .values(
+                "id", "status", "fingerprint", "owner", "attempts", "lease_expires_at", "result"
+            )
+            .first()
+        )
         if row is None:
             continue  # purged in between: insert again
         if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
@@ -218,8 +257,17 @@ def claim(spec: idempotent) -> Claim:
                 f"{spec.fingerprint[:12]}...)."
             )
         if row["status"] == "succeeded":
-            done = Claim(spec.key, spec.scope, row["fingerprint"], token, row["id"],
-                         row["attempts"], spec.using, done=True, result=row["result"])
+            done = Claim(
+                spec.key,
+                spec.scope,
+                row["fingerprint"],
+                token,
+                row["id"],
+                row["attempts"],
+                spec.using,
+                done=True,
+                result=row["result"],
+            )
             duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
             return done
         now = timezone.now()
@@ -230,16 +278,34 @@ def claim(spec: idempotent) -> Claim:
                 f"another claim (attempt {row['attempts']}, lease for another "
                 f"{(lease_until - now).total_seconds():.1f}s)."
             )
-        taken = (model.objects.using(spec.using)
-                 .filter(pk=row["id"], owner=row["owner"], status=row["status"],
-                         attempts=row["attempts"])
-                 .update(owner=token, status="running", attempts=F("attempts") + 1, error="",
-                         fence=fence, rq_job_id=job_id, updated_at=now, finished_at=None,
-                         lease_expires_at=now + timedelta(seconds=spec.lease),
-                         fingerprint=spec.fingerprint or row["fingerprint"]))
+        taken = (
+            model.objects.using(spec.using)
+            .filter(
+                pk=row["id"], owner=row["owner"], status=row["status"], attempts=row["attempts"]
+            )
+            .update(
+                owner=token,
+                status="running",
+                attempts=F("attempts") + 1,
+                error="",
+                fence=fence,
+                rq_job_id=job_id,
+                updated_at=now,
+                finished_at=None,
+                lease_expires_at=now + timedelta(seconds=spec.lease),
+                fingerprint=spec.fingerprint or row["fingerprint"],
+            )
+        )
         if taken == 1:
-            return Claim(spec.key, spec.scope, spec.fingerprint or row["fingerprint"], token,
-                         row["id"], row["attempts"] + 1, spec.using)
+            return Claim(
+                spec.key,
+                spec.scope,
+                spec.fingerprint or row["fingerprint"],
+                token,
+                row["id"],
+                row["attempts"] + 1,
+                spec.using,
+            )
     raise IdempotencyInProgress(
         f"Idempotency key {spec.key!r} (scope {spec.scope!r}) changed hands "
         f"{_TAKEOVER_TRIES} times while claiming; another claim is active."
@@ -263,9 +329,11 @@ def _insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
         columns.append(quote(model_field.column))
         params.append(model_field.get_db_prep_save(value, connection))
     conflict = ", ".join(quote(meta.get_field(f).column) for f in ("scope", "key"))
-    sql = (f"INSERT INTO {quote(meta.db_table)} ({', '.join(columns)}) "
-           f"VALUES ({', '.join(['%s'] * len(params))}) "
-           f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {quote(meta.pk.column)}")
+    sql = (
+        f"INSERT INTO {quote(meta.db_table)} ({', '.join(columns)}) "
+        f"VALUES ({', '.join(['%s'] * len(params))}) "
+        f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {quote(meta.pk.column)}"
+    )
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()

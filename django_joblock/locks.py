@@ -127,8 +127,10 @@ class Lock:
         if self.ttl < 0.01:
             raise ValueError(f"lock({resource!r}): ttl must be at least 0.01 seconds, got {ttl!r}.")
         self.wait: float = _number(
-            "wait", settings.ACQUIRE_WAIT if wait is None else wait,
-            allow_zero=True, resource=resource,
+            "wait",
+            settings.ACQUIRE_WAIT if wait is None else wait,
+            allow_zero=True,
+            resource=resource,
         )
         hold = settings.MAX_HOLD if max_hold is None else max_hold
         self.max_hold: float | None = (
@@ -183,11 +185,16 @@ class Lock:
         """Raise :class:`LockLost` unless this lock is still validly held."""
         if not self.held:
             reason = self.lost_reason or (
-                "validity deadline passed" if self.state is not LockState.RELEASED
+                "validity deadline passed"
+                if self.state is not LockState.RELEASED
                 else "already released"
             )
-            raise LockLost(f"Lock is no longer held: {reason}",
-                           resource=self.resource, key=self.key, owner=self.owner)
+            raise LockLost(
+                f"Lock is no longer held: {reason}",
+                resource=self.resource,
+                key=self.key,
+                owner=self.owner,
+            )
 
     # -- acquire / renew / release -------------------------------------------------------
     def _client(self) -> Any:
@@ -211,18 +218,24 @@ class Lock:
         this object already holds the lock.
         """
         if self.state in (LockState.HELD, LockState.SUSPECT):
-            raise LockError("This Lock object already holds the lock",
-                            resource=self.resource, key=self.key, owner=self.owner)
-        wait = self.wait if wait is None else _number("wait", wait, allow_zero=True,
-                                                      resource=self.resource)
+            raise LockError(
+                "This Lock object already holds the lock",
+                resource=self.resource,
+                key=self.key,
+                owner=self.owner,
+            )
+        wait = (
+            self.wait
+            if wait is None
+            else _number("wait", wait, allow_zero=True, resource=self.resource)
+        )
         if self.state is not LockState.UNLOCKED:
             # A fresh token per acquisition: a late renew of the previous holding can never
             # extend this one.
             self.token = secrets.token_hex(16)
         self.job_id, job_func, worker = _job_context()
         client = self._client()
-        args = [self.token, self.ttl_ms, _FENCE_TTL, _HOST, _pid(), self.job_id, job_func,
-                worker]
+        args = [self.token, self.ttl_ms, _FENCE_TTL, _HOST, _pid(), self.job_id, job_func, worker]
         started = time.monotonic()
         deadline = started + wait
         attempt = 0
@@ -238,11 +251,20 @@ class Lock:
             now = time.monotonic()
             if now >= deadline:
                 lock_contended.send(sender=Lock, lock=self, waited=now - started)
-                log_lock(20, "contended", self, "lock busy",
-                         reason=f"held, pttl={lua.busy_pttl_ms(reply)}ms")
+                log_lock(
+                    20,
+                    "contended",
+                    self,
+                    "lock busy",
+                    reason=f"held, pttl={lua.busy_pttl_ms(reply)}ms",
+                )
                 return False
-            delay = full_jitter(attempt, base=ACQUIRE_BACKOFF["base"],
-                                factor=ACQUIRE_BACKOFF["factor"], cap=ACQUIRE_BACKOFF["cap"])
+            delay = full_jitter(
+                attempt,
+                base=ACQUIRE_BACKOFF["base"],
+                factor=ACQUIRE_BACKOFF["factor"],
+                cap=ACQUIRE_BACKOFF["cap"],
+            )
             time.sleep(min(delay, deadline - now))
             attempt += 1
 
@@ -272,8 +294,9 @@ class Lock:
             return False
         sent = time.monotonic()
         try:
-            code = lua.Outcome(lua.run(self._client(), lua.RENEW_SHA, [self.key],
-                                       [self.token, self.ttl_ms]))
+            code = lua.Outcome(
+                lua.run(self._client(), lua.RENEW_SHA, [self.key], [self.token, self.ttl_ms])
+            )
         except REDIS_ERRORS as exc:
             raise self._unavailable(exc, "renew the lock") from exc
         if code is lua.Outcome.OK:
@@ -312,9 +335,13 @@ class Lock:
             raise self._unavailable(exc, "release the lock") from exc
         released = code is lua.Outcome.OK
         lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
-        log_lock(10 if released else 30, "released", self,
-                 "lock released" if released else "lock was no longer ours at release",
-                 reason=code.reason)
+        log_lock(
+            10 if released else 30,
+            "released",
+            self,
+            "lock released" if released else "lock was no longer ours at release",
+            reason=code.reason,
+        )
         return released
 
     # -- context manager -----------------------------------------------------------------
@@ -322,7 +349,9 @@ class Lock:
         if not self.acquire():
             raise LockNotAcquired(
                 f"Lock busy after waiting {self.wait:g}s",
-                resource=self.resource, key=self.key, owner=None,
+                resource=self.resource,
+                key=self.key,
+                owner=None,
             )
         self._context_token = _current.set(self)
         return self
@@ -342,12 +371,15 @@ class Lock:
             if exc is None:
                 raise
             # Do not hide the body's own exception; the lock expires after its TTL.
-            logger.warning("Could not release %s after an error in the block", self.key,
-                           exc_info=True)
+            logger.warning(
+                "Could not release %s after an error in the block", self.key, exc_info=True
+            )
 
     def __repr__(self) -> str:
-        return (f"<Lock resource={self.resource!r} state={self.state.value} "
-                f"owner={self.owner} fence={self.fence}>")
+        return (
+            f"<Lock resource={self.resource!r} state={self.state.value} "
+            f"owner={self.owner} fence={self.fence}>"
+        )
 
 
 def lock(
@@ -364,8 +396,15 @@ def lock(
 
     Entering raises :class:`LockNotAcquired` if the lock stayed busy for ``wait`` seconds.
     """
-    return Lock(resource, ttl=ttl, wait=wait, heartbeat=heartbeat, max_hold=max_hold,
-                on_lost=on_lost, using=using)
+    return Lock(
+        resource,
+        ttl=ttl,
+        wait=wait,
+        heartbeat=heartbeat,
+        max_hold=max_hold,
+        on_lost=on_lost,
+        using=using,
+    )
 
 
 def current_lock() -> Lock | None:

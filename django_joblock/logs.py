@@ -23,7 +23,11 @@ def log_lock(level: int, outcome: str, lock: Lock, message: str, reason: str = "
     logger.log(
         level,
         "%s: %s (resource=%s owner=%s fence=%s)",
-        outcome, message, lock.resource, lock.owner, lock.fence,
+        outcome,
+        message,
+        lock.resource,
+        lock.owner,
+        lock.fence,
         extra={
             "job_id": lock.job_id or None,
             "resource": lock.resource,

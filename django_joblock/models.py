@@ -13,7 +13,9 @@ class FencedModel(models.Model):
     """Abstract model with the ``lock_fence`` column that :func:`fenced_update` compares."""
 
     lock_fence = models.BigIntegerField(
-        null=True, blank=True, editable=False,
+        null=True,
+        blank=True,
+        editable=False,
         help_text="Fence of the last lock holder that wrote this row.",
     )
 
@@ -38,17 +40,24 @@ class IdempotencyRecord(models.Model):
     scope = models.CharField(max_length=100, blank=True, default="")
     key = models.CharField(max_length=255)
     fingerprint = models.CharField(
-        max_length=64, blank=True, default="",
+        max_length=64,
+        blank=True,
+        default="",
         help_text="sha256 of the canonical arguments; the same key with other arguments is "
-                  "refused.",
+        "refused.",
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
-    owner = models.CharField(max_length=64, blank=True, default="",
-                             help_text="Token of the claim that holds (or held) the lease.")
-    fence = models.BigIntegerField(null=True, blank=True,
-                                   help_text="Fence of the lock held when claimed, if any.")
+    owner = models.CharField(
+        max_length=64,
+        blank=True,
+        default="",
+        help_text="Token of the claim that holds (or held) the lease.",
+    )
+    fence = models.BigIntegerField(
+        null=True, blank=True, help_text="Fence of the lock held when claimed, if any."
+    )
     rq_job_id = models.CharField(max_length=128, blank=True, default="")
     attempts = models.PositiveIntegerField(default=1)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -62,8 +71,9 @@ class IdempotencyRecord(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["scope", "key"], name="joblock_idem_scope_key"),
         ]
-        indexes = [models.Index(fields=["status", "lease_expires_at"],
-                                name="joblock_idem_status_lease")]
+        indexes = [
+            models.Index(fields=["status", "lease_expires_at"], name="joblock_idem_status_lease")
+        ]
 
     def __str__(self) -> str:
         return f"{self.scope}:{self.key}" if self.scope else self.key

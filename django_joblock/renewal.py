@@ -243,7 +243,7 @@ class Renewer:
             self._notify_lost(held, reason)
         for alias, items in work.items():
             for start in range(0, len(items), BATCH):
-                chunk = items[start:start + BATCH]
+                chunk = items[start : start + BATCH]
                 try:
                     self._send(alias, chunk)
                 finally:
@@ -302,9 +302,7 @@ class Renewer:
         wall_ms = time.time() * 1000
         for entry, _renew in items:
             held = entry.lock
-            scores[held.index_key][index_member(held.resource, held.owner)] = (
-                wall_ms + held.ttl_ms
-            )
+            scores[held.index_key][index_member(held.resource, held.owner)] = wall_ms + held.ttl_ms
             if (prefix, held.family) not in self._families:
                 new_families.add((prefix, held.family))
         for index_key, mapping in scores.items():
@@ -325,8 +323,9 @@ class Renewer:
                 entry.indexed = True
         self._renewed(renewing, replies[: len(renewing)], sent, client)
 
-    def _renewed(self, entries: list[_Entry], replies: Iterable[Any], sent: float,
-                 client: Any) -> None:
+    def _renewed(
+        self, entries: list[_Entry], replies: Iterable[Any], sent: float, client: Any
+    ) -> None:
         lost: list[tuple[Lock, str]] = []
         reload = False
         with self._cond:
@@ -373,8 +372,9 @@ class Renewer:
             held.state = LockState.SUSPECT
             log_lock(30, "renew_failed", held, "renewal failed; retrying", reason=repr(exc))
         # Retry soon, but do not hammer a server that just timed out.
-        entry.renew_due = time.monotonic() + min(held.heartbeat_interval / 2,
-                                                 max(0.02, self._timeout(held) / 2))
+        entry.renew_due = time.monotonic() + min(
+            held.heartbeat_interval / 2, max(0.02, self._timeout(held) / 2)
+        )
 
 
 _renewer: Renewer | None = None

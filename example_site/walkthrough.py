@@ -23,8 +23,11 @@ def main() -> int:
     try:
         get_redis_connection("default").ping()
     except Exception as exc:  # noqa: BLE001 - any failure means "no Redis here"
-        print(f"Redis does not answer at {os.environ.get('REDIS_URL', 'redis://127.0.0.1:6379/0')}"
-              f": {exc}\nStart one (redis-server) or set REDIS_URL.", file=sys.stderr)
+        print(
+            f"Redis does not answer at {os.environ.get('REDIS_URL', 'redis://127.0.0.1:6379/0')}"
+            f": {exc}\nStart one (redis-server) or set REDIS_URL.",
+            file=sys.stderr,
+        )
         return 2
     resource = f"walkthrough:{os.getpid()}"
     failures = 0
@@ -49,8 +52,10 @@ def main() -> int:
         first_fence = held.fence
     print("4. Released; the next holder gets a larger fence")
     with lock(resource, ttl=3) as again:
-        step(again.fence is not None and first_fence is not None and again.fence > first_fence,
-             f"fence {first_fence} -> {again.fence}")
+        step(
+            again.fence is not None and first_fence is not None and again.fence > first_fence,
+            f"fence {first_fence} -> {again.fence}",
+        )
     print("5. A holder without heartbeat whose TTL runs out loses the lock")
     short = lock(resource, ttl=0.5, heartbeat=False)
     short.acquire()

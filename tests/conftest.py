@@ -24,7 +24,8 @@ def redis_server() -> Iterator[harness.RedisServer | None]:
     if size:
         pytest.exit(
             f"Refusing to run: the Redis database at {harness.redis_url()} holds {size} keys and "
-            "the tests flush it. Point REDIS_URL at an empty database.", returncode=3,
+            "the tests flush it. Point REDIS_URL at an empty database.",
+            returncode=3,
         )
     yield None
 

@@ -17,8 +17,14 @@ def start(*args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
     env["JOBLOCK_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "tests.procs", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.procs", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run_all(client, commands: list[tuple[str, ...]], timeout: float = 120) -> list[str]:  # type: ignore[no-untyped-def]

@@ -111,6 +111,7 @@ def test_w011_eviction_policy(server, rconn):
     assert check_redis_server() == [], "negative control: noeviction is fine"
 
 
+@pytest.mark.django_db
 def test_deploy_checks_run_only_with_deploy():
     deploy_ids = {m.id for m in checks.run_checks(include_deployment_checks=True)}
     plain_ids = {m.id for m in checks.run_checks()}

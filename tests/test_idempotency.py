@@ -238,7 +238,8 @@ def test_purge_deletes_only_expired_in_batches():
         with idempotent(f"old:{i}") as claim:
             claim.succeed(i)
     IdempotencyRecord.objects.filter(key__startswith="old:").update(
-        expires_at=now - timezone.timedelta(seconds=1))
+        expires_at=now - timezone.timedelta(seconds=1)
+    )
     for i in range(5):
         with idempotent(f"live:{i}") as claim:
             claim.succeed(i)

@@ -4,37 +4,80 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='IdempotencyRecord',
+            name="IdempotencyRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('scope', models.CharField(blank=True, default='', max_length=100)),
-                ('key', models.CharField(max_length=255)),
-                ('fingerprint', models.CharField(blank=True, default='', help_text='sha256 of the canonical arguments; the same key with other arguments is refused.', max_length=64)),
-                ('status', models.CharField(choices=[('running', 'running'), ('succeeded', 'succeeded'), ('failed', 'failed')], default='running', max_length=16)),
-                ('result', models.JSONField(blank=True, null=True)),
-                ('error', models.TextField(blank=True, default='')),
-                ('owner', models.CharField(blank=True, default='', help_text='Token of the claim that holds (or held) the lease.', max_length=64)),
-                ('fence', models.BigIntegerField(blank=True, help_text='Fence of the lock held when claimed, if any.', null=True)),
-                ('rq_job_id', models.CharField(blank=True, default='', max_length=128)),
-                ('attempts', models.PositiveIntegerField(default=1)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField()),
-                ('updated_at', models.DateTimeField()),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('expires_at', models.DateTimeField(db_index=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("scope", models.CharField(blank=True, default="", max_length=100)),
+                ("key", models.CharField(max_length=255)),
+                (
+                    "fingerprint",
+                    models.CharField(
+                        blank=True,
+                        default="",
+                        help_text="sha256 of the canonical arguments; the same key with other arguments is refused.",
+                        max_length=64,
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("running", "running"),
+                            ("succeeded", "succeeded"),
+                            ("failed", "failed"),
+                        ],
+                        default="running",
+                        max_length=16,
+                    ),
+                ),
+                ("result", models.JSONField(blank=True, null=True)),
+                ("error", models.TextField(blank=True, default="")),
+                (
+                    "owner",
+                    models.CharField(
+                        blank=True,
+                        default="",
+                        help_text="Token of the claim that holds (or held) the lease.",
+                        max_length=64,
+                    ),
+                ),
+                (
+                    "fence",
+                    models.BigIntegerField(
+                        blank=True,
+                        help_text="Fence of the lock held when claimed, if any.",
+                        null=True,
+                    ),
+                ),
+                ("rq_job_id", models.CharField(blank=True, default="", max_length=128)),
+                ("attempts", models.PositiveIntegerField(default=1)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField()),
+                ("updated_at", models.DateTimeField()),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("expires_at", models.DateTimeField(db_index=True)),
             ],
             options={
-                'verbose_name': 'idempotency record',
-                'indexes': [models.Index(fields=['status', 'lease_expires_at'], name='joblock_idem_status_lease')],
-                'constraints': [models.UniqueConstraint(fields=('scope', 'key'), name='joblock_idem_scope_key')],
+                "verbose_name": "idempotency record",
+                "indexes": [
+                    models.Index(
+                        fields=["status", "lease_expires_at"], name="joblock_idem_status_lease"
+                    )
+                ],
+                "constraints": [
+                    models.UniqueConstraint(fields=("scope", "key"), name="joblock_idem_scope_key")
+                ],
             },
         ),
     ]

@@ -18,10 +18,15 @@ class Command(BaseCommand):
     help = "Delete idempotency records whose expires_at has passed, in batches."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--dry-run", action="store_true",
-                            help="Only count what would be deleted.")
-        parser.add_argument("--batch-size", type=int, default=1000,
-                            help="Records deleted per statement (default 1000).")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Only count what would be deleted."
+        )
+        parser.add_argument(
+            "--batch-size",
+            type=int,
+            default=1000,
+            help="Records deleted per statement (default 1000).",
+        )
         parser.add_argument("--database", default="default")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -38,8 +43,11 @@ class Command(BaseCommand):
             ids = list(expired.order_by("expires_at").values_list("pk", flat=True)[:batch])
             if not ids:
                 break
-            deleted, _ = (IdempotencyRecord.objects.using(options["database"])
-                          .filter(pk__in=ids, expires_at__lt=now).delete())
+            deleted, _ = (
+                IdempotencyRecord.objects.using(options["database"])
+                .filter(pk__in=ids, expires_at__lt=now)
+                .delete()
+            )
             total += deleted
             batches += 1
         self.stdout.write(f"Deleted {total} expired idempotency record(s) in {batches} batch(es).")
