@@ -22,6 +22,7 @@ from .exceptions import (
 )
 from .fencing import fenced_update
 from .idempotency import Claim, fingerprint_of, idempotent
+from .jobs import locked_job
 from .locks import Lock, LockState, current_lock, lock
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "fingerprint_of",
     "idempotent",
     "lock",
+    "locked_job",
 ]
 
 

@@ -12,7 +12,9 @@ Protocol (no read-then-write window):
 1. ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``: the first claimer of a key owns it.
    One statement on the happy path.
 2. Otherwise read the row. ``succeeded``: replay (``claim.done``; the ``duplicate_blocked``
-   signal is sent). ``running`` with a live lease: :class:`IdempotencyInProgress`. Another
+   signal is sent). ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it
+   was claimed under an older fence of the very lock this claim holds now (that claimer lost
+   the lock, so its claim is dead: taken over at once). Another
    fingerprint: :class:`IdempotencyKeyMismatch`. ``failed``, or ``running`` with an expired
    lease (its owner died): take it over with a compare-and-set ``UPDATE`` on the owner,
    status and attempts just read; ``attempts`` goes up by one. Losing that race reads again.
@@ -218,6 +220,7 @@ def claim(spec: idempotent) -> Claim:
 
     held = current_lock()
     fence = held.fence if held is not None and held.held else None
+    resource = held.resource if fence is not None and held is not None else ""
     job_id = _job_id()
     values = {
         "scope": spec.scope,
@@ -228,6 +231,7 @@ def claim(spec: idempotent) -> Claim:
         "error": "",
         "owner": token,
         "fence": fence,
+        "lock_resource": resource,
         "rq_job_id": job_id,
         "attempts": 1,
         "lease_expires_at": now + timedelta(seconds=spec.lease),
@@ -244,7 +248,15 @@ def claim(spec: idempotent) -> Claim:
             model.objects.using(spec.using)
             .filter(scope=spec.scope, key=spec.key)
             .values(
-                "id", "status", "fingerprint", "owner", "attempts", "lease_expires_at", "result"
+                "id",
+                "status",
+                "fingerprint",
+                "owner",
+                "attempts",
+                "lease_expires_at",
+                "result",
+                "fence",
+                "lock_resource",
             )
             .first()
         )
@@ -272,7 +284,17 @@ def claim(spec: idempotent) -> Claim:
             return done
         now = timezone.now()
         lease_until: datetime | None = row["lease_expires_at"]
-        if row["status"] == "running" and lease_until is not None and lease_until > now:
+        superseded = (
+            # Claimed under an older holding of the lock we hold now: that holder has lost
+            # the lock (we have it, with a larger fence), so its claim is dead whatever its
+            # lease says. This is what lets a retry run right after a SIGKILLed work horse.
+            fence is not None
+            and row["fence"] is not None
+            and row["lock_resource"] == resource
+            and row["fence"] < fence
+        )
+        live = row["status"] == "running" and lease_until is not None and lease_until > now
+        if live and not superseded and lease_until is not None:
             raise IdempotencyInProgress(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) is being processed by "
                 f"another claim (attempt {row['attempts']}, lease for another "
@@ -289,6 +311,7 @@ def claim(spec: idempotent) -> Claim:
                 attempts=F("attempts") + 1,
                 error="",
                 fence=fence,
+                lock_resource=resource,
                 rq_job_id=job_id,
                 updated_at=now,
                 finished_at=None,

@@ -413,5 +413,10 @@ def current_lock() -> Lock | None:
 
 
 def set_current_lock(held: Lock | None) -> contextvars.Token[Lock | None]:
-    """Make ``held`` the :func:`current_lock` (used by the RQ wrapper); reset with the token."""
+    """Make ``held`` the :func:`current_lock` (used by the RQ wrapper); undo with the token."""
     return _current.set(held)
+
+
+def reset_current_lock(token: contextvars.Token[Lock | None]) -> None:
+    """Undo :func:`set_current_lock`."""
+    _current.reset(token)

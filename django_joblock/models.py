@@ -58,6 +58,9 @@ class IdempotencyRecord(models.Model):
     fence = models.BigIntegerField(
         null=True, blank=True, help_text="Fence of the lock held when claimed, if any."
     )
+    lock_resource = models.CharField(
+        max_length=200, blank=True, default="", help_text="Resource of that lock."
+    )
     rq_job_id = models.CharField(max_length=128, blank=True, default="")
     attempts = models.PositiveIntegerField(default=1)
     lease_expires_at = models.DateTimeField(null=True, blank=True)

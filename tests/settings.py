@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,9 +23,12 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    "django_rq",
     "django_joblock",
     "tests.testapp",
 ]
+# django-rq's queues ride on the django-redis cache: @locked_job("default") resolves here.
+RQ_QUEUES = {"default": {"USE_REDIS_CACHE": "default"}, "other": {"USE_REDIS_CACHE": "default"}}
 
 _sqlite = f"sqlite:///{BASE_DIR.parent / '.test-db.sqlite3'}"
 DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _sqlite)}
@@ -57,7 +61,8 @@ CACHES = {
     "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }
 
-JOBLOCK: dict[str, object] = {}
+# Worker processes started by a test get that test's JOBLOCK through the environment.
+JOBLOCK: dict[str, object] = json.loads(os.environ.get("JOBLOCK_TEST_SETTINGS") or "{}")
 
 MIDDLEWARE = [
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -1,0 +1,222 @@
+"""The order of work inside the work horse, from the design article:
+
+1. acquire the lock on the *resource* (not the job id) -> the renewal thread heartbeats it;
+2. claim the idempotency key -> if an earlier run succeeded, return its stored result;
+3. run the function and record success **in the same database transaction** as its effect
+   (and only if the lock is still held at commit time);
+4. return (RQ acknowledges the job), release the lock if still ours.
+
+A busy lock (or a claim still running elsewhere) is a *conflict*, handled by ``on_conflict``:
+
+- ``"requeue"``: the job returns ``rq.Retry(interval=[delay])``. RQ (>= 2.x) then schedules the
+  *same job id* again after ``delay`` seconds, counting ``number_of_retries`` and leaving the
+  job's own exception-retry budget (``retries_left``) untouched: contention is not a failure.
+  The alternative, ``queue.enqueue_in()`` of a copy, would finish the original job as a fake
+  success and give the retry a new id, breaking ``job.id`` based tracking and dependents.
+  Delays are exponential with full jitter (``REQUEUE_BACKOFF``), in whole seconds because RQ
+  schedules in seconds, and need RQ's scheduler (``joblock_worker --with-scheduler``). After
+  ``max_wait`` (default ``REQUEUE_MAX_WAIT``) seconds of contention the job raises
+  :class:`LockContentionTimeout` and ends *failed*, visible in RQ's failed registry with the
+  reason: a valid job is never silently dropped.
+- ``"skip"``: finish without running (logged; ``job.meta["joblock"]["outcome"] = "skipped"``).
+- ``"fail"``: raise :class:`LockNotAcquired` (or :class:`IdempotencyInProgress`).
+
+Called inline (not by a worker running this job), ``"requeue"`` cannot requeue: it waits up to
+``ACQUIRE_WAIT`` seconds like ``lock()`` and then raises :class:`LockNotAcquired`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+from django.db import transaction
+from rq import Retry, get_current_job
+
+from . import conf
+from .abort import Abort
+from .backoff import full_jitter
+from .exceptions import (
+    IdempotencyInProgress,
+    LockBackendUnavailable,
+    LockContentionTimeout,
+    LockNotAcquired,
+)
+from .idempotency import fingerprint_of, idempotent
+from .jobs import JobSpec
+from .locks import Lock, reset_current_lock, set_current_lock
+from .logs import log_lock, logger
+from .signals import job_requeued
+
+# RQ fails a job that returned Retry more than ``max`` times; we give up by time instead.
+_RETRY_MAX = 10**6
+_MAX_DELAYS_KEPT = 50
+
+
+def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``spec.func(*args, **kwargs)`` under the safe flow (see the module docs)."""
+    arguments = spec.bind(args, kwargs)
+    resource = spec.resource(arguments)
+    key = spec.key(arguments)
+    job = _own_job(spec)
+    if resource is None:
+        try:
+            return _claim_and_run(spec, key, arguments, args, kwargs, None, job)
+        except IdempotencyInProgress as exc:
+            return _conflict(spec, job, None, exc)
+    abort = Abort()
+    held = Lock(
+        resource,
+        ttl=spec.ttl,
+        heartbeat=spec.heartbeat,
+        on_lost=lambda lock, reason: _lost(spec, abort, lock, reason),
+    )
+    if not held.acquire(wait=0.0 if job is not None else None):
+        return _conflict(spec, job, held, None)
+    token = set_current_lock(held)
+    try:
+        armed = abort if conf.get().ON_LOCK_LOST == "abort" else contextlib.nullcontext()
+        with armed:
+            return _claim_and_run(spec, key, arguments, args, kwargs, held, job)
+    except IdempotencyInProgress as exc:
+        return _conflict(spec, job, held, exc)
+    finally:
+        reset_current_lock(token)
+        try:
+            held.release()
+        except LockBackendUnavailable:
+            logger.warning(
+                "could not release %s after the job; it expires after its TTL",
+                held.key,
+                exc_info=True,
+            )
+
+
+def _own_job(spec: JobSpec[Any, Any]) -> Any:
+    """The RQ job running *this* function in this worker, or None (inline call)."""
+    job = get_current_job()
+    return job if job is not None and job.func_name == spec.name else None
+
+
+def _lost(spec: JobSpec[Any, Any], abort: Abort, held: Lock, reason: str) -> None:
+    abort.lost(held, reason)
+    if spec.on_lost is not None:
+        spec.on_lost(held, reason)
+
+
+def _fingerprint(arguments: dict[str, Any]) -> str:
+    try:
+        return fingerprint_of(arguments)
+    except TypeError:  # arguments RQ can pickle but JSON cannot: fall back to their repr
+        return fingerprint_of(repr(sorted(arguments.items())))
+
+
+def _claim_and_run(
+    spec: JobSpec[Any, Any],
+    key: str | None,
+    arguments: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    held: Lock | None,
+    job: Any,
+) -> Any:
+    if key is None:
+        return spec.func(*args, **kwargs)
+    with idempotent(key, scope=spec.name, fingerprint=_fingerprint(arguments)) as claim:
+        if claim.done:
+            _mark(job, "replayed")
+            logger.info(
+                "duplicate blocked: %s already done",
+                key,
+                extra={
+                    "job_id": getattr(job, "id", None),
+                    "outcome": "replayed",
+                    "reason": f"idempotency key {key!r} succeeded before",
+                },
+            )
+            return claim.result
+        with transaction.atomic(using=claim.using):
+            result = spec.func(*args, **kwargs)
+            if held is not None:
+                held.ensure_held()  # never commit the effect of a job that lost its lock
+            claim.succeed(result)
+        return result
+
+
+def _mark(job: Any, outcome: str, **extra: Any) -> None:
+    if job is None:
+        return
+    state = job.meta.setdefault("joblock", {})
+    state["outcome"] = outcome
+    state.update(extra)
+    job.save_meta()
+
+
+def _conflict(
+    spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
+) -> Any:
+    what = f"lock {held.resource!r} is busy" if held is not None else str(in_progress)
+    if spec.on_conflict == "skip":
+        _mark(job, "skipped", reason=what)
+        logger.info(
+            "skipped %s: %s",
+            spec.name,
+            what,
+            extra={"job_id": getattr(job, "id", None), "outcome": "skipped", "reason": what},
+        )
+        return None
+    if spec.on_conflict == "fail" or job is None:
+        if in_progress is not None:
+            raise in_progress
+        assert held is not None
+        suffix = "" if spec.on_conflict == "fail" else " (inline calls cannot be requeued)"
+        raise LockNotAcquired(
+            f"{spec.name}: lock busy{suffix}", resource=held.resource, key=held.key
+        )
+    return _requeue(spec, job, held, what)
+
+
+def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str) -> Retry:
+    settings = conf.get()
+    state = job.meta.setdefault("joblock", {})
+    now = time.time()
+    first = float(state.setdefault("first_contended", now))
+    attempt = int(state.get("requeues", 0))
+    limit = spec.max_wait if spec.max_wait is not None else settings.REQUEUE_MAX_WAIT
+    waited = now - first
+    resource = held.resource if held is not None else None
+    key = held.key if held is not None else None
+    if waited >= limit:
+        _mark(job, "gave_up", reason=what)
+        raise LockContentionTimeout(
+            f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
+            f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s",
+            resource=resource,
+            key=key,
+        )
+    backoff = settings.REQUEUE_BACKOFF
+    delay = full_jitter(attempt, base=backoff["base"], factor=backoff["factor"], cap=backoff["max"])
+    # RQ schedules in whole seconds (>= 1, as 0 would mean "now"); never far past the limit.
+    seconds = min(max(1, math.ceil(delay)), max(1, math.ceil(limit - waited)))
+    delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
+    _mark(job, "requeued", requeues=attempt + 1, delays=delays, reason=what)
+    job_requeued.send(sender=JobSpec, job=job, lock=held, delay=seconds)
+    if held is not None:
+        log_lock(
+            20,
+            "requeued",
+            held,
+            f"{spec.name} requeued in {seconds}s",
+            reason=f"{what}; attempt {attempt + 1}",
+        )
+    else:
+        logger.info(
+            "requeued %s in %ss: %s",
+            spec.name,
+            seconds,
+            what,
+            extra={"job_id": job.id, "outcome": "requeued", "reason": what},
+        )
+    return Retry(max=_RETRY_MAX, interval=[seconds])

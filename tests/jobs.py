@@ -1,0 +1,110 @@
+"""Jobs the worker-process tests enqueue (importable by the workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from django_redis import get_redis_connection
+
+from django_joblock import current_lock, fenced_update, locked_job
+from tests.testapp.models import Account
+
+
+def _redis():  # type: ignore[no-untyped-def]
+    return get_redis_connection("default")
+
+
+def _log_interval(label: str, seconds: float) -> None:
+    client = _redis()
+    started = time.time()
+    client.rpush("test:started", f"{label}:{os.getpid()}")
+    client.set(f"test:pid:{label}", os.getpid())
+    time.sleep(seconds)
+    client.rpush("test:intervals", f"{label}:{started}:{time.time()}")
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=2)
+def hold_resource(resource_id: int, label: str, seconds: float) -> str:
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=2, on_conflict="skip")
+def hold_or_skip(resource_id: int, label: str, seconds: float) -> str:
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=2, on_conflict="fail")
+def hold_or_fail(resource_id: int, label: str, seconds: float) -> str:
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=2, max_wait=3)
+def hold_with_short_wait(resource_id: int, label: str, seconds: float) -> str:
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="account:{name}", idempotency_key="credit:{credit_id}", ttl=2)
+def credit(name: str, credit_id: str, amount: int, seconds: float = 0.0) -> dict:
+    """Read-modify-write of an account balance, fenced, inside the job's transaction."""
+    client = _redis()
+    client.set(f"test:pid:{credit_id}", os.getpid())
+    client.rpush("test:started", f"{credit_id}:{os.getpid()}")
+    account = Account.objects.get(name=name)
+    time.sleep(seconds)
+    held = current_lock()
+    assert held is not None and held.fence is not None
+    fenced_update(
+        Account.objects.filter(pk=account.pk), held.fence, balance=account.balance + amount
+    )
+    client.incr(f"test:effects:{credit_id}")
+    return {"credited": amount}
+
+
+def _wait_for_flag(label: str, limit: float = 60.0) -> None:
+    client = _redis()
+    client.set(f"test:pid:{label}", os.getpid())
+    deadline = time.monotonic() + limit
+    while not client.exists(f"test:go:{label}"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(label)
+        time.sleep(0.02)
+
+
+@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail")
+def paused_write(name: str, label: str, value: int) -> int:
+    """Waits for its go flag (a test pauses it meanwhile), then writes through the fence."""
+    _wait_for_flag(label)
+    held = current_lock()
+    assert held is not None and held.fence is not None
+    fenced_update(Account.objects.filter(name=name), held.fence, balance=value)
+    _redis().rpush("test:written", label)
+    return value
+
+
+@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail")
+def unfenced_write(name: str, label: str, value: int) -> int:
+    """The same without fencing: a negative control."""
+    _wait_for_flag(label)
+    Account.objects.filter(name=name).update(balance=value)
+    _redis().rpush("test:written", label)
+    return value
+
+
+@locked_job("default", lock="account:{name}", idempotency_key="credit:{credit_id}", ttl=2)
+def credit_then_hang(name: str, credit_id: str, amount: int) -> dict:
+    """Writes the credit inside the job's transaction, then hangs until killed (first run) or
+    returns (later runs, when test:go:<credit_id> is set)."""
+    account = Account.objects.get(name=name)
+    held = current_lock()
+    assert held is not None and held.fence is not None
+    fenced_update(
+        Account.objects.filter(pk=account.pk), held.fence, balance=account.balance + amount
+    )
+    _redis().incr(f"test:runs:{credit_id}")
+    _wait_for_flag(credit_id)
+    return {"credited": amount}

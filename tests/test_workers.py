@@ -1,0 +1,210 @@
+"""@locked_job under real RQ worker processes, with real faults (SIGKILL, SIGSTOP, timeouts)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from rq import Retry
+from rq.job import JobStatus
+
+from django_joblock import IdempotencyRecord, lock
+from django_joblock.backoff import ceiling
+from tests import jobs
+from tests.harness import wait_for
+from tests.testapp.models import Account
+from tests.workers import Workers, intervals, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BACKOFF = {"base": 1, "factor": 2, "max": 8}
+DONE = {JobStatus.FINISHED, JobStatus.FAILED}
+
+
+@pytest.fixture
+def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": BACKOFF}
+    crew = Workers(settings.JOBLOCK)
+    yield crew
+    crew.stop()
+
+
+def _pid(rconn, label: str, timeout: float = 20) -> int:  # type: ignore[no-untyped-def]
+    assert wait_for(lambda: rconn.get(f"test:pid:{label}"), timeout), f"{label} never started"
+    return int(rconn.get(f"test:pid:{label}"))
+
+
+def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers, rconn):
+    workers.start(scheduler=True)
+    workers.start()
+    first = jobs.hold_resource.delay(1, "first", 6.0)
+    _pid(rconn, "first")
+    second = jobs.hold_resource.delay(1, "second", 0.2)
+    assert first.id != second.id
+    assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert wait_status(second, DONE, 40) is JobStatus.FINISHED, workers.logs()
+    spans = intervals(rconn)
+    assert spans["first"][1] <= spans["second"][0], f"jobs overlapped: {spans}"
+    state = second.get_meta(refresh=True)["joblock"]
+    delays = state["delays"]
+    assert state["requeues"] == len(delays) >= 2, state
+    for attempt, delay in enumerate(delays):
+        cap = ceiling(attempt, base=1, factor=2, cap=8)
+        assert 1 <= delay <= max(1, cap), (attempt, delay, delays)
+    # The ceilings the delays were drawn under grow: 1, 2, 4, ...
+    assert [ceiling(i, base=1, factor=2, cap=8) for i in range(len(delays))] == sorted(
+        ceiling(i, base=1, factor=2, cap=8) for i in range(len(delays))
+    )
+    assert second.retries_left is None, "contention must not spend the exception-retry budget"
+
+
+def test_duplicate_delivery_applies_the_effect_once(workers, rconn):
+    Account.objects.create(name="acct", balance=0)
+    workers.start(scheduler=True)
+    workers.start(simple=True)
+    deliveries = [jobs.credit.delay("acct", "C-1", 10) for _ in range(3)]
+    assert len({job.id for job in deliveries}) == 3
+    for job in deliveries:
+        assert wait_status(job, DONE, 40) is JobStatus.FINISHED, workers.logs()
+    assert Account.objects.get(name="acct").balance == 10
+    assert int(rconn.get("test:effects:C-1")) == 1
+    outcomes = [job.get_meta(refresh=True)["joblock"].get("outcome") for job in deliveries]
+    assert outcomes.count("replayed") == 2, outcomes
+    assert all(job.return_value() == {"credited": 10} for job in deliveries)
+    record = IdempotencyRecord.objects.get(key="credit:C-1")
+    assert record.status == "succeeded" and record.attempts == 1
+
+
+def test_sigkilled_horse_frees_the_lock_after_ttl_and_the_retry_applies_once(workers, rconn):
+    Account.objects.create(name="acct", balance=0)
+    workers.start(scheduler=True)
+    job = jobs.credit_then_hang.enqueue(("acct", "K-1", 10), retry=Retry(max=2, interval=1))
+    horse = _pid(rconn, "K-1")
+    assert horse not in {p.pid for p in workers.procs}, "expected a forked work horse"
+    lock_key = "joblock:{account:acct}:lock"
+    assert rconn.exists(lock_key)
+    os.kill(horse, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rconn.set("test:go:K-1", 1)  # the retry may finish
+    assert wait_for(lambda: not rconn.exists(lock_key), 10), "lock never freed"
+    assert time.monotonic() - killed_at <= 2.0 + 1.0, "freed by TTL (2 s), not held on"
+    assert wait_status(job, DONE, 40) is JobStatus.FINISHED, workers.logs()
+    assert int(rconn.get("test:runs:K-1")) == 2, "negative control: the first run did write"
+    assert Account.objects.get(name="acct").balance == 10, "the killed run's write rolled back"
+    record = IdempotencyRecord.objects.get(key="credit:K-1")
+    assert (record.status, record.attempts) == ("succeeded", 2)
+
+
+def test_orphaned_horse_keeps_its_lock_and_blocks_redelivery(workers, rconn):
+    parent = workers.start()
+    orphan = jobs.hold_resource.delay(2, "orphan", 6.0)
+    horse = _pid(rconn, "orphan")
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    workers.start(scheduler=True)
+    redelivered = jobs.hold_resource.delay(2, "redelivered", 0.1)
+    assert wait_status(redelivered, DONE, 40) is JobStatus.FINISHED, workers.logs()
+    assert wait_status(orphan, DONE, 30) is JobStatus.FINISHED, "the orphan finished its job"
+    spans = intervals(rconn)
+    assert spans["orphan"][1] <= spans["redelivered"][0], spans
+    # Negative control: the orphan held the lock three times its TTL, by heartbeat alone.
+    assert spans["orphan"][1] - spans["orphan"][0] >= 3 * 2.0
+    assert redelivered.get_meta(refresh=True)["joblock"]["requeues"] >= 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(horse, 0)
+
+
+def _stop_horse_past_ttl(workers, rconn, func, pause_mode: str):  # type: ignore[no-untyped-def]
+    Account.objects.create(name="acct", balance=0)
+    workers.start()
+    workers.start()
+    paused = func.delay("acct", "P", 1)
+    horse = _pid(rconn, "P")
+    os.kill(horse, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # past the 2 s TTL: the lock expires on the server
+        rconn.set("test:go:Q", 1)
+        newer = func.delay("acct", "Q", 2)
+        assert wait_status(newer, DONE, 30) is JobStatus.FINISHED, workers.logs()
+        assert Account.objects.get(name="acct").balance == 2
+        if pause_mode == "release":
+            rconn.set("test:go:P", 1)  # resume straight into the write
+    finally:
+        os.kill(horse, signal.SIGCONT)
+    return paused
+
+
+def test_sigstopped_horse_is_aborted_with_lock_lost(workers, rconn):
+    paused = _stop_horse_past_ttl(workers, rconn, jobs.paused_write, "hold")
+    assert wait_status(paused, DONE, 20) is JobStatus.FAILED, workers.logs()
+    assert "LockLost" in paused.latest_result().exc_string
+    assert Account.objects.get(name="acct").balance == 2
+    assert rconn.lrange("test:written", 0, -1) == [b"Q"]
+
+
+def test_stale_fenced_write_is_rejected_when_only_flagged(workers, rconn, settings):
+    settings.JOBLOCK = {**settings.JOBLOCK, "ON_LOCK_LOST": "flag"}
+    workers.joblock = settings.JOBLOCK
+    paused = _stop_horse_past_ttl(workers, rconn, jobs.paused_write, "release")
+    assert wait_status(paused, DONE, 20) is JobStatus.FAILED, workers.logs()
+    assert "StaleFence" in paused.latest_result().exc_string
+    assert Account.objects.get(name="acct").balance == 2, "the newer holder's write stands"
+
+
+def test_without_fencing_the_stale_write_lands(workers, rconn, settings):
+    """Negative control for the two tests above."""
+    settings.JOBLOCK = {**settings.JOBLOCK, "ON_LOCK_LOST": "flag"}
+    workers.joblock = settings.JOBLOCK
+    paused = _stop_horse_past_ttl(workers, rconn, jobs.unfenced_write, "release")
+    assert wait_status(paused, DONE, 20) is JobStatus.FINISHED, workers.logs()
+    assert Account.objects.get(name="acct").balance == 1, "the stale write overwrote 2"
+
+
+def test_resource_held_forever_fails_visibly_after_max_wait(workers, rconn):
+    with lock("res:9", ttl=5):
+        workers.start(scheduler=True)
+        job = jobs.hold_with_short_wait.delay(9, "never", 0.1)
+        assert wait_status(job, DONE, 40) is JobStatus.FAILED, workers.logs()
+    assert "LockContentionTimeout" in job.latest_result().exc_string
+    assert job.id in job.failed_job_registry.get_job_ids(cleanup=False)
+    assert job.get_meta(refresh=True)["joblock"]["outcome"] == "gave_up"
+    assert rconn.lrange("test:intervals", 0, -1) == []
+
+
+def test_skip_and_fail_policies(workers, rconn):
+    with lock("res:5", ttl=5):
+        workers.start(simple=True)
+        skipped = jobs.hold_or_skip.delay(5, "skipped", 0.1)
+        failed = jobs.hold_or_fail.delay(5, "failed", 0.1)
+        assert wait_status(skipped, DONE, 30) is JobStatus.FINISHED, workers.logs()
+        assert wait_status(failed, DONE, 30) is JobStatus.FAILED, workers.logs()
+    assert skipped.return_value() is None
+    assert skipped.get_meta(refresh=True)["joblock"]["outcome"] == "skipped"
+    assert "LockNotAcquired" in failed.latest_result().exc_string
+    assert rconn.lrange("test:intervals", 0, -1) == [], "neither body ran"
+
+
+def test_rq_job_timeout_releases_the_heartbeating_lock(workers, rconn):
+    workers.start()
+    job = jobs.hold_resource.enqueue((6, "timeout", 30.0), job_timeout=2)
+    _pid(rconn, "timeout")
+    lock_key = "joblock:{res:6}:lock"
+    assert rconn.exists(lock_key)
+    assert wait_status(job, DONE, 30) is JobStatus.FAILED, workers.logs()
+    assert "JobTimeoutException" in job.latest_result().exc_string
+    # Released by the job itself: with heartbeat the key would otherwise live on.
+    assert not rconn.exists(lock_key)
+
+
+def test_django_rq_rqworker_runs_locked_jobs(workers, rconn):
+    Account.objects.create(name="acct", balance=0)
+    workers.start(command="rqworker", burst=True)
+    job = jobs.credit.delay("acct", "D-1", 7)
+    # rqworker --burst may exit before the enqueue; start another burst worker if it did.
+    if workers.procs[0].wait(30) is not None and job.get_status(refresh=True) is JobStatus.QUEUED:
+        workers.start(command="rqworker", burst=True).wait(30)
+    assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert Account.objects.get(name="acct").balance == 7
