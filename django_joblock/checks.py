@@ -7,9 +7,12 @@ E003       a ``JOBLOCK`` value has the wrong type or range
 E004       ``HEARTBEAT_INTERVAL`` >= ``LOCK_TTL``
 E005       ``REDIS_ALIAS`` is not a django-redis cache in ``CACHES``
 W001       ``HEARTBEAT_INTERVAL`` > ``LOCK_TTL / 2``
+W002       a ``@locked_job`` with heartbeat off has a lock TTL shorter than its RQ job timeout
 W003       ``IDEMPOTENCY_TTL`` shorter than ``REQUEUE_MAX_WAIT``
+W004       a requeueing ``@locked_job`` waits longer (``max_wait``) than ``IDEMPOTENCY_TTL``
 W010       (deploy) Redis does not answer
 W011       (deploy) Redis ``maxmemory-policy`` can evict locks
+W012       (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
 =========  ==================================================================================
 """
 
@@ -94,3 +97,81 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
             )
         ]
     return []
+
+
+def _job_specs() -> list[Any]:
+    """Every ``@locked_job``, after importing the ``jobs`` / ``tasks`` modules of the apps."""
+    from django.utils.module_loading import autodiscover_modules
+
+    from .jobs import registry
+
+    autodiscover_modules("jobs", "tasks")
+    return sorted(registry.values(), key=lambda spec: spec.name)
+
+
+@register(Tags.compatibility, TAG)
+def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W002: TTL vs RQ job timeout without heartbeat; W004: idempotency TTL vs requeue window."""
+    if any(message.level >= Error.level for message in check_settings()):
+        return []
+    from .queues import get_queue
+
+    current = conf.get()
+    found: list[CheckMessage] = []
+    for spec in _job_specs():
+        ttl = spec.ttl if spec.ttl is not None else current.LOCK_TTL
+        timeout = spec.rq_options.get("job_timeout") or get_queue(spec.queue)._default_timeout
+        if spec.lock is not None and not spec.heartbeat and ttl < float(timeout):
+            found.append(
+                _message(
+                    "W002",
+                    f"{spec.name}: lock TTL {ttl:g}s is shorter than its RQ job timeout "
+                    f"{timeout}s with heartbeat off: a slow run loses its lock to a second worker.",
+                    hint="Turn heartbeat on, or make ttl longer than job_timeout.",
+                )
+            )
+        window = spec.max_wait if spec.max_wait is not None else current.REQUEUE_MAX_WAIT
+        if (
+            spec.idempotency_key is not None
+            and spec.on_conflict == "requeue"
+            and current.IDEMPOTENCY_TTL < window
+        ):
+            found.append(
+                _message(
+                    "W004",
+                    f"{spec.name}: requeues for up to {window:g}s but idempotency records expire "
+                    f"after {current.IDEMPOTENCY_TTL:g}s: a late duplicate could run again.",
+                    hint="Raise JOBLOCK['IDEMPOTENCY_TTL'] or lower max_wait.",
+                )
+            )
+    return found
+
+
+@register(Tags.compatibility, TAG, deploy=True)
+def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run."""
+    if check_redis_server():
+        return []
+    from rq.scheduler import RQScheduler
+
+    from .queues import get_queue, queue_name
+
+    found: list[CheckMessage] = []
+    seen: set[str] = set()
+    for spec in _job_specs():
+        name = queue_name(spec.queue)
+        if spec.on_conflict != "requeue" or name in seen:
+            continue
+        seen.add(name)
+        queue = get_queue(spec.queue)
+        if not queue.connection.exists(RQScheduler.get_locking_key(name)):
+            found.append(
+                _message(
+                    "W012",
+                    f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
+                    "contention with delays: requeued jobs would wait forever.",
+                    hint="Run one worker per queue with --with-scheduler "
+                    "(manage.py joblock_worker --with-scheduler).",
+                )
+            )
+    return found

@@ -1,0 +1,163 @@
+"""@locked_job: decoration-time and enqueue-time errors, inline calls, and its checks."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import override_settings
+from rq import Queue
+
+from django_joblock import (
+    IdempotencyRecord,
+    InvalidResource,
+    LockNotAcquired,
+    current_lock,
+    lock,
+    locked_job,
+)
+from django_joblock.checks import check_jobs, check_scheduler
+from django_joblock.jobs import registry
+from django_joblock.queues import get_queue
+from tests import jobs  # noqa: F401  (registers the worker tests' jobs)
+from tests.workers import Workers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def scratch_registry():  # type: ignore[no-untyped-def]
+    before = dict(registry)
+    yield
+    registry.clear()
+    registry.update(before)
+
+
+def test_unknown_template_field_fails_at_decoration():
+    with pytest.raises(ValueError, match="order_idd"):
+
+        @locked_job("default", lock="order:{order_idd}")
+        def refund(order_id: int) -> None: ...
+
+
+def test_positional_template_field_is_refused():
+    with pytest.raises(ValueError, match="positional"):
+
+        @locked_job("default", lock="order:{0}")
+        def refund(order_id: int) -> None: ...
+
+
+def test_bad_options_fail_at_decoration():
+    with pytest.raises(ValueError, match="on_conflict"):
+        locked_job("default", lock="x", on_conflict="retry")
+    with pytest.raises(ValueError, match="ttl"):
+        locked_job("default", lock="x", ttl=0)
+    with pytest.raises(ValueError, match="lock resource, an idempotency_key"):
+        locked_job("default")
+
+
+def test_bad_arguments_fail_at_enqueue_not_in_the_worker(scratch_registry, rconn):
+    @locked_job("default", lock="order:{order_id}")
+    def refund(order_id: str) -> None: ...
+
+    queue = get_queue("default")
+    with pytest.raises(InvalidResource, match="order:1 2"):
+        refund.delay("1 2")
+    with pytest.raises(TypeError, match="order_id"):
+        refund.delay()  # type: ignore[call-arg]
+    assert queue.count == 0, "nothing may be enqueued after a bad call"
+
+
+def test_delay_enqueues_with_metadata_and_rq_options(scratch_registry, rconn):
+    @locked_job(
+        "default", lock="order:{order_id}", idempotency_key="refund:{refund_id}", result_ttl=77
+    )
+    def refund(order_id: int, refund_id: str, description: str = "") -> None: ...
+
+    job = refund.delay(1, "R-1", description="not an RQ option here")
+    assert job.func_name == f"{__name__}.{refund.__qualname__}"
+    assert job.args == (1, "R-1")
+    assert job.kwargs == {"description": "not an RQ option here"}
+    assert job.meta["joblock"] == {"resource": "order:1", "idempotency_key": "refund:R-1"}
+    assert job.result_ttl == 77
+    assert refund.enqueue((2, "R-2"), job_timeout=9).timeout == 9
+
+
+def test_inline_call_runs_under_lock_and_idempotency(scratch_registry, rconn):
+    seen = []
+
+    @locked_job("default", lock="order:{order_id}", idempotency_key="refund:{refund_id}")
+    def refund(order_id: int, refund_id: str) -> dict:
+        held = current_lock()
+        assert held is not None and held.resource == f"order:{order_id}"
+        seen.append(held.fence)
+        return {"refund": refund_id}
+
+    assert refund(1, "R-1") == {"refund": "R-1"}
+    assert refund(1, "R-1") == {"refund": "R-1"}, "second call replays"
+    assert len(seen) == 1
+    record = IdempotencyRecord.objects.get(key="refund:R-1")
+    assert record.fence == seen[0] and record.lock_resource == "order:1"
+    assert not rconn.exists("joblock:{order:1}:lock"), "released after the call"
+
+
+def test_inline_conflict_raises_instead_of_requeueing(scratch_registry, rconn):
+    @locked_job("default", lock="order:{order_id}")
+    def refund(order_id: int) -> None:
+        pytest.fail("must not run while the lock is held")
+
+    with lock("order:5", ttl=5), pytest.raises(LockNotAcquired, match="inline"):
+        refund(5)
+
+
+def test_callable_templates(scratch_registry, rconn):
+    @locked_job("default", lock=lambda tenant, **_: f"tenant:{tenant.lower()}")
+    def rebuild(tenant: str) -> str:
+        held = current_lock()
+        assert held is not None
+        return held.resource
+
+    assert rebuild("ACME") == "tenant:acme"
+
+
+def test_queue_resolution(settings):
+    assert get_queue("default").__class__.__module__.startswith("django_rq")
+    plain = get_queue("not-in-rq-queues")
+    assert type(plain) is Queue and plain.name == "not-in-rq-queues"
+    mine = Queue("mine", connection=plain.connection)
+    assert get_queue(mine) is mine
+    with pytest.raises(ValueError, match="queue"):
+        get_queue("")
+
+
+def test_w002_ttl_shorter_than_job_timeout_without_heartbeat(scratch_registry):
+    @locked_job("default", lock="x:{a}", ttl=30, heartbeat=False, job_timeout=600)
+    def slow(a: int) -> None: ...
+
+    messages = [m for m in check_jobs() if m.id == "django_joblock.W002"]
+    assert len(messages) == 1 and "slow" in messages[0].msg
+
+    @locked_job("default", lock="x:{a}", ttl=30, heartbeat=True, job_timeout=600)
+    def slow_but_renewed(a: int) -> None: ...
+
+    assert len([m for m in check_jobs() if m.id == "django_joblock.W002"]) == 1
+
+
+@override_settings(JOBLOCK={"IDEMPOTENCY_TTL": 3600, "REQUEUE_MAX_WAIT": 60})
+def test_w004_job_waits_longer_than_records_live(scratch_registry):
+    @locked_job("default", lock="x:{a}", idempotency_key="k:{a}", max_wait=7200)
+    def late(a: int) -> None: ...
+
+    messages = [m for m in check_jobs() if m.id == "django_joblock.W004"]
+    assert [m.msg.split(":")[0] for m in messages] == [late.spec.name]
+
+
+def test_w012_no_scheduler_for_a_requeueing_queue(rconn):
+    assert [m.id for m in check_scheduler()] == ["django_joblock.W012"]
+    crew = Workers()
+    try:
+        crew.start(scheduler=True)
+        from tests.harness import wait_for
+
+        assert wait_for(lambda: rconn.exists("rq:scheduler-lock:default"), 20), crew.logs()
+        assert check_scheduler() == [], "negative control: a scheduler is running now"
+    finally:
+        crew.stop()
