@@ -116,10 +116,25 @@ def execute(client: Any, *args: Any) -> Any:
     mid-command is dropped, never returned to the pool half-read. Clients without a plain
     connection pool (e.g. Redis Cluster) take the regular path.
     """
+    reply = execute_many(client, [args])[0]
+    if isinstance(reply, ResponseError):
+        raise reply
+    return reply
+
+
+def execute_many(client: Any, commands: list[Any]) -> list[Any]:
+    """Send several commands in one round trip (a pipeline without MULTI) on the lean path.
+
+    Returns one reply per command; a command the server refused gives its ``ResponseError``
+    as its reply (the others still ran), any other failure raises.
+    """
     pool = getattr(client, "connection_pool", None)
     if pool is None or not hasattr(pool, "release"):
-        return client.execute_command(*args)
-    packed = pack(args)
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+    packed = b"".join(pack(tuple(command)) for command in commands)
     conn = _dedicated(pool)
     try:
         if conn._sock is not None and conn.can_read():
@@ -127,9 +142,13 @@ def execute(client: Any, *args: Any) -> Any:
             # sending, as the pool's own checkout does; the command was never sent.
             conn.disconnect()
         conn.send_packed_command([packed])
-        return conn.read_response()
-    except ResponseError:
-        raise  # the reply was read whole; the connection is fine
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:  # read whole: the connection is still in step
+                replies.append(exc)
+        return replies
     except BaseException:
         conn.disconnect()
         raise

@@ -152,26 +152,15 @@ def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run."""
     if check_redis_server():
         return []
-    from rq.scheduler import RQScheduler
+    from .monitoring import queues_without_scheduler
 
-    from .queues import get_queue, queue_name
-
-    found: list[CheckMessage] = []
-    seen: set[str] = set()
-    for spec in _job_specs():
-        name = queue_name(spec.queue)
-        if spec.on_conflict != "requeue" or name in seen:
-            continue
-        seen.add(name)
-        queue = get_queue(spec.queue)
-        if not queue.connection.exists(RQScheduler.get_locking_key(name)):
-            found.append(
-                _message(
-                    "W012",
-                    f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
-                    "contention with delays: requeued jobs would wait forever.",
-                    hint="Run one worker per queue with --with-scheduler "
-                    "(manage.py joblock_worker --with-scheduler).",
-                )
-            )
-    return found
+    return [
+        _message(
+            "W012",
+            f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
+            "contention with delays: requeued jobs would wait forever.",
+            hint="Run one worker per queue with --with-scheduler "
+            "(manage.py joblock_worker --with-scheduler).",
+        )
+        for name in queues_without_scheduler()
+    ]

@@ -54,6 +54,11 @@ DEFAULTS: dict[str, Any] = {
     "ALERTS": DEFAULT_ALERTS,
     # Upper bound of the socket timeout the renewal thread uses (it also stays below TTL/5).
     "RENEW_TIMEOUT": 2.0,
+    # Metrics in Redis: on/off, and how long the per-minute buckets are kept.
+    "METRICS": True,
+    "METRICS_RETENTION": DAY,
+    # Bearer token that may read the Prometheus view without a staff login (None: staff only).
+    "METRICS_TOKEN": None,
 }
 
 ON_LOCK_LOST_CHOICES = ("abort", "flag")
@@ -70,6 +75,7 @@ _NUMBERS = {
     "IDEMPOTENCY_LEASE": "positive",
     "STUCK_AFTER": "positive",
     "RENEW_TIMEOUT": "positive",
+    "METRICS_RETENTION": "positive",
 }
 
 
@@ -100,6 +106,9 @@ class JoblockSettings:
     STUCK_AFTER: float
     ALERTS: dict[str, float]
     RENEW_TIMEOUT: float
+    METRICS: bool
+    METRICS_RETENTION: float
+    METRICS_TOKEN: str | None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def heartbeat_interval(self, ttl: float) -> float:
@@ -181,6 +190,24 @@ def problems(raw: object) -> list[Problem]:
                 "E003",
                 "KEY_PREFIX",
                 f"JOBLOCK['KEY_PREFIX'] {prefix!r} may only use [A-Za-z0-9_.-] (at most 64).",
+            )
+        )
+    if not isinstance(raw.get("METRICS", True), bool):
+        found.append(
+            Problem(
+                "E003",
+                "METRICS",
+                f"JOBLOCK['METRICS'] must be True or False, got {raw['METRICS']!r}.",
+            )
+        )
+    token = raw.get("METRICS_TOKEN")
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        found.append(
+            Problem(
+                "E003",
+                "METRICS_TOKEN",
+                "JOBLOCK['METRICS_TOKEN'] must be None or "
+                "a secret string of at least 16 characters.",
             )
         )
     on_lost = raw.get("ON_LOCK_LOST", DEFAULTS["ON_LOCK_LOST"])

@@ -77,7 +77,12 @@ class StaleFence(LockError):
 
 
 class IdempotencyError(JoblockError):
-    """Base class of idempotency-record errors."""
+    """Base class of idempotency-record errors; carries ``key`` and ``scope``."""
+
+    def __init__(self, message: str, *, key: str | None = None, scope: str | None = None) -> None:
+        self.key = key
+        self.scope = scope
+        super().__init__(message)
 
 
 class IdempotencyKeyMismatch(IdempotencyError):

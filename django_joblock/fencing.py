@@ -38,6 +38,7 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
         lock_fence=fence, **values
     )
     if updated == 0:
+        _count_rejection()
         # Only on the rejection path: one more query so the error says what won.
         current = queryset.aggregate(current=Max("lock_fence"))["current"]
         model = queryset.model._meta.label
@@ -51,3 +52,13 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
             current=current,
         )
     return updated
+
+
+def _count_rejection() -> None:
+    from . import metrics
+    from .locks import _job_context, current_lock
+
+    held = current_lock()
+    metrics.count(
+        "stale_fence_rejections", held.family if held is not None else "", _job_context()[1]
+    )

@@ -47,13 +47,14 @@ from django.db import IntegrityError, connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from . import conf
+from . import conf, metrics
 from .exceptions import (
     IdempotencyClaimLost,
     IdempotencyError,
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
 )
+from .keys import family
 from .signals import duplicate_blocked
 
 MAX_KEY_LENGTH = 255
@@ -79,6 +80,12 @@ def _job_id() -> str:
     return _job_context()[0]
 
 
+def _job_func() -> str:
+    from .locks import _job_context
+
+    return _job_context()[1]
+
+
 @dataclass
 class Claim:
     """The outcome of claiming a key. ``done``: an earlier success, ``result`` its result."""
@@ -102,12 +109,18 @@ class Claim:
         :class:`IdempotencyError` on a replayed claim or a result that is not JSON.
         """
         if self.done:
-            raise IdempotencyError(f"Key {self.key!r} was already done; nothing to record.")
+            raise IdempotencyError(
+                f"Key {self.key!r} was already done; nothing to record.",
+                key=self.key,
+                scope=self.scope,
+            )
         try:
             json.dumps(result, cls=DjangoJSONEncoder)
         except (TypeError, ValueError) as exc:
             raise IdempotencyError(
-                f"Result for idempotency key {self.key!r} is not JSON-serialisable: {exc}"
+                f"Result for idempotency key {self.key!r} is not JSON-serialisable: {exc}",
+                key=self.key,
+                scope=self.scope,
             ) from exc
         now = timezone.now()
         updated = self._mine().update(
@@ -122,7 +135,9 @@ class Claim:
         if updated != 1:
             raise IdempotencyClaimLost(
                 f"Idempotency key {self.key!r} (scope {self.scope!r}): this claim's lease was "
-                "taken over by another claim; its success was not recorded."
+                "taken over by another claim; its success was not recorded.",
+                key=self.key,
+                scope=self.scope,
             )
         self._succeed_called = True
         self.result = result
@@ -266,7 +281,9 @@ def claim(spec: idempotent) -> Claim:
             raise IdempotencyKeyMismatch(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) was used with other "
                 f"arguments (fingerprint {row['fingerprint'][:12]}..., now "
-                f"{spec.fingerprint[:12]}...)."
+                f"{spec.fingerprint[:12]}...).",
+                key=spec.key,
+                scope=spec.scope,
             )
         if row["status"] == "succeeded":
             done = Claim(
@@ -281,6 +298,7 @@ def claim(spec: idempotent) -> Claim:
                 result=row["result"],
             )
             duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
+            metrics.count("duplicates_blocked", family(spec.key), _job_func())
             return done
         now = timezone.now()
         lease_until: datetime | None = row["lease_expires_at"]
@@ -298,7 +316,9 @@ def claim(spec: idempotent) -> Claim:
             raise IdempotencyInProgress(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) is being processed by "
                 f"another claim (attempt {row['attempts']}, lease for another "
-                f"{(lease_until - now).total_seconds():.1f}s)."
+                f"{(lease_until - now).total_seconds():.1f}s).",
+                key=spec.key,
+                scope=spec.scope,
             )
         taken = (
             model.objects.using(spec.using)
@@ -331,7 +351,9 @@ def claim(spec: idempotent) -> Claim:
             )
     raise IdempotencyInProgress(
         f"Idempotency key {spec.key!r} (scope {spec.scope!r}) changed hands "
-        f"{_TAKEOVER_TRIES} times while claiming; another claim is active."
+        f"{_TAKEOVER_TRIES} times while claiming; another claim is active.",
+        key=spec.key,
+        scope=spec.scope,
     )
 
 

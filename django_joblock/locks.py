@@ -31,11 +31,11 @@ from typing import Any
 from redis.exceptions import NoScriptError
 from rq import get_current_job as _get_current_job
 
-from . import conf, lua
-from .backend import REDIS_ERRORS, connection, unavailable
+from . import conf, lua, metrics
+from .backend import REDIS_ERRORS, connection, execute_many, unavailable
 from .backoff import full_jitter
 from .exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
-from .keys import LockKeys, owner_hash, validate_resource
+from .keys import LockKeys, index_member, owner_hash, validate_resource
 from .logs import log_lock, logger
 from .signals import lock_acquired, lock_contended, lock_released
 
@@ -152,6 +152,7 @@ class Lock:
         self.state: LockState = LockState.UNLOCKED
         self.lost_reason: str = ""
         self.job_id: str = ""
+        self.job_func: str = ""
         self.acquired_at: float | None = None  # monotonic
         # Local validity deadline (monotonic): send time of last confirmed acquire/renew
         # + ttl - drift. Written by the renewal thread, read by the owner; float stores are atomic.
@@ -233,23 +234,38 @@ class Lock:
             # A fresh token per acquisition: a late renew of the previous holding can never
             # extend this one.
             self.token = secrets.token_hex(16)
-        self.job_id, job_func, worker = _job_context()
+        self.job_id, self.job_func, worker = _job_context()
         client = self._client()
-        args = [self.token, self.ttl_ms, _FENCE_TTL, _HOST, _pid(), self.job_id, job_func, worker]
+        args = [
+            self.token,
+            self.ttl_ms,
+            _FENCE_TTL,
+            _HOST,
+            _pid(),
+            self.job_id,
+            self.job_func,
+            worker,
+        ]
         started = time.monotonic()
         deadline = started + wait
         attempt = 0
+        metrics.count("acquire_attempts", self.family, self.job_func)
         while True:
             sent = time.monotonic()
             try:
                 reply = lua.run(client, lua.ACQUIRE_SHA, [self.key, self.fence_key], args)
             except REDIS_ERRORS as exc:
+                metrics.count("acquire_errors", self.family, self.job_func)
                 raise self._unavailable(exc, "acquire the lock") from exc
             if reply > 0:
+                metrics.count("acquired", self.family, self.job_func)
+                metrics.observe("wait_seconds", self.family, self.job_func, sent - started)
                 self._on_acquired(reply, sent, waited=sent - started)
                 return True
             now = time.monotonic()
             if now >= deadline:
+                metrics.count("contended", self.family, self.job_func)
+                metrics.observe("wait_seconds", self.family, self.job_func, now - started)
                 lock_contended.send(sender=Lock, lock=self, waited=now - started)
                 log_lock(
                     20,
@@ -319,20 +335,28 @@ class Lock:
         indexed = renewer().remove(self)
         self.state = LockState.RELEASED
         held_for = time.monotonic() - (self.acquired_at or time.monotonic())
+        metrics.observe("hold_seconds", self.family, self.job_func, held_for)
         client = self._client()
+        commands: list[list[Any]] = [["EVALSHA", lua.RELEASE_SHA, 1, self.key, self.token]]
+        if indexed:
+            commands.append(["ZREM", self.index_key, index_member(self.resource, self.owner)])
+        # Metrics ride along with the release: inside a job always (the work horse may exit
+        # right after), elsewhere once a flush is due.
+        pending = metrics.take_for_flush(force=bool(self.job_id))
+        if pending:
+            commands.append(metrics.recorder().command(pending))
         try:
-            if indexed:
-                pipe = client.pipeline(transaction=False)
-                pipe.evalsha(lua.RELEASE_SHA, 1, self.key, self.token)
-                pipe.zrem(self.index_key, f"{self.resource}#{self.owner}")
-                try:
-                    code = lua.Outcome(pipe.execute()[0])
-                except NoScriptError:  # server restarted: the ZREM ran, redo the release alone
-                    code = lua.Outcome(lua.run(client, lua.RELEASE_SHA, [self.key], [self.token]))
-            else:
-                code = lua.Outcome(lua.run(client, lua.RELEASE_SHA, [self.key], [self.token]))
+            replies = execute_many(client, commands)
+            for index, reply in enumerate(replies):
+                if isinstance(reply, NoScriptError):  # Redis restarted: load and run it again
+                    replies[index] = lua.run_args(client, commands[index])
+                elif isinstance(reply, Exception):
+                    raise reply
         except REDIS_ERRORS as exc:
+            if pending:
+                metrics.recorder().restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
+        code = lua.Outcome(replies[0])
         released = code is lua.Outcome.OK
         lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
         log_lock(

@@ -89,6 +89,20 @@ return 0
 """
 
 
+METRICS = """
+-- Add buffered metric increments to the current time bucket and to the all-time totals.
+-- KEYS[1] bucket hash, KEYS[2] totals hash (same {metrics} hash tag)
+-- ARGV[1] bucket retention in seconds, then field, increment pairs
+-- Returns the number of fields written.
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return (#ARGV - 1) / 2
+"""
+
+
 class Outcome(enum.IntEnum):
     """Return codes of RENEW and RELEASE."""
 
@@ -108,7 +122,8 @@ def sha(script: str) -> str:
 ACQUIRE_SHA = sha(ACQUIRE)
 RENEW_SHA = sha(RENEW)
 RELEASE_SHA = sha(RELEASE)
-_SOURCES = {ACQUIRE_SHA: ACQUIRE, RENEW_SHA: RENEW, RELEASE_SHA: RELEASE}
+METRICS_SHA = sha(METRICS)
+_SOURCES = {ACQUIRE_SHA: ACQUIRE, RENEW_SHA: RENEW, RELEASE_SHA: RELEASE, METRICS_SHA: METRICS}
 
 
 def busy_pttl_ms(reply: int) -> int:
@@ -120,6 +135,15 @@ def load_all(client: Any) -> None:
     """Load every script into the server's script cache (after a restart or SCRIPT FLUSH)."""
     for source in _SOURCES.values():
         client.script_load(source)
+
+
+def run_args(client: Any, command: list[Any]) -> Any:
+    """Run a prepared ``["EVALSHA", sha, numkeys, ...]`` command, loading the script if needed."""
+    try:
+        return execute(client, *command)
+    except NoScriptError:
+        execute(client, "SCRIPT", "LOAD", _SOURCES[command[1]])
+        return execute(client, *command)
 
 
 def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:

@@ -37,7 +37,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from . import conf, lua
+from . import conf, lua, metrics
 from .backend import connection, renewal_client
 from .keys import families_key, index_member
 from .locks import Lock, LockState
@@ -173,6 +173,7 @@ class Renewer:
         held.state = LockState.LOST
         held.lost_reason = reason
         self._stats.lost += 1
+        metrics.count("lost", held.family, held.job_func)
 
     def _notify_lost(self, held: Lock, reason: str) -> None:
         log_lock(30, "lost", held, "lock lost", reason=reason)
@@ -197,6 +198,7 @@ class Renewer:
 
     def _step(self) -> bool:
         started_cpu = time.thread_time()
+        self._flush_metrics()  # outside the condition: network I/O must not block add()
         lost: list[tuple[Lock, str]] = []
         work: dict[str, list[tuple[_Entry, bool]]] = defaultdict(list)
         with self._cond:
@@ -256,6 +258,21 @@ class Renewer:
             self._stats.cpu_seconds += time.thread_time() - started_cpu
         return True
 
+    def _flush_metrics(self) -> bool:
+        """Flush the process's metric buffer if due; True if it sent something."""
+        pending = metrics.take_for_flush(force=False)
+        if not pending:
+            return False
+        alias = conf.get().REDIS_ALIAS
+        found = self._clients.get(alias)
+        client = found[0] if found is not None else connection(alias)
+        try:
+            lua.run_args(client, metrics.recorder().command(pending))
+        except Exception:  # noqa: BLE001 - Redis trouble: keep the counts for the next flush
+            metrics.recorder().restore(pending)
+            return False
+        return True
+
     def _sleep(self, now: float) -> None:
         """Wait for the next due entry (caller holds the condition).
 
@@ -269,9 +286,13 @@ class Renewer:
         if self._heap:
             self._idle_since = None
             self._wake_at = self._heap[0][0]
+            if metrics.recorder().pending():
+                self._wake_at = min(self._wake_at, now + metrics.FLUSH_INTERVAL)
         elif self._idle_since is None or now - self._idle_since < IDLE_STOP:
             self._idle_since = now if self._idle_since is None else self._idle_since
             self._wake_at = now + IDLE_POLL
+        elif metrics.recorder().pending():
+            self._wake_at = now + metrics.FLUSH_INTERVAL
         else:
             self._wake_at = math.inf
         self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
@@ -338,12 +359,14 @@ class Renewer:
                     entry.renew_due = 0.0
                 elif isinstance(reply, Exception):
                     self._stats.renew_failed += 1
+                    metrics.count("renew_failed", held.family, held.job_func)
                     self._suspect(entry, sent, reply)
                 elif reply == lua.Outcome.OK:
                     held.confirm_renewed(sent)
                     entry.failures = 0
                     entry.renew_due = sent + held.heartbeat_interval
                     self._stats.renewed += 1
+                    metrics.count("renewed", held.family, held.job_func)
                 else:
                     reason = lua.Outcome(reply).reason
                     del self._entries[held]
@@ -363,6 +386,7 @@ class Renewer:
             for entry in entries:
                 if self._entries.get(entry.lock) is entry:
                     self._stats.renew_failed += 1
+                    metrics.count("renew_failed", entry.lock.family, entry.lock.job_func)
                     self._suspect(entry, sent, exc)
 
     def _suspect(self, entry: _Entry, sent: float, exc: BaseException) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from django.db import transaction
 from rq import Retry, get_current_job
 
-from . import conf
+from . import conf, metrics
 from .abort import Abort
 from .backoff import full_jitter
 from .exceptions import (
@@ -46,6 +46,7 @@ from .exceptions import (
 )
 from .idempotency import fingerprint_of, idempotent
 from .jobs import JobSpec
+from .keys import family
 from .locks import Lock, reset_current_lock, set_current_lock
 from .logs import log_lock, logger
 from .signals import job_requeued
@@ -157,8 +158,25 @@ def _mark(job: Any, outcome: str, **extra: Any) -> None:
 def _conflict(
     spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
 ) -> Any:
+    try:
+        return _handle_conflict(spec, job, held, in_progress)
+    finally:
+        if job is not None:
+            metrics.flush_now()  # the work horse may exit right after this job
+
+
+def _family(held: Lock | None, in_progress: IdempotencyInProgress | None) -> str:
+    if held is not None:
+        return held.family
+    return family(getattr(in_progress, "key", "") or "")
+
+
+def _handle_conflict(
+    spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
+) -> Any:
     what = f"lock {held.resource!r} is busy" if held is not None else str(in_progress)
     if spec.on_conflict == "skip":
+        metrics.count("skipped", _family(held, in_progress), spec.name)
         _mark(job, "skipped", reason=what)
         logger.info(
             "skipped %s: %s",
@@ -175,10 +193,10 @@ def _conflict(
         raise LockNotAcquired(
             f"{spec.name}: lock busy{suffix}", resource=held.resource, key=held.key
         )
-    return _requeue(spec, job, held, what)
+    return _requeue(spec, job, held, what, _family(held, in_progress))
 
 
-def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str) -> Retry:
+def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fam: str) -> Retry:
     settings = conf.get()
     state = job.meta.setdefault("joblock", {})
     now = time.time()
@@ -189,6 +207,7 @@ def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str) ->
     resource = held.resource if held is not None else None
     key = held.key if held is not None else None
     if waited >= limit:
+        metrics.count("given_up", fam, spec.name)
         _mark(job, "gave_up", reason=what)
         raise LockContentionTimeout(
             f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
@@ -201,6 +220,7 @@ def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str) ->
     # RQ schedules in whole seconds (>= 1, as 0 would mean "now"); never far past the limit.
     seconds = min(max(1, math.ceil(delay)), max(1, math.ceil(limit - waited)))
     delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
+    metrics.count("requeued", fam, spec.name)
     _mark(job, "requeued", requeues=attempt + 1, delays=delays, reason=what)
     job_requeued.send(sender=JobSpec, job=job, lock=held, delay=seconds)
     if held is not None:

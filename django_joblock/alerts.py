@@ -1,0 +1,131 @@
+"""Alerts from ``JOBLOCK["ALERTS"]`` thresholds, computed from :mod:`monitoring` reads.
+
+===================  ==========================================================================
+``contention``       a family's busy acquires / acquire attempts over ``WINDOW`` seconds is at
+                     least ``CONTENTION_RATIO`` (with at least ``MIN_ATTEMPTS`` attempts)
+``renew_failures``   at least ``RENEW_FAILURES`` failed renewals in ``WINDOW`` seconds
+``long_hold``        a lock held ``HOLD_FACTOR`` times longer than its family's usual (p95) hold
+                     time, and longer than ``MIN_HOLD`` seconds
+``active_growth``    active locks grew without ever falling for ``ACTIVE_GROWTH`` seconds
+``no_scheduler``     a queue whose jobs requeue with delays has no RQ scheduler
+===================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from . import conf, monitoring
+
+MIN_ATTEMPTS = 20  # below this, a ratio is noise
+MIN_HOLD = 5.0  # seconds; a lock held less than this never counts as "far too long"
+MIN_HOLD_SAMPLES = 20
+
+
+@dataclass
+class Alert:
+    name: str
+    family: str
+    message: str
+    value: float
+    threshold: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def evaluate(now: float | None = None) -> list[Alert]:
+    """Every alert firing now. Records an active-lock sample as a side effect (the history the
+    growth alert needs is built by whoever evaluates: the command, the dashboard, the
+    Prometheus scrape)."""
+    now = time.time() if now is None else now
+    limits = conf.get().ALERTS
+    recent = monitoring.window(limits["WINDOW"], now=now)
+    fired: list[Alert] = []
+    for family in sorted(recent.families()):
+        attempts = recent.total("acquire_attempts", family)
+        busy = recent.total("contended", family)
+        if attempts >= MIN_ATTEMPTS and busy / attempts >= limits["CONTENTION_RATIO"]:
+            fired.append(
+                Alert(
+                    "contention",
+                    family,
+                    f"{busy} of {attempts} acquires of {family!r} found the lock "
+                    f"busy in the last {limits['WINDOW']:g}s",
+                    busy / attempts,
+                    limits["CONTENTION_RATIO"],
+                )
+            )
+    failed = recent.total("renew_failed")
+    if failed >= limits["RENEW_FAILURES"]:
+        fired.append(
+            Alert(
+                "renew_failures",
+                "",
+                f"{failed} lock renewals failed in the last {limits['WINDOW']:g}s",
+                failed,
+                limits["RENEW_FAILURES"],
+            )
+        )
+    fired += _long_holds(limits["HOLD_FACTOR"])
+    fired += _growth(limits["ACTIVE_GROWTH"], now)
+    for queue in monitoring.queues_without_scheduler():
+        fired.append(
+            Alert(
+                "no_scheduler",
+                "",
+                f"no RQ scheduler for queue {queue!r}, whose jobs requeue on contention",
+                1,
+                0,
+            )
+        )
+    return fired
+
+
+def _long_holds(factor: float) -> list[Alert]:
+    history = monitoring.totals()
+    fired = []
+    usual: dict[str, float | None] = {}
+    for held in monitoring.active_locks():
+        if held.family not in usual:
+            counts = history.merged_histogram("hold_seconds", held.family)
+            enough = sum(counts) >= MIN_HOLD_SAMPLES
+            usual[held.family] = monitoring.percentile(counts, 0.95) if enough else None
+        p95 = usual[held.family]
+        if p95 is not None and held.held_for > max(MIN_HOLD, factor * p95):
+            fired.append(
+                Alert(
+                    "long_hold",
+                    held.family,
+                    f"{held.resource} held for {held.held_for:.0f}s by "
+                    f"{held.host}:{held.pid} (job {held.job_id or '-'}); the family's "
+                    f"p95 hold is {p95:g}s",
+                    held.held_for,
+                    factor * p95,
+                )
+            )
+    return fired
+
+
+def _growth(period: float, now: float) -> list[Alert]:
+    total = sum(monitoring.active_counts().values())
+    monitoring.record_active_sample(total, now=now)
+    samples = monitoring.active_samples(now - period)
+    if len(samples) < 3 or samples[-1][0] - samples[0][0] < period * 0.9:
+        return []
+    counts = [count for _at, count in samples]
+    if all(b >= a for a, b in itertools.pairwise(counts)) and counts[-1] > counts[0]:
+        return [
+            Alert(
+                "active_growth",
+                "",
+                f"active locks grew from {counts[0]} to {counts[-1]} "
+                f"over {period:g}s without falling",
+                counts[-1],
+                counts[0],
+            )
+        ]
+    return []

@@ -1,0 +1,35 @@
+"""``manage.py joblock_alerts [--json]``: print the alerts firing now; exit 1 if any fires.
+
+Run it from cron (or a monitoring agent) every minute: each run also records the active-lock
+count that the ``active_growth`` alert compares over time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from django_joblock.alerts import evaluate
+
+
+class Command(BaseCommand):
+    help = "Evaluate django-joblock alerts; exit status 1 when any fires."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--json", action="store_true", help="Print the alerts as JSON.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        fired = evaluate()
+        if options["json"]:
+            self.stdout.write(json.dumps([alert.as_dict() for alert in fired], indent=2))
+        elif not fired:
+            self.stdout.write("No alerts.")
+        else:
+            for alert in fired:
+                where = f" [{alert.family}]" if alert.family else ""
+                self.stdout.write(f"ALERT {alert.name}{where}: {alert.message}")
+        if fired:
+            sys.exit(1)

@@ -1,0 +1,39 @@
+"""The Prometheus metrics view: staff login, or ``Authorization: Bearer <METRICS_TOKEN>``."""
+
+from __future__ import annotations
+
+import hmac
+
+from django.http import HttpRequest, HttpResponse
+
+from . import conf
+
+
+def _authorized(request: HttpRequest) -> bool:
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated and user.is_staff:
+        return True
+    token = conf.get().METRICS_TOKEN
+    header = request.headers.get("Authorization", "")
+    if token and header.startswith("Bearer "):
+        return hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode())
+    return False
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text exposition of django-joblock's metrics."""
+    if not _authorized(request):
+        response = HttpResponse("Authentication required.", status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="django-joblock metrics"'
+        return response
+    try:
+        from .prometheus import exposition
+    except ImportError:
+        return HttpResponse(
+            "Install django-joblock[prometheus] for this view.",
+            status=501,
+            content_type="text/plain",
+        )
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return HttpResponse(exposition(), content_type=CONTENT_TYPE_LATEST)
