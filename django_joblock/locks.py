@@ -249,23 +249,21 @@ class Lock:
         started = time.monotonic()
         deadline = started + wait
         attempt = 0
-        metrics.count("acquire_attempts", self.family, self.job_func)
         while True:
             sent = time.monotonic()
             try:
                 reply = lua.run(client, lua.ACQUIRE_SHA, [self.key, self.fence_key], args)
             except REDIS_ERRORS as exc:
+                metrics.count("acquire_attempts", self.family, self.job_func)
                 metrics.count("acquire_errors", self.family, self.job_func)
                 raise self._unavailable(exc, "acquire the lock") from exc
             if reply > 0:
-                metrics.count("acquired", self.family, self.job_func)
-                metrics.observe("wait_seconds", self.family, self.job_func, sent - started)
+                metrics.record_acquire(self.family, self.job_func, sent - started, acquired=True)
                 self._on_acquired(reply, sent, waited=sent - started)
                 return True
             now = time.monotonic()
             if now >= deadline:
-                metrics.count("contended", self.family, self.job_func)
-                metrics.observe("wait_seconds", self.family, self.job_func, now - started)
+                metrics.record_acquire(self.family, self.job_func, now - started, acquired=False)
                 lock_contended.send(sender=Lock, lock=self, waited=now - started)
                 log_lock(
                     20,

@@ -164,12 +164,21 @@ def recorder() -> Recorder:
     the parent's to flush)."""
     global _recorder
     current = _recorder
-    if current is not None and current.pid == os.getpid():
+    if current is not None:
         return current
     with _recorder_lock:
-        if _recorder is None or _recorder.pid != os.getpid():
+        if _recorder is None:
             _recorder = Recorder()
         return _recorder
+
+
+def _after_fork_in_child() -> None:
+    global _recorder, _recorder_lock
+    _recorder = None
+    _recorder_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def enabled() -> bool:
@@ -186,6 +195,20 @@ def observe(metric: str, family: str, func: str, seconds: float) -> None:
     """Record one observation of histogram ``metric`` (buffered)."""
     if enabled():
         recorder().observe(metric, family, func, seconds)
+
+
+def record_acquire(family: str, func: str, waited: float, *, acquired: bool) -> None:
+    """One ``acquire()`` call's counters and wait time, in one buffer update (hot path)."""
+    if not conf.get().METRICS:
+        return
+    labels = f"|{family}|{func}"
+    current = recorder()
+    with current._lock:
+        pending = current._pending
+        pending["acquire_attempts" + labels] += 1
+        pending[("acquired" if acquired else "contended") + labels] += 1
+        pending[f"wait_seconds:b{bisect.bisect_left(BOUNDS, waited)}{labels}"] += 1
+        pending["wait_seconds:sum_us" + labels] += int(waited * 1_000_000)
 
 
 def take_for_flush(*, force: bool) -> dict[str, int]:

@@ -98,7 +98,6 @@ class Renewer:
         self._idle_since: float | None = None
         self._thread: threading.Thread | None = None
         self._clients: dict[str, tuple[Any, float]] = {}
-        self._families: set[tuple[str, str]] = set()
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
@@ -319,17 +318,18 @@ class Renewer:
         for entry in renewing:
             pipe.evalsha(lua.RENEW_SHA, 1, entry.lock.key, entry.lock.token, entry.lock.ttl_ms)
         scores: dict[str, dict[str, float]] = defaultdict(dict)
-        new_families: set[tuple[str, str]] = set()
+        families: set[str] = set()
         wall_ms = time.time() * 1000
         for entry, _renew in items:
             held = entry.lock
             scores[held.index_key][index_member(held.resource, held.owner)] = wall_ms + held.ttl_ms
-            if (prefix, held.family) not in self._families:
-                new_families.add((prefix, held.family))
+            families.add(held.family)
         for index_key, mapping in scores.items():
             pipe.zadd(index_key, mapping)
-        for fam_prefix, fam in new_families:
-            pipe.sadd(families_key(fam_prefix), fam)
+        if families:
+            # Every batch, not once per process: the set must come back after a FLUSHDB or a
+            # Redis restart without persistence. One SADD per batch costs next to nothing.
+            pipe.sadd(families_key(prefix), *sorted(families))
         sent = time.monotonic()
         try:
             replies = pipe.execute(raise_on_error=False)
@@ -339,7 +339,6 @@ class Renewer:
         with self._cond:
             self._stats.round_trips += 1
             self._stats.index_writes += len(items)
-            self._families |= new_families
             for entry, _renew in items:
                 entry.indexed = True
         self._renewed(renewing, replies[: len(renewing)], sent, client)

@@ -64,8 +64,10 @@ def _reset_connections() -> None:
 @pytest.fixture(autouse=True)
 def clean_redis(redis_server: harness.RedisServer | None) -> Iterator[None]:
     """Each test starts on an empty Redis, with no lock left over from the previous one."""
+    from django_joblock import metrics
     from django_joblock.renewal import renewer
 
+    metrics.recorder().take()  # nothing buffered by an earlier test leaks into this one
     client = redis.Redis.from_url(harness.redis_url())
     client.flushdb()
     yield

@@ -1,0 +1,275 @@
+"""Metrics, Prometheus export, structured logs and alerts (real Redis, real workers)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from rq.job import JobStatus
+
+from django_joblock import (
+    LockBackendUnavailable,
+    StaleFence,
+    alerts,
+    fenced_update,
+    idempotent,
+    lock,
+    metrics,
+    monitoring,
+)
+from django_joblock.jobs import registry
+from django_joblock.prometheus import exposition
+from django_joblock.renewal import renewer
+from tests import jobs
+from tests.harness import wait_for
+from tests.testapp.models import Account
+from tests.workers import Workers, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def totals() -> monitoring.Series:
+    metrics.flush_now()
+    return monitoring.totals()
+
+
+def hist_count(series: monitoring.Series, metric: str, family: str) -> int:
+    return sum(series.merged_histogram(metric, family))
+
+
+def test_each_lock_event_counts_exactly_once(rconn):
+    with lock("order:1", ttl=5):
+        assert not lock("order:1", ttl=5).acquire()
+    with pytest.raises(LockBackendUnavailable):
+        lock("order:2", using="down").acquire()
+    seen = totals()
+    assert seen.counters["acquire_attempts"][("order", "")] == 3
+    assert seen.counters["acquired"][("order", "")] == 1
+    assert seen.counters["contended"][("order", "")] == 1
+    assert seen.counters["acquire_errors"][("order", "")] == 1
+    assert hist_count(seen, "hold_seconds", "order") == 1
+    assert hist_count(seen, "wait_seconds", "order") == 2
+    assert set(seen.families()) == {"order"}, "grouped by family, never by resource"
+
+
+def test_renewals_and_loss_count_once_each(rconn):
+    before = renewer().stats()
+    held = lock("report:1", ttl=0.6)
+    assert held.acquire()
+    time.sleep(1.0)
+    rconn.pexpire(held.key, 1)
+    assert wait_for(lambda: held.lost, 2.0)
+    held.release()
+    after = renewer().stats()
+    seen = totals()
+    assert seen.counters["renewed"][("report", "")] == after.renewed - before.renewed >= 2
+    assert seen.counters["lost"][("report", "")] == after.lost - before.lost == 1
+
+
+def test_renew_failures_count_once_each(proxy, rconn):
+    before = renewer().stats()
+    held = lock("report:2", ttl=1.0, using="proxied")
+    assert held.acquire()
+    proxy.set("blackhole")
+    assert wait_for(lambda: held.lost, 3.0)
+    proxy.set("forward")
+    failed = renewer().stats().renew_failed - before.renew_failed
+    assert failed >= 1
+    assert totals().counters["renew_failed"][("report", "")] == failed
+
+
+def test_duplicates_and_stale_fences_count_once(rconn):
+    Account.objects.create(name="a")
+    for _ in range(2):
+        with idempotent("refund:1") as claim:
+            if not claim.done:
+                claim.succeed(1)
+    fenced_update(Account.objects.filter(name="a"), 10, balance=1)
+    with pytest.raises(StaleFence):
+        fenced_update(Account.objects.filter(name="a"), 5, balance=2)
+    seen = totals()
+    assert seen.counters["duplicates_blocked"][("refund", "")] == 1
+    assert seen.total("stale_fence_rejections") == 1
+
+
+def test_counts_from_forked_work_horses_are_not_lost(rconn, settings):
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 2}}
+    crew = Workers(settings.JOBLOCK)
+    try:
+        crew.start(scheduler=True)
+        crew.start()
+        first = jobs.hold_resource.delay(3, "m-first", 2.5)
+        assert wait_for(lambda: rconn.get("test:pid:m-first"), 20)
+        second = jobs.hold_resource.delay(3, "m-second", 0.1)
+        for job in (first, second):
+            assert wait_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 40) is (
+                JobStatus.FINISHED
+            ), crew.logs()
+    finally:
+        crew.stop()
+    requeues = second.get_meta(refresh=True)["joblock"]["requeues"]
+    label = ("res", jobs.hold_resource.spec.name)
+    seen = totals()
+    assert seen.counters["acquired"][label] == 2
+    assert seen.counters["acquire_attempts"][label] == 2 + requeues
+    assert seen.counters["contended"][label] == requeues
+    assert seen.counters["requeued"][label] == requeues >= 1
+    assert sum(seen.histograms["hold_seconds"][label]) == 2
+
+
+def test_percentiles_read_back_within_one_bucket(rconn):
+    import random
+
+    rng = random.Random(7)
+    values = sorted(10 ** rng.uniform(-3, 1.5) for _ in range(2000))  # 1 ms .. 30 s
+    for value in values:
+        metrics.observe("hold_seconds", "synthetic", "", value)
+    metrics.flush_now()
+    counts = monitoring.window(120).merged_histogram("hold_seconds", "synthetic")
+    assert sum(counts) == len(values)
+    for q in (0.5, 0.95, 0.99):
+        true = values[int(q * len(values)) - 1]
+        estimate = monitoring.percentile(counts, q)
+        assert estimate is not None
+        assert abs(metrics.bucket_of(estimate) - metrics.bucket_of(true)) <= 1, (q, true, estimate)
+
+
+def test_prometheus_output_parses_and_follows_conventions(rconn):
+    with lock("order:123", ttl=5):
+        assert not lock("order:123").acquire()
+    metrics.flush_now()
+    text = exposition().decode()
+    families = list(text_string_to_metric_families(text))
+    names = {family.name for family in families}
+    assert {"joblock_acquired", "joblock_hold_seconds", "joblock_active_locks"} <= names
+    for family in families:
+        assert family.name.startswith("joblock_")
+        for sample in family.samples:
+            if family.type == "counter":
+                assert sample.name.endswith(("_total", "_created"))
+            if family.type == "histogram":
+                assert family.name.endswith("_seconds")
+            assert set(sample.labels) <= {"family", "function", "le"}
+            assert all("order:123" not in value for value in sample.labels.values())
+    assert "order:123" not in text
+
+
+def test_metrics_view_requires_staff_or_token(client, admin_client, settings):
+    url = "/joblock/metrics/"
+    assert client.get(url).status_code == 401
+    assert admin_client.get(url).status_code == 200
+    settings.JOBLOCK = {"METRICS_TOKEN": "s3cret-token-for-prometheus"}
+    assert client.get(url, HTTP_AUTHORIZATION="Bearer wrong-token-xxxxxxxxxx").status_code == 401
+    ok = client.get(url, HTTP_AUTHORIZATION="Bearer s3cret-token-for-prometheus")
+    assert ok.status_code == 200 and ok["Content-Type"].startswith("text/plain")
+    assert b"# TYPE joblock_hold_seconds histogram" in ok.content
+
+
+def test_log_records_carry_extras_and_never_the_token(caplog, rconn):
+    caplog.set_level(logging.DEBUG, logger="django_joblock")
+    held = lock("order:55", ttl=0.6)
+    assert held.acquire()
+    assert not lock("order:55", ttl=1).acquire()
+    rconn.pexpire(held.key, 1)
+    assert wait_for(lambda: held.lost, 2.0)
+    held.release()
+    records = [r for r in caplog.records if r.name == "django_joblock"]
+    outcomes = {r.outcome for r in records}
+    assert {"acquired", "contended", "lost", "released"} <= outcomes
+    fields = (
+        "job_id",
+        "resource",
+        "lock_key",
+        "lock_owner",
+        "lock_ttl",
+        "fence",
+        "outcome",
+        "reason",
+    )
+    for record in records:
+        for name in fields:
+            assert hasattr(record, name), (record.getMessage(), name)
+        assert record.resource == "order:55" and len(record.lock_owner) == 12
+        assert held.token not in record.getMessage()
+        assert all(held.token not in str(getattr(record, name)) for name in fields)
+
+
+@pytest.fixture
+def no_jobs():  # type: ignore[no-untyped-def]
+    saved = dict(registry)
+    registry.clear()
+    yield
+    registry.update(saved)
+
+
+def names(fired: list[alerts.Alert]) -> list[str]:
+    return [alert.name for alert in fired]
+
+
+def test_healthy_run_raises_no_alert(no_jobs, rconn):
+    for i in range(30):
+        with lock(f"order:{i}", ttl=5):
+            pass
+    metrics.flush_now()
+    assert alerts.evaluate() == []
+
+
+def test_contention_alert(no_jobs, rconn):
+    with lock("order:1", ttl=5):
+        for _ in range(25):
+            assert not lock("order:1").acquire()
+    metrics.flush_now()
+    assert names(alerts.evaluate()) == ["contention"]
+
+
+def test_renew_failures_alert(no_jobs, rconn, settings):
+    settings.JOBLOCK = {"ALERTS": {"RENEW_FAILURES": 3}}
+    metrics.count("renew_failed", "order", "", n=3)
+    metrics.flush_now()
+    assert names(alerts.evaluate()) == ["renew_failures"]
+
+
+def test_long_hold_alert(no_jobs, rconn, monkeypatch):
+    monkeypatch.setattr(alerts, "MIN_HOLD", 1.0)
+    for _ in range(30):
+        metrics.observe("hold_seconds", "order", "", 0.02)
+    metrics.flush_now()
+    with lock("order:9", ttl=5):
+        assert wait_for(lambda: monitoring.active_locks(), 3)
+        assert alerts.evaluate() == [], "negative control: not long yet"
+        time.sleep(1.0)
+        fired = alerts.evaluate()
+    assert names(fired) == ["long_hold"] and "order:9" in fired[0].message
+
+
+def test_active_growth_alert(no_jobs, rconn, settings):
+    settings.JOBLOCK = {"ALERTS": {"ACTIVE_GROWTH": 90}}
+    now = time.time()
+    monitoring.record_active_sample(0, now=now - 89)
+    monitoring.record_active_sample(1, now=now - 45)
+    held = [lock(f"order:{i}", ttl=5) for i in range(2)]
+    for one in held:
+        assert one.acquire()
+    assert wait_for(lambda: sum(monitoring.active_counts().values()) == 2, 3)
+    assert names(alerts.evaluate(now=now)) == ["active_growth"]
+    for one in held:
+        one.release()
+    assert alerts.evaluate(now=now + 1) == [], "it fell: quiet again"
+
+
+def test_no_scheduler_alert_and_joblock_alerts_exit_status(rconn):
+    from django.core.management import call_command
+
+    assert "no_scheduler" in names(alerts.evaluate())
+    with pytest.raises(SystemExit) as exit_info:
+        call_command("joblock_alerts", "--json")
+    assert exit_info.value.code == 1
+    crew = Workers()
+    try:
+        crew.start(scheduler=True)
+        assert wait_for(lambda: rconn.exists("rq:scheduler-lock:default"), 20), crew.logs()
+        assert "no_scheduler" not in names(alerts.evaluate())
+    finally:
+        crew.stop()
