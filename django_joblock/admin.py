@@ -1,16 +1,30 @@
-"""Django admin for django-joblock: the read-only IdempotencyRecord list."""
+"""Django admin for django-joblock: the "Job locks" dashboard with audited force release, the
+read-only idempotency records and the lock audit log. Thin: the data comes from
+:mod:`dashboard`, the actions from :mod:`control`."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.core.serializers.json import DjangoJSONEncoder
-from django.http import HttpRequest
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    HttpResponseNotAllowed,
+)
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
 from django.utils.html import format_html
 
-from .models import IdempotencyRecord
+from . import control, dashboard, monitoring
+from .keys import family, validate_resource
+from .models import Dashboard, IdempotencyRecord, LockAudit
 
 
 @admin.register(IdempotencyRecord)
@@ -52,6 +66,138 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         from .keys import owner_hash
 
         return owner_hash(obj.owner) if obj.owner else ""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Dashboard)
+class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The "Job locks" page: every staff user may look; releasing needs the permission."""
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.is_active and request.user.is_staff)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self.has_module_permission(request)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("release/", wrap(self.release_view), name="django_joblock_release"),
+            path("", wrap(self.changelist_view), name="django_joblock_dashboard_changelist"),
+        ]
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        started = time.perf_counter()
+        data = dashboard.build(
+            family=request.GET.get("family") or None,
+            health_filter=request.GET.get("health") or None,
+        )
+        context = {
+            **self.admin_site.each_context(request),
+            **data,
+            "title": "Job locks",
+            "opts": self.model._meta,
+            "can_release": request.user.has_perm("django_joblock.force_release_lock"),
+        }
+        response = TemplateResponse(request, "admin/django_joblock/dashboard.html", context)
+        response.render()
+        context["server_ms"] = (time.perf_counter() - started) * 1000
+        response["Server-Timing"] = f"dashboard;dur={context['server_ms']:.1f}"
+        return response
+
+    def release_view(self, request: HttpRequest) -> HttpResponse:
+        """GET: a confirmation page (changes nothing). POST: compare-and-delete + audit."""
+        if not request.user.has_perm("django_joblock.force_release_lock"):
+            raise PermissionDenied
+        source = request.POST if request.method == "POST" else request.GET
+        resource, owner = source.get("resource", ""), source.get("owner", "")
+        try:
+            validate_resource(resource)
+        except ValueError as exc:
+            return HttpResponseBadRequest(str(exc))
+        errors = []
+        if request.method == "POST":
+            reason = request.POST.get("reason", "").strip()
+            if not reason:
+                errors.append("A reason is required.")
+            elif not owner:
+                errors.append("The owner shown on the page is missing.")
+            else:
+                result = control.force_release(
+                    resource,
+                    owner=owner,
+                    reason=reason,
+                    user=request.user,
+                    actor=request.user.get_username(),
+                )
+                if result.released:
+                    self.log_change(
+                        request,
+                        result.audit,
+                        f"Force-released lock {resource} (owner {owner}): {reason}",
+                    )
+                    messages.success(request, f"Released {resource}: {reason}")
+                else:
+                    messages.error(request, f"Not released: {result.outcome}")
+                return redirect("admin:django_joblock_dashboard_changelist")
+        elif request.method != "GET":
+            return HttpResponseNotAllowed(["GET", "POST"])
+        current = [
+            row
+            for row in monitoring.active_locks(family=family(resource), limit=5000)
+            if row.resource == resource
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Force-release {resource}?",
+            "opts": self.model._meta,
+            "resource": resource,
+            "owner": owner,
+            "lock": current[0] if current else None,
+            "errors": errors,
+        }
+        return TemplateResponse(request, "admin/django_joblock/release_confirm.html", context)
+
+
+@admin.register(LockAudit)
+class LockAuditAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """The append-only audit log of operator actions on locks (read-only)."""
+
+    list_display = ("created_at", "action", "resource", "owner", "released", "actor", "reason")
+    list_filter = ("action", "released")
+    search_fields = ("resource", "actor", "reason")
+    readonly_fields = (
+        "created_at",
+        "action",
+        "resource",
+        "owner",
+        "fence",
+        "holder",
+        "reason",
+        "released",
+        "outcome",
+        "user",
+        "actor",
+    )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

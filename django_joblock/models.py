@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 
 
@@ -80,3 +81,60 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scope}:{self.key}" if self.scope else self.key
+
+
+class Dashboard(models.Model):
+    """No table: the admin entry "Job locks" and its permissions.
+
+    ``force_release_lock`` lets a staff user release somebody else's lock from the dashboard
+    (or the ``joblock_release`` command is used by someone with shell access).
+    """
+
+    class Meta:
+        managed = False
+        verbose_name = "job locks"
+        verbose_name_plural = "job locks"
+        default_permissions = ()
+        permissions = [("force_release_lock", "Can force-release a lock held by a job")]
+
+
+class LockAudit(models.Model):
+    """Append-only record of every operator action on a lock (force release, reap)."""
+
+    class Action(models.TextChoices):
+        FORCE_RELEASE = "force_release", "force release"
+        REAP = "reap", "reap (holder dead)"
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    action = models.CharField(max_length=32, choices=Action.choices)
+    resource = models.CharField(max_length=200, db_index=True)
+    owner = models.CharField(max_length=16, help_text="Hash of the released owner's token.")
+    fence = models.BigIntegerField(null=True, blank=True)
+    holder = models.JSONField(default=dict, help_text="Holder details at release time.")
+    reason = models.TextField()
+    released = models.BooleanField(help_text="False when refused (owner changed, gone).")
+    outcome = models.CharField(max_length=200)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    actor = models.CharField(max_length=150, help_text="User name, or the command that acted.")
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "lock audit entry"
+        verbose_name_plural = "lock audit log"
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.resource} by {self.actor}"
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        if self.pk is not None:
+            raise ValueError("LockAudit rows are append-only.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args: object, **kwargs: object) -> tuple[int, dict[str, int]]:
+        raise ValueError("LockAudit rows are append-only.")

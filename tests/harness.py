@@ -200,3 +200,17 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.01) -> bool:
         if value or time.monotonic() > deadline:
             return bool(value)
         time.sleep(interval)
+
+
+def expire_now(client: Any, key: str) -> None:
+    """``PEXPIRE key 1`` until the key is really gone.
+
+    A renewal landing within that millisecond would replace the TTL and keep the lock alive;
+    the fault must really happen for the test to mean anything.
+    """
+    for _ in range(100):
+        client.pexpire(key, 1)
+        time.sleep(0.005)
+        if not client.exists(key):
+            return
+    raise AssertionError(f"{key} would not expire")

@@ -8,7 +8,7 @@ import time
 from django_joblock import LockState, lock
 from django_joblock.renewal import renewer
 from django_joblock.signals import lock_lost
-from tests.harness import wait_for
+from tests.harness import expire_now, wait_for
 
 
 class LostRecorder:
@@ -48,7 +48,7 @@ def test_server_side_expiry_is_detected_within_one_interval(rconn):
     recorder = LostRecorder()
     held = lock("report:2", ttl=1.5, on_lost=recorder)
     assert held.acquire()
-    rconn.pexpire(held.key, 1)
+    expire_now(rconn, held.key)
     fault_at = time.monotonic()
     assert recorder.event.wait(held.heartbeat_interval + 0.5), "loss not noticed"
     assert recorder.at - fault_at <= held.heartbeat_interval + 0.5

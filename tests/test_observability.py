@@ -23,7 +23,7 @@ from django_joblock.jobs import registry
 from django_joblock.prometheus import exposition
 from django_joblock.renewal import renewer
 from tests import jobs
-from tests.harness import wait_for
+from tests.harness import expire_now, wait_for
 from tests.testapp.models import Account
 from tests.workers import Workers, wait_status
 
@@ -59,7 +59,7 @@ def test_renewals_and_loss_count_once_each(rconn):
     held = lock("report:1", ttl=0.6)
     assert held.acquire()
     time.sleep(1.0)
-    rconn.pexpire(held.key, 1)
+    expire_now(rconn, held.key)
     assert wait_for(lambda: held.lost, 2.0)
     held.release()
     after = renewer().stats()
@@ -172,7 +172,7 @@ def test_log_records_carry_extras_and_never_the_token(caplog, rconn):
     held = lock("order:55", ttl=0.6)
     assert held.acquire()
     assert not lock("order:55", ttl=1).acquire()
-    rconn.pexpire(held.key, 1)
+    expire_now(rconn, held.key)
     assert wait_for(lambda: held.lost, 2.0)
     held.release()
     records = [r for r in caplog.records if r.name == "django_joblock"]

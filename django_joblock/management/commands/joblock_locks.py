@@ -1,0 +1,53 @@
+"""``manage.py joblock_locks [--family F] [--stuck] [--json]``: the active locks and holders.
+
+JSON output: a list of objects with ``resource``, ``family``, ``owner`` (token hash),
+``fence``, ``host``, ``pid``, ``job_id``, ``job_func``, ``worker``, ``acquired_ms``,
+``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds) and ``health``
+(``healthy`` / ``holder dead`` / ``overdue``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandParser
+
+from django_joblock.health import HEALTHY, lock_health
+from django_joblock.monitoring import active_locks
+
+
+class Command(BaseCommand):
+    help = "List active django-joblock locks with their holders and health."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--family", help="Only this family (the part before the first ':').")
+        parser.add_argument(
+            "--stuck",
+            action="store_true",
+            help="Only locks whose holder is dead or that are overdue.",
+        )
+        parser.add_argument("--json", action="store_true", help="Print JSON.")
+        parser.add_argument("--limit", type=int, default=1000, help="At most this many per family.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        locks = active_locks(family=options["family"], limit=options["limit"])
+        health = lock_health(locks)
+        rows = [{**held.as_dict(), "health": health.get(held.resource, HEALTHY)} for held in locks]
+        if options["stuck"]:
+            rows = [row for row in rows if row["health"] != HEALTHY]
+        for row in rows:
+            row.pop("token_hash", None)
+        if options["json"]:
+            self.stdout.write(json.dumps(rows, indent=2))
+            return
+        if not rows:
+            self.stdout.write("No active locks." if not options["stuck"] else "No stuck locks.")
+            return
+        for row in rows:
+            self.stdout.write(
+                f"{row['resource']:40} {row['health']:12} fence={row['fence']} "
+                f"held={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
+                f"holder={row['host']}:{row['pid']} job={row['job_id'] or '-'} "
+                f"worker={row['worker'] or '-'} owner={row['owner']}"
+            )

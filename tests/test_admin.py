@@ -1,0 +1,244 @@
+"""The "Job locks" admin page, audited force release, and the lock commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from io import StringIO
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
+from django.test import Client
+
+from django_joblock import lock
+from django_joblock.models import LockAudit
+from tests.harness import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DASHBOARD = "/admin/django_joblock/dashboard/"
+RELEASE = "/admin/django_joblock/dashboard/release/"
+
+
+def user(name: str, *, staff: bool = True, can_release: bool = False) -> Client:
+    account = User.objects.create_user(name, password="pw", is_staff=staff)
+    if can_release:
+        account.user_permissions.add(Permission.objects.get(codename="force_release_lock"))
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(account)
+    return client
+
+
+def held_lock(resource: str = "order:1", ttl: float = 30):  # type: ignore[no-untyped-def]
+    held = lock(resource, ttl=ttl)
+    assert held.acquire()
+    assert wait_for(lambda: held.held and _indexed(held), 3.0)
+    return held
+
+
+def _indexed(held) -> bool:  # type: ignore[no-untyped-def]
+    from django_joblock.monitoring import active_locks
+
+    return any(row.resource == held.resource for row in active_locks())
+
+
+def csrf_post(client: Client, url: str, data: dict[str, str]):  # type: ignore[no-untyped-def]
+    page = client.get(url, {k: v for k, v in data.items() if k != "reason"})
+    token = (
+        page.cookies["csrftoken"].value
+        if "csrftoken" in page.cookies
+        else (client.cookies["csrftoken"].value)
+    )
+    return client.post(url, {**data, "csrfmiddlewaretoken": token})
+
+
+def test_anonymous_gets_the_login_page():
+    response = Client().get(DASHBOARD)
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_staff_without_permission_sees_but_cannot_release(rconn):
+    held = held_lock()
+    viewer = user("viewer")
+    page = viewer.get(DASHBOARD)
+    assert page.status_code == 200
+    assert b"order:1" in page.content and b"Force release" not in page.content
+    assert viewer.get(RELEASE, {"resource": "order:1", "owner": held.owner}).status_code == 403
+    assert (
+        viewer.post(
+            RELEASE, {"resource": "order:1", "owner": held.owner, "reason": "x"}
+        ).status_code
+        == 403
+    )
+    assert held.held and LockAudit.objects.count() == 0
+    held.release()
+
+
+def test_non_staff_is_refused():
+    response = user("outsider", staff=False).get(DASHBOARD)
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_permitted_user_releases_with_reason_audit_and_log_entry(rconn):
+    held = held_lock()
+    operator = user("operator", can_release=True)
+    assert b"Force release" in operator.get(DASHBOARD).content
+    confirm = operator.get(RELEASE, {"resource": "order:1", "owner": held.owner})
+    assert confirm.status_code == 200 and held.owner.encode() in confirm.content
+    assert rconn.exists(held.key), "GET never mutates"
+    response = csrf_post(
+        operator,
+        RELEASE,
+        {"resource": "order:1", "owner": held.owner, "reason": "worker wedged, ticket OPS-12"},
+    )
+    assert response.status_code == 302
+    assert not rconn.exists(held.key)
+    audit = LockAudit.objects.get()
+    assert (audit.released, audit.resource, audit.owner) == (True, "order:1", held.owner)
+    assert audit.reason == "worker wedged, ticket OPS-12" and audit.actor == "operator"
+    assert audit.user is not None and audit.holder["pid"] == str(os.getpid())
+    entry = LogEntry.objects.get()
+    assert "order:1" in entry.change_message and entry.user.username == "operator"
+    assert held.release() is False, "the original holder finds it gone"
+
+
+def test_reason_is_required(rconn):
+    held = held_lock()
+    operator = user("operator", can_release=True)
+    response = csrf_post(
+        operator, RELEASE, {"resource": "order:1", "owner": held.owner, "reason": "   "}
+    )
+    assert response.status_code == 200 and b"A reason is required" in response.content
+    assert rconn.exists(held.key) and LockAudit.objects.count() == 0
+    held.release()
+
+
+def test_csrf_is_enforced(rconn):
+    held = held_lock()
+    operator = user("operator", can_release=True)
+    response = operator.post(
+        RELEASE, {"resource": "order:1", "owner": held.owner, "reason": "no token"}
+    )
+    assert response.status_code == 403
+    assert rconn.exists(held.key)
+    held.release()
+
+
+def test_lock_that_changed_owner_since_the_page_is_refused(rconn):
+    first = held_lock(ttl=0.5)
+    operator = user("operator", can_release=True)
+    shown_owner = first.owner
+    assert operator.get(RELEASE, {"resource": "order:1", "owner": shown_owner}).status_code == 200
+    rconn.delete(first.key)  # the first holder's lock vanished ...
+    second = lock("order:1", ttl=30)
+    assert second.acquire()  # ... and someone else holds it now
+    response = csrf_post(
+        operator, RELEASE, {"resource": "order:1", "owner": shown_owner, "reason": "stale page"}
+    )
+    assert response.status_code == 302
+    assert rconn.hget(second.key, "token").decode() == second.token, "the new owner keeps it"
+    audit = LockAudit.objects.get()
+    assert audit.released is False and "changed owner" in audit.outcome
+    assert LogEntry.objects.count() == 0
+    second.release()
+
+
+def test_audit_rows_are_append_only(rconn):
+    held = held_lock()
+    call_command("joblock_release", "order:1", "--reason", "cli", stdout=StringIO())
+    audit = LockAudit.objects.get()
+    with pytest.raises(ValueError, match="append-only"):
+        audit.reason = "rewritten"
+        audit.save()
+    with pytest.raises(ValueError, match="append-only"):
+        audit.delete()
+    assert held.release() is False
+
+
+def test_joblock_release_command_with_token(rconn):
+    held = held_lock()
+    with pytest.raises(SystemExit):
+        call_command(
+            "joblock_release", "order:1", "--reason", "r", "--token", "0" * 12, stdout=StringIO()
+        )
+    assert rconn.exists(held.key)
+    out = StringIO()
+    call_command("joblock_release", "order:1", "--reason", "r", "--token", held.owner, stdout=out)
+    assert "released" in out.getvalue() and not rconn.exists(held.key)
+    assert LockAudit.objects.filter(released=True).count() == 1
+
+
+def test_joblock_locks_json_lists_documented_fields(rconn):
+    held = held_lock("tenant:7:cache")
+    out = StringIO()
+    call_command("joblock_locks", "--json", stdout=out)
+    rows = json.loads(out.getvalue())
+    assert [row["resource"] for row in rows] == ["tenant:7:cache"]
+    expected = {
+        "resource",
+        "family",
+        "owner",
+        "fence",
+        "host",
+        "pid",
+        "job_id",
+        "job_func",
+        "worker",
+        "acquired_ms",
+        "renewed_ms",
+        "renewals",
+        "ttl_ms",
+        "pttl_ms",
+        "held_for",
+        "health",
+    }
+    assert set(rows[0]) == expected
+    assert rows[0]["owner"] == held.owner and rows[0]["health"] == "healthy"
+    assert held.token not in out.getvalue()
+    out = StringIO()
+    call_command("joblock_locks", "--json", "--stuck", stdout=out)
+    assert json.loads(out.getvalue()) == []
+    held.release()
+
+
+def test_reap_releases_dead_holders_and_leaves_live_ones(rconn):
+    """A process takes a lock without heartbeat and is SIGKILLed; a live one keeps its own."""
+    code = (
+        "import django, os, sys, time; django.setup()\n"
+        "from django_joblock import lock\n"
+        "held = lock('order:dead', ttl=60, heartbeat=False); held.acquire()\n"
+        "print('held', flush=True); time.sleep(600)\n"
+    )
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        live = held_lock("order:live", ttl=30)
+        # Both holders are in the active-lock index (the dead one's renewal thread wrote it).
+        assert wait_for(lambda: rconn.zcard("joblock:active:order") == 2, 3.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        time.sleep(0.1)
+        out = StringIO()
+        call_command("joblock_reap", stdout=out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "order:dead: released" in out.getvalue()
+    assert not rconn.exists("joblock:{order:dead}:lock")
+    assert rconn.exists(live.key) and live.held, "a live holder is left alone"
+    audit = LockAudit.objects.get()
+    assert audit.action == "reap" and audit.resource == "order:dead"
+    live.release()
