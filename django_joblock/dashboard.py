@@ -137,7 +137,7 @@ def build(family: str | None = None, health_filter: str | None = None) -> dict[s
             monitoring.per_minute("duplicates_blocked", CHART_MINUTES),
         ),
     ]
-    locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS)[:LOCK_ROWS]
+    locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
     health = lock_health(locks)
     rows = [
         {

@@ -168,16 +168,23 @@ def active_counts() -> dict[str, int]:
     return {fam: int(replies[2 * i + 1]) for i, fam in enumerate(names)}
 
 
-def active_locks(family: str | None = None, limit: int = 500) -> list[ActiveLock]:
-    """Locks held right now (at most ``limit`` per family, longest-held first), with holders.
+def active_locks(
+    family: str | None = None, limit: int = 500, total: int | None = None
+) -> list[ActiveLock]:
+    """Locks held right now, with their holders, longest-held first.
 
-    Index entries whose lock hash is gone or owned by someone else are skipped (and pruned).
+    At most ``limit`` per family and, with ``total``, about ``total`` overall (shared between
+    the families), soonest-to-expire first within a family: the cost is bounded by what is
+    shown, never by how many locks exist. Index entries whose lock hash is gone or owned by
+    someone else are skipped (and pruned).
     """
     from .keys import LockKeys, owner_hash
 
     prefix = conf.get().KEY_PREFIX
     client = _client()
     names = [family] if family else families()
+    if total is not None and names:
+        limit = max(1, min(limit, -(-total // len(names))))
     now_ms = int(time.time() * 1000)
     pipe = client.pipeline(transaction=False)
     for fam in names:

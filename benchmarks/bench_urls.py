@@ -1,0 +1,6 @@
+"""URLconf of benchmarks/dashboard.py."""
+
+from django.contrib import admin
+from django.urls import path
+
+urlpatterns = [path("admin/", admin.site.urls)]
