@@ -64,7 +64,14 @@ class Abort:
         """``on_lost`` hook (renewal thread): interrupt the main thread if still armed."""
         self.lock = lock
         self.reason = reason or "lost"
-        if self.active and _armed is self and self._main_ident is not None:
+        if (
+            self.active
+            and _armed is self
+            and self._main_ident is not None
+            # Noticed by the job's own thread (ensure_held): it raises LockLost itself; a
+            # signal to ourselves could land in the middle of the rollback that follows.
+            and threading.get_ident() != self._main_ident
+        ):
             signal.pthread_kill(self._main_ident, ABORT_SIGNAL)
 
     def __exit__(

@@ -31,7 +31,7 @@ from .keys import family, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 
 
-class EstimatedCountPaginator(Paginator):
+class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
     """Unfiltered lists of a big PostgreSQL table use the planner's row estimate instead of
     ``COUNT(*)`` (a full scan at millions of rows); filtered lists count exactly."""
 

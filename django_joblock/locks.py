@@ -183,8 +183,16 @@ class Lock:
         return self.state in (LockState.HELD, LockState.SUSPECT) and self.remaining() <= 0.0
 
     def ensure_held(self) -> None:
-        """Raise :class:`LockLost` unless this lock is still validly held."""
+        """Raise :class:`LockLost` unless this lock is still validly held.
+
+        Noticing an expired deadline here (before the renewal thread did) counts as the loss:
+        the lock is marked LOST with the usual signal, log, metric and ``on_lost``.
+        """
         if not self.held:
+            if self.state in (LockState.HELD, LockState.SUSPECT):
+                from .renewal import renewer
+
+                renewer().declare_lost(self, "validity deadline passed")
             reason = self.lost_reason or (
                 "validity deadline passed"
                 if self.state is not LockState.RELEASED

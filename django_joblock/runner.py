@@ -124,7 +124,9 @@ def _claim_and_run(
     job: Any,
 ) -> Any:
     if key is None:
-        return spec.func(*args, **kwargs)
+        result = spec.func(*args, **kwargs)
+        _ran(job)
+        return result
     with idempotent(key, scope=spec.name, fingerprint=_fingerprint(arguments)) as claim:
         if claim.done:
             _mark(job, "replayed")
@@ -143,7 +145,15 @@ def _claim_and_run(
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
             claim.succeed(result)
+        _ran(job)
         return result
+
+
+def _ran(job: Any) -> None:
+    # Only a job that was marked before (requeued) needs the update: no extra round trip for
+    # the common case.
+    if job is not None and job.meta.get("joblock", {}).get("outcome") not in (None, "ran"):
+        _mark(job, "ran")
 
 
 def _mark(job: Any, outcome: str, **extra: Any) -> None:

@@ -20,6 +20,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_joblock",
+    "example_site.shop",
 ]
 
 MIDDLEWARE = [
@@ -49,6 +50,12 @@ DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.environ.get("EXAMPLE_DB", str(BASE_DIR / "example.sqlite3")),
+        # Several worker processes write at once: queue for the lock instead of failing.
+        "OPTIONS": {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 30,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        },
     }
 }
 CACHES = {
@@ -63,6 +70,8 @@ JOBLOCK = {
     "REDIS_ALIAS": "default",
     "LOCK_TTL": 30,
     "ACQUIRE_WAIT": 0,
+    # Fast backoff for the demo's short jobs (production default: base 1, max 300).
+    "REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4},
 }
 STATIC_URL = "static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -1,0 +1,96 @@
+"""Jobs for the three patterns of the design article.
+
+- ``refund_order``: lock + idempotency + fencing. Two refunds of one order must not run at once
+  (read-modify-write of ``refunded``); a refund delivered twice must be applied once; a holder
+  paused past its TTL must not overwrite a newer holder's write.
+- ``send_receipt``: idempotency only. Sending twice is the harm; running in parallel is not.
+- ``rebuild_tenant_cache``: lock only. Rebuilding twice is harmless; twice at once is not.
+
+Every committed effect appends its [start, end] interval to a Redis list per resource, so the
+demo can prove no two committed critical sections overlapped.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from decimal import Decimal
+
+from django.db import transaction
+from django_redis import get_redis_connection
+
+from django_joblock import current_lock, fenced_update, locked_job
+from django_joblock.jobs import LockedJob
+
+from .models import Order, Receipt, Refund, Tenant
+
+QUEUE = os.environ.get("JOBLOCK_DEMO_QUEUE", "demo")
+WORK_SECONDS = float(os.environ.get("JOBLOCK_DEMO_WORK", "0.4"))
+
+
+def _redis():  # type: ignore[no-untyped-def]
+    return get_redis_connection("default")
+
+
+def _record_interval(resource: str, started: float) -> None:
+    def push() -> None:
+        key = f"demo:intervals:{resource}"
+        pipe = _redis().pipeline(transaction=False)
+        pipe.rpush(key, f"{started}:{time.time()}")
+        pipe.sadd("demo:keys", key)
+        pipe.execute()
+
+    transaction.on_commit(push)
+
+
+def _mark_running(name: str) -> None:
+    """Tell the demo which process runs what (it picks its fault targets from this list)."""
+    pipe = _redis().pipeline(transaction=False)
+    pipe.rpush("demo:started", f"{os.getpid()}|{name}|{time.time()}")
+    pipe.ltrim("demo:started", -200, -1)
+    pipe.execute()
+
+
+@locked_job(QUEUE, lock="order:{order_id}", idempotency_key="refund:{refund_id}", ttl=2)
+def refund_order(order_id: int, refund_id: str, amount: str) -> dict[str, str]:
+    started = time.time()
+    _mark_running(f"refund {refund_id}")
+    order = Order.objects.get(pk=order_id)
+    time.sleep(WORK_SECONDS)  # the payment provider's refund API
+    held = current_lock()
+    assert held is not None and held.fence is not None
+    fenced_update(
+        Order.objects.filter(pk=order_id),
+        held.fence,
+        refunded=order.refunded + Decimal(amount),
+        refund_count=order.refund_count + 1,
+    )
+    Refund.objects.create(order_id=order_id, refund_id=refund_id, amount=Decimal(amount))
+    _record_interval(f"order:{order_id}", started)
+    return {"refund_id": refund_id, "amount": amount}
+
+
+@locked_job(QUEUE, idempotency_key="receipt:{order_id}")
+def send_receipt(order_id: int) -> dict[str, str]:
+    _mark_running(f"receipt {order_id}")
+    message_id = secrets.token_hex(8)
+    time.sleep(WORK_SECONDS / 2)  # the mail provider
+    Receipt.objects.create(order_id=order_id, message_id=message_id)
+    transaction.on_commit(lambda: _redis().incr("demo:emails"))
+    return {"message_id": message_id}
+
+
+@locked_job(QUEUE, lock="tenant:{tenant_id}", ttl=5)
+def rebuild_tenant_cache(tenant_id: int) -> int:
+    started = time.time()
+    _mark_running(f"tenant {tenant_id}")
+    with transaction.atomic():
+        tenant = Tenant.objects.get(pk=tenant_id)
+        time.sleep(WORK_SECONDS)  # recompute the tenant's cache
+        Tenant.objects.filter(pk=tenant_id).update(cache_version=tenant.cache_version + 1)
+        _record_interval(f"tenant:{tenant_id}", started)
+    return tenant.cache_version + 1
+
+
+ALL: list[LockedJob] = [refund_order, send_receipt, rebuild_tenant_cache]  # type: ignore[type-arg]
