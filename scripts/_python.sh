@@ -1,6 +1,6 @@
 # Sourced by the scripts: picks the interpreter and makes the virtualenv.
-# PYTHON overrides the choice; otherwise the newest of 3.13 / 3.12 found (Django 6 needs
-# >= 3.12), on PATH or under pyenv, else python3 (>= 3.11).
+# PYTHON overrides the choice; otherwise python3.12, then python3.13 (Django 6 needs
+# >= 3.12), on PATH or under pyenv, else python3 (>= 3.11, which gets Django 5.2).
 find_python() {
     if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
     for v in 3.12 3.13; do

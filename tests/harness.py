@@ -65,14 +65,20 @@ def _die_with_parent() -> None:
 
 
 class RedisServer:
-    """A redis-server without persistence on a fixed port, owned by the test process."""
+    """A redis-server on a fixed port, owned by the test process.
 
-    def __init__(self, port: int) -> None:
+    Without persistence by default (a restart loses everything); ``persistent=True`` keeps an
+    fsync'ed append-only file, so a restart keeps the queues, as RQ needs in production.
+    """
+
+    def __init__(self, port: int, *, persistent: bool = False) -> None:
         self.port = port
+        self.persistent = persistent
         self.dir = tempfile.mkdtemp(prefix="joblock-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        aof = ["yes", "--appendfsync", "always"] if self.persistent else ["no"]
         self.proc = subprocess.Popen(
             [
                 "redis-server",
@@ -83,7 +89,7 @@ class RedisServer:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                *aof,
                 "--dir",
                 self.dir,
                 "--daemonize",
