@@ -134,8 +134,9 @@ class RedisServer:
 class Proxy:
     """A TCP proxy in front of Redis: ``forward``, ``delay`` (seconds per chunk) or ``blackhole``.
 
-    In ``blackhole`` mode bytes are read and dropped in both directions and no connection is
-    closed: to the client it looks like a server that stopped answering.
+    In ``blackhole`` mode bytes are held in both directions and no connection is closed: to
+    the client it looks like a server that stopped answering, until the mode changes back and
+    the held bytes are delivered (late, like TCP after a partition).
     """
 
     def __init__(self, listen_port: int, upstream_port: int) -> None:
@@ -154,9 +155,14 @@ class Proxy:
                 client, _ = self._sock.accept()
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            except OSError:
+            upstream = None
+            for _ in range(100):  # the server may be restarting: keep trying for ~5 s
+                try:
+                    upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            if upstream is None:
                 client.close()
                 continue
             self._conns += [client, upstream]
@@ -171,8 +177,10 @@ class Proxy:
                 break
             if not data:
                 break
-            if self.mode == "blackhole":
-                continue
+            while self.mode == "blackhole" and not self._closed:
+                # Hold the bytes, as a network partition does (TCP retransmits them once it
+                # heals): the peer sees silence, then everything arrives late. Nothing is lost.
+                time.sleep(0.01)
             if self.mode == "delay" and self.delay:
                 time.sleep(self.delay)
             try:

@@ -126,6 +126,18 @@ def test_check_ids_are_unique_and_documented():
 
     documented = re.findall(r"^([EW]\d{3})\s", module.__doc__ or "", re.M)
     assert len(documented) == len(set(documented))
-    produced = {"E001", "E002", "E003", "E004", "E005", "W001", "W002", "W003", "W004", "W010",
-                "W011", "W012"}
+    produced = {
+        "E001",
+        "E002",
+        "E003",
+        "E004",
+        "E005",
+        "W001",
+        "W002",
+        "W003",
+        "W004",
+        "W010",
+        "W011",
+        "W012",
+    }
     assert produced <= set(documented)

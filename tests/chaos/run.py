@@ -1,0 +1,417 @@
+"""Chaos run: K RQ workers x N logical jobs over M resources on PostgreSQL, under real faults.
+
+    python -m tests.chaos.run                  # full: 8 workers x 2000 jobs x 50 resources
+    python -m tests.chaos.run --short          # the version .ci/run runs (via pytest)
+    python -m tests.chaos.run --negative       # fencing and idempotency off: must show damage
+
+Each logical job adds a delta to its resource's balance with a deliberately racy
+read-sleep-write, through ``fenced_update`` under ``@locked_job`` with an idempotency key;
+a fifth of them are delivered twice (different job ids). Faults, injected for real while the
+queues drain: SIGKILL of work horses and of worker parents, SIGSTOP of horses for longer than
+the lock TTL, one Redis restart (append-only file: the queues survive, as RQ needs), added
+latency and a short black hole in a TCP proxy between the workers and Redis.
+
+Checked afterwards: every logical job applied exactly once (or failed visibly with its
+reason); each balance equals the sum of its applied deltas; accepted fences increase per
+resource; no job lost; the queues drained within the bound. Prints a table and, with
+``--json PATH``, writes the report as JSON. Exit status 1 if the run is damaged (safe mode) or
+shows no damage (negative control: then the run is invalid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.harness import Proxy, RedisServer, free_port  # noqa: E402
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.safe = not args.negative
+        self.logdir = Path(tempfile.mkdtemp(prefix="joblock-chaos-"))
+        self.workers: list[subprocess.Popen[str]] = []
+        self.faults: list[str] = []
+        self.rng = random.Random(args.seed)
+
+    # -- environment ---------------------------------------------------------------------
+    def setup(self) -> None:
+        import dj_database_url
+        import psycopg
+
+        self.redis = RedisServer(free_port(), persistent=True)
+        self.redis.start()
+        self.proxy = Proxy(free_port(), self.redis.port)
+        base_url = os.environ.get("DATABASE_URL") or "postgres://postgres@127.0.0.1:5432/postgres"
+        base = dj_database_url.parse(base_url)
+        self.dbname = f"joblock_chaos_{os.getpid()}"
+        self.admin = psycopg.connect(
+            host=base["HOST"],
+            port=base["PORT"] or 5432,
+            user=base["USER"],
+            dbname=base["NAME"],
+            autocommit=True,
+        )
+        self.admin.execute(f'CREATE DATABASE "{self.dbname}"')
+        user = base["USER"] or "postgres"
+        os.environ.update(
+            CHAOS_DB_URL=f"postgres://{user}@{base['HOST']}:{base['PORT'] or 5432}/{self.dbname}",
+            CHAOS_REDIS_URL=f"redis://127.0.0.1:{self.proxy.listen_port}/0",
+            CHAOS_MODE="safe" if self.safe else "unsafe",
+            DJANGO_SETTINGS_MODULE="tests.chaos.settings",
+        )
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", run_syncdb=True, verbosity=0)
+        self.direct = self.redis.client()
+
+    def teardown(self) -> None:
+        self.stop_workers()
+        from django.db import connections
+
+        connections.close_all()
+        self.admin.execute(f'DROP DATABASE IF EXISTS "{self.dbname}" WITH (FORCE)')
+        self.proxy.close()
+        self.redis.stop()
+
+    def start_worker(self, scheduler: bool = False) -> None:
+        index = len(self.workers)
+        args = [
+            sys.executable,
+            "-m",
+            "django",
+            "joblock_worker",
+            "chaos",
+            "--name",
+            f"chaos-{os.getpid()}-{index}",
+        ]
+        if scheduler:
+            args.append("--with-scheduler")
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        log = open(self.logdir / f"worker-{index}.log", "w")
+        self.workers.append(
+            subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+
+    def stop_workers(self) -> None:
+        for proc in self.workers:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+
+    # -- workload ------------------------------------------------------------------------
+    def enqueue(self) -> None:
+        from rq import Retry
+
+        from .jobs import apply, apply_unsafe
+        from .models import Balance
+
+        job = apply if self.safe else apply_unsafe
+        resources = [f"r{i}" for i in range(self.args.resources)]
+        Balance.objects.bulk_create([Balance(name=name) for name in resources])
+        self.logical: dict[str, tuple[str, int]] = {}
+        self.deliveries: list[tuple[str, str]] = []  # (job id, logical id)
+        retry = Retry(max=5, interval=1)
+        for i in range(self.args.jobs):
+            logical_id = f"L{i}"
+            resource = self.rng.choice(resources)
+            delta = self.rng.randint(1, 9)
+            self.logical[logical_id] = (resource, delta)
+            copies = 2 if self.rng.random() < 0.2 else 1  # duplicate delivery
+            for _ in range(copies):
+                # A short job_timeout lets RQ's registry cleanup hand the job of a worker that
+                # died with Redis (or hangs) to another worker within a short run.
+                queued = job.enqueue((resource, logical_id, delta), retry=retry, job_timeout=20)
+                self.deliveries.append((queued.id, logical_id))
+
+    # -- faults --------------------------------------------------------------------------
+    def _running_horse(self) -> int | None:
+        parents = {proc.pid for proc in self.workers}
+        for raw in reversed(self.direct.lrange("chaos:started", -30, -1)):
+            pid = int(raw)
+            if pid in parents:
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            return pid
+        return None
+
+    def kill_horse(self) -> None:
+        pid = self._running_horse()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            self.faults.append(f"SIGKILL work horse {pid}")
+
+    def kill_parent(self) -> None:
+        alive = [proc for proc in self.workers[1:] if proc.poll() is None]
+        if alive:
+            victim = self.rng.choice(alive)
+            os.kill(victim.pid, signal.SIGKILL)  # the parent only: its horse lives on
+            self.faults.append(f"SIGKILL worker parent {victim.pid}")
+            self.start_worker()
+
+    def pause_horse(self) -> None:
+        pid = self._running_horse()
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2.0 * 2)  # twice the 2 s lock TTL
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # its worker gave up on it meanwhile
+            self.faults.append(f"SIGSTOP work horse {pid} for 4 s; it was killed while stopped")
+            return
+        self.faults.append(f"SIGSTOP work horse {pid} for 4 s (lock TTL 2 s)")
+
+    def restart_redis(self) -> None:
+        self.redis.restart()
+        self.direct = self.redis.client()
+        self.faults.append("Redis restarted (SIGKILL + start; append-only file kept)")
+
+    def slow_network(self) -> None:
+        self.proxy.set("delay", 0.02)
+        time.sleep(3)
+        self.proxy.set("blackhole")
+        time.sleep(1.0)
+        self.proxy.set("forward")
+        self.faults.append("proxy: 3 s of +20 ms latency per packet, then a 1 s black hole")
+
+    def schedule(self) -> list[tuple[float, Any]]:
+        plan: list[tuple[float, Any]] = []
+        kills, pauses = self.args.kills, self.args.pauses
+        for n in range(kills):
+            plan.append((3 + n * 4, self.kill_horse if n % 2 == 0 else self.kill_parent))
+        for n in range(pauses):
+            plan.append((5 + n * 6, self.pause_horse))
+        if not self.args.no_network:
+            plan.append((8, self.slow_network))
+        if not self.args.no_restart:
+            plan.append((14, self.restart_redis))
+        return sorted(plan, key=lambda item: item[0])
+
+    # -- run -----------------------------------------------------------------------------
+    def supervise(self, done: int, elapsed: float) -> None:
+        """What a process supervisor does in production: restart workers that exited, and
+        restart all of them when nothing progressed for a while (RQ workers can wedge when
+        their Redis restarts under them; that is RQ's business, not the lock's)."""
+        for index, proc in enumerate(self.workers):
+            if proc.poll() is not None and not getattr(proc, "replaced", False):
+                proc.replaced = True  # type: ignore[attr-defined]
+                self.start_worker(scheduler=index == 0)
+                self.faults.append(f"supervisor: worker {proc.pid} exited, replaced")
+        if done != getattr(self, "_last_done", -1):
+            self._last_done, self._last_progress = done, elapsed
+        elif elapsed - self._last_progress > 15:
+            self._last_progress = elapsed
+            alive = [p for p in self.workers if p.poll() is None]
+            # A scheduler that died with its worker holds its lock for another minute.
+            self.direct.delete("rq:scheduler-lock:chaos")
+            for proc in alive:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.replaced = True  # type: ignore[attr-defined]
+            for index in range(len(alive)):
+                self.start_worker(scheduler=index == 0)
+            self.faults.append(f"supervisor: no progress for 15 s, restarted {len(alive)} workers")
+
+    def statuses(self) -> Counter[str]:
+        pipe = self.direct.pipeline(transaction=False)
+        for job_id, _logical in self.deliveries:
+            pipe.hget(f"rq:job:{job_id}", "status")
+        return Counter((raw or b"missing").decode() for raw in pipe.execute())
+
+    def drain(self) -> tuple[float, Counter[str]]:
+        started = time.monotonic()
+        plan = self.schedule()
+        last_print = 0.0
+        while True:
+            elapsed = time.monotonic() - started
+            while plan and plan[0][0] <= elapsed:
+                plan.pop(0)[1]()
+            try:
+                counts = self.statuses()
+            except Exception:
+                time.sleep(0.2)
+                continue
+            done = counts["finished"] + counts["failed"]
+            self.supervise(done, elapsed)
+            if elapsed - last_print >= 5:
+                last_print = elapsed
+                print(
+                    f"  {elapsed:6.1f}s  {done}/{len(self.deliveries)} deliveries done  "
+                    + " ".join(f"{k}={v}" for k, v in sorted(counts.items())),
+                    flush=True,
+                )
+            if done == len(self.deliveries) and not plan:
+                return elapsed, counts
+            if elapsed > self.args.bound:
+                return elapsed, counts
+            time.sleep(0.5)
+
+    def check(self, elapsed: float, counts: Counter[str]) -> dict[str, Any]:
+        from .models import Balance, Effect
+
+        applied: dict[str, int] = Counter(Effect.objects.values_list("logical_id", flat=True))
+        double = sum(1 for n in applied.values() if n > 1)
+        failed_visibly, lost = [], []
+        by_logical: dict[str, list[str]] = defaultdict(list)
+        for job_id, logical_id in self.deliveries:
+            by_logical[logical_id].append(job_id)
+        for logical_id in self.logical:
+            if applied.get(logical_id):
+                continue
+            reasons = [
+                self.direct.hget(f"rq:job:{job_id}", "status") for job_id in by_logical[logical_id]
+            ]
+            if reasons and all(r == b"failed" for r in reasons):
+                failed_visibly.append(logical_id)
+            else:
+                lost.append(logical_id)
+        sums: dict[str, int] = defaultdict(int)
+        fences: dict[str, list[int]] = defaultdict(list)
+        for resource, delta, fence in Effect.objects.order_by("id").values_list(
+            "resource", "delta", "fence"
+        ):
+            sums[resource] += delta
+            if fence is not None:
+                fences[resource].append(fence)
+        wrong_sums = [b.name for b in Balance.objects.all() if b.value != sums.get(b.name, 0)]
+        unordered = [
+            r for r, seq in fences.items() if any(b <= a for a, b in itertools.pairwise(seq))
+        ]
+        from django_joblock import monitoring
+
+        totals = monitoring.totals()
+        return {
+            "mode": "safe" if self.safe else "negative control (no fencing, no idempotency)",
+            "workers": self.args.workers,
+            "logical_jobs": len(self.logical),
+            "deliveries": len(self.deliveries),
+            "resources": self.args.resources,
+            "faults": self.faults,
+            "drain_seconds": round(elapsed, 1),
+            "drain_bound_seconds": self.args.bound,
+            "drained": counts["finished"] + counts["failed"] == len(self.deliveries),
+            "deliveries_finished": counts["finished"],
+            "deliveries_failed": counts["failed"],
+            "effects_applied_once": sum(1 for n in applied.values() if n == 1),
+            "double_effects": double,
+            "lost_updates_resources": len(wrong_sums),
+            "stale_writes_accepted": len(unordered),
+            "stale_writes_rejected": totals.total("stale_fence_rejections"),
+            "duplicates_blocked": totals.total("duplicates_blocked"),
+            "locks_lost": totals.total("lost"),
+            "requeues": totals.total("requeued"),
+            "failed_visibly": len(failed_visibly),
+            "lost_jobs": len(lost),
+            "lost_job_ids": lost[:20],
+        }
+
+
+def verdict(report: dict[str, Any]) -> tuple[bool, str]:
+    damage = (
+        report["double_effects"]
+        + report["lost_updates_resources"]
+        + report["stale_writes_accepted"]
+        + report["lost_jobs"]
+    )
+    if report["mode"] == "safe":
+        ok = damage == 0 and report["drained"] and len(report["faults"]) >= 4
+        return ok, "PASS: no damage" if ok else "FAIL: damage or not drained"
+    if damage > 0:
+        return True, f"VALID negative control: {damage} damage findings without the protections"
+    return False, "INVALID: the negative control showed no damage; the faults did not bite"
+
+
+def print_table(report: dict[str, Any], text: str) -> None:
+    print(f"\nChaos report ({report['mode']})")
+    width = max(len(key) for key in report)
+    for key, value in report.items():
+        if key == "faults":
+            for fault in value:
+                print(f"  {'fault':<{width}}  {fault}")
+        else:
+            print(f"  {key:<{width}}  {value}")
+    print(f"\n{text}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--short", action="store_true", help="4 x 200 x 10, for CI")
+    parser.add_argument(
+        "--negative", action="store_true", help="negative control: fencing and idempotency off"
+    )
+    parser.add_argument("--workers", type=int)
+    parser.add_argument("--jobs", type=int)
+    parser.add_argument("--resources", type=int)
+    parser.add_argument("--kills", type=int)
+    parser.add_argument("--pauses", type=int)
+    parser.add_argument("--bound", type=float, help="seconds the queues must drain within")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-network", action="store_true", help="skip the proxy faults")
+    parser.add_argument("--no-restart", action="store_true", help="skip the Redis restart")
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args()
+    short = dict(workers=4, jobs=200, resources=10, kills=2, pauses=1, bound=150)
+    full = dict(workers=8, jobs=2000, resources=50, kills=5, pauses=3, bound=900)
+    for key, value in (short if args.short else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    chaos = Chaos(args)
+    chaos.setup()
+    try:
+        chaos.enqueue()
+        print(
+            f"{len(chaos.deliveries)} deliveries of {len(chaos.logical)} logical jobs over "
+            f"{args.resources} resources; {args.workers} workers; logs in {chaos.logdir}",
+            flush=True,
+        )
+        chaos.start_worker(scheduler=True)
+        for _ in range(args.workers - 1):
+            chaos.start_worker()
+        elapsed, counts = chaos.drain()
+        report = chaos.check(elapsed, counts)
+    finally:
+        chaos.teardown()
+    ok, text = verdict(report)
+    report["verdict"] = text
+    print_table(report, text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Settings of the chaos workers (and of the runner): PostgreSQL and Redis from the environment."""
+
+from __future__ import annotations
+
+import os
+
+import dj_database_url
+
+SECRET_KEY = "chaos-only"
+USE_TZ = True
+INSTALLED_APPS = [
+    "django.contrib.contenttypes",
+    "django.contrib.auth",
+    "django_joblock",
+    "tests.chaos",
+]
+DATABASES = {"default": dj_database_url.parse(os.environ["CHAOS_DB_URL"])}
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": os.environ["CHAOS_REDIS_URL"],
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
+    }
+}
+SAFE = os.environ.get("CHAOS_MODE", "safe") == "safe"
+JOBLOCK = {
+    "REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4},
+    "REQUEUE_MAX_WAIT": 900,
+    "IDEMPOTENCY_TTL": 3600,
+    # The negative control lets a paused holder resume and write (no abort, no fence).
+    "ON_LOCK_LOST": "abort" if SAFE else "flag",
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+LOGGING = {"version": 1, "disable_existing_loggers": False}
