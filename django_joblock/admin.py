@@ -31,6 +31,20 @@ from .keys import family, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    """Nothing here is added, edited or deleted through the admin: records are written by
+    claims, the audit log is append-only, and the dashboard has no rows."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
     """Unfiltered lists of a big PostgreSQL table use the planner's row estimate instead of
     ``COUNT(*)`` (a full scan at millions of rows); filtered lists count exactly."""
@@ -53,7 +67,7 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
 
 
 @admin.register(IdempotencyRecord)
-class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class IdempotencyRecordAdmin(ReadOnlyAdmin):
     """Read-only: records are written by claims and removed by ``joblock_purge`` only."""
 
     list_display = ("key", "scope", "status", "attempts", "rq_job_id", "updated_at", "expires_at")
@@ -92,18 +106,9 @@ class IdempotencyRecordAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
         return owner_hash(obj.owner) if obj.owner else ""
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
 
 @admin.register(Dashboard)
-class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class DashboardAdmin(ReadOnlyAdmin):
     """The "Job locks" page: every staff user may look; releasing needs the permission."""
 
     def has_module_permission(self, request: HttpRequest) -> bool:
@@ -111,15 +116,6 @@ class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return self.has_module_permission(request)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     def get_urls(self) -> list[URLPattern]:
         wrap = self.admin_site.admin_view
@@ -204,7 +200,7 @@ class DashboardAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
 
 @admin.register(LockAudit)
-class LockAuditAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class LockAuditAdmin(ReadOnlyAdmin):
     """The append-only audit log of operator actions on locks (read-only)."""
 
     list_display = ("created_at", "action", "resource", "owner", "released", "actor", "reason")
@@ -223,12 +219,3 @@ class LockAuditAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "user",
         "actor",
     )
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

@@ -311,8 +311,12 @@ class Chaos:
         unordered = [
             r for r, seq in fences.items() if any(b <= a for a, b in itertools.pairwise(seq))
         ]
+        from django_redis import get_redis_connection
+
         from django_joblock import monitoring
 
+        # This process's pooled connections died with the Redis restart: start afresh.
+        get_redis_connection("default").connection_pool.disconnect()
         totals = monitoring.totals()
         return {
             "mode": "safe" if self.safe else "negative control (no fencing, no idempotency)",
