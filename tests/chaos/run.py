@@ -102,6 +102,8 @@ class Chaos:
             "chaos",
             "--name",
             f"chaos-{os.getpid()}-{index}",
+            "--maintenance-interval",
+            "5",
         ]
         if scheduler:
             args.append("--with-scheduler")

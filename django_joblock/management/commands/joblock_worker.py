@@ -39,11 +39,23 @@ class Command(BaseCommand):
         )
         parser.add_argument("--name", default=None, help="Worker name.")
         parser.add_argument("--max-jobs", type=int, default=None, help="Exit after this many jobs.")
+        parser.add_argument(
+            "--maintenance-interval",
+            type=int,
+            default=None,
+            help="Seconds between RQ's registry clean-ups (RQ's default: 600). It bounds how "
+            "soon the jobs of a worker that died are retried and a dead scheduler is replaced.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         queues = [get_queue(name) for name in options["queues"]]
         worker_class = JoblockSimpleWorker if options["simple"] else JoblockWorker
-        worker = worker_class(queues, connection=queues[0].connection, name=options["name"])
+        extra = {}
+        if options["maintenance_interval"] is not None:
+            extra["maintenance_interval"] = options["maintenance_interval"]
+        worker = worker_class(
+            queues, connection=queues[0].connection, name=options["name"], **extra
+        )
         worker.work(
             burst=options["burst"],
             with_scheduler=options["with_scheduler"],
