@@ -50,7 +50,7 @@ class Command(BaseCommand):
         self.stdout.write(self.style.SUCCESS("\nAll invariants hold."))
         self.stdout.write(
             "\nSee what happened in the admin:\n"
-            "  python manage.py runserver\n"
+            "  .venv/bin/python manage.py runserver   (or python, in the virtualenv you use)\n"
             "  open http://127.0.0.1:8000/admin/django_joblock/dashboard/  (user demo, password "
             "demo)\n"
             "Job locks shows contention, requeues, duplicates blocked and hold times; the "
