@@ -47,6 +47,7 @@ class Chaos:
         self.logdir = Path(tempfile.mkdtemp(prefix="joblock-chaos-"))
         self.workers: list[subprocess.Popen[str]] = []
         self.faults: list[str] = []
+        self.hit: set[int] = set()
         self.rng = random.Random(args.seed)
 
     # -- environment ---------------------------------------------------------------------
@@ -156,16 +157,26 @@ class Chaos:
 
     # -- faults --------------------------------------------------------------------------
     def _running_horse(self) -> int | None:
+        """A work horse running a job now (waits up to 10 s for one), never one already hit."""
+        deadline = time.monotonic() + 10
         parents = {proc.pid for proc in self.workers}
-        for raw in reversed(self.direct.lrange("chaos:started", -30, -1)):
-            pid = int(raw)
-            if pid in parents:
-                continue
+        while time.monotonic() < deadline:
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue
-            return pid
+                started = self.direct.lrange("chaos:started", -30, -1)
+            except Exception:
+                started = []
+            for raw in reversed(started):
+                pid = int(raw)
+                if pid in parents or pid in self.hit:
+                    continue
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                self.hit.add(pid)
+                return pid
+            time.sleep(0.05)
+        self.faults.append("no running work horse found for a fault within 10 s")
         return None
 
     def kill_horse(self) -> None:
