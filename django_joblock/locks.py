@@ -145,7 +145,6 @@ class Lock:
         self.fence_key: str = keys.fence
         self.family: str = keys.family
         self.index_key: str = keys.index
-        self.families_key: str = f"{settings.KEY_PREFIX}:families"
         self.token: str = secrets.token_hex(16)
         self._owner: tuple[str, str] = ("", "")
         self.fence: int | None = None
