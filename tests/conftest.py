@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
@@ -8,6 +12,8 @@ import pytest
 import redis
 
 from tests import harness
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +94,27 @@ def rconn() -> Any:
     from django_redis import get_redis_connection
 
     return get_redis_connection("default")
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built once per run the way a user builds it (``pip wheel``)."""
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = out.glob("django_joblock-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def built_wheel_site(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel unpacked as pip would install it: put it first on PYTHONPATH."""
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(built_wheel) as archive:
+        archive.extractall(site)
+    return site
