@@ -4,8 +4,8 @@ import os
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest

@@ -34,7 +34,7 @@ def test_every_runnable_block_has_a_directive():
 def test_a_block_without_a_directive_is_refused(tmp_path):
     doc = tmp_path / "guide.md"
     doc.write_text("Text.\n\n```python\nprint('hi')\n```\n")
-    with pytest.raises(docblocks.DirectiveError, match="guide.md:3: a python block without"):
+    with pytest.raises(docblocks.DirectiveError, match=r"guide\.md:3: a python block without"):
         docblocks.parse(doc)
     doc.write_text("Text.\n<!-- docs: skip an illustration -->\n```python\nprint('hi')\n```\n")
     (block,) = docblocks.parse(doc)
