@@ -46,6 +46,13 @@ def job_context() -> tuple[str, str, str]:
     return job.id or "", job.func_name or "", getattr(job, "worker_name", None) or ""
 
 
+def holder_details() -> tuple[str, str, list[bytes | str]]:
+    """(job id, job function, the ACQUIRE script's holder arguments: host, pid, job id, job
+    function, worker name) for a lock taken now, in this process and thread."""
+    job_id, job_func, worker = job_context()
+    return job_id, job_func, [HOST, pid_bytes(), job_id, job_func, worker]
+
+
 @dataclass(frozen=True)
 class LockInfo:
     """A snapshot of one held lock, read from Redis without taking or extending it.

@@ -29,8 +29,6 @@ and fence back.
 from __future__ import annotations
 
 import contextvars
-import enum
-import math
 import os
 import secrets
 import time
@@ -38,14 +36,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from . import conf, lua, metrics
-from .backend import REDIS_ERRORS, connection, execute, execute_many, unavailable
+from .backend import REDIS_ERRORS, connection, execute, unavailable
 from .backoff import full_jitter
-from .exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
-from .holders import HOST, job_context, pid_bytes
-from .keys import LockKeys, index_member, owner_hash, validate_resource
+from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
+from .holders import holder_details, job_context
+from .holding import Holding, LockState, drift
+from .keys import LockKeys, index_member, validate_resource
 from .logs import log_lock, logger
 from .signals import lock_acquired, lock_contended, lock_released
 
@@ -55,6 +52,15 @@ ACQUIRE_BACKOFF = {"base": 0.005, "factor": 2.0, "cap": 0.5}
 _FENCE_TTL = str(lua.FENCE_COUNTER_TTL_MS).encode()
 # Kept under its old name for the modules that record the running job with their writes.
 _job_context = job_context
+__all__ = [
+    "Lock",
+    "LockState",
+    "current_lock",
+    "drift",
+    "lock",
+    "reset_current_lock",
+    "set_current_lock",
+]
 
 OnLost = Callable[["Lock", str], Any]
 
@@ -63,22 +69,7 @@ _current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
 )
 
 
-class LockState(enum.Enum):
-    """Life cycle: UNLOCKED -> HELD <-> SUSPECT -> LOST, and HELD/SUSPECT/LOST -> RELEASED."""
-
-    UNLOCKED = "unlocked"
-    HELD = "held"
-    SUSPECT = "suspect"  # renewals are failing; still valid until the local deadline
-    LOST = "lost"
-    RELEASED = "released"
-
-
-def drift(ttl: float) -> float:
-    """Safety margin (s) for clock drift between us and Redis: 1 % of the TTL + 2 ms."""
-    return ttl * 0.01 + 0.002
-
-
-class Lock:
+class Lock(Holding):
     """A lock on one resource. Use as a context manager or call acquire/release yourself.
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
@@ -121,63 +112,13 @@ class Lock:
         self.fence_key: str = keys.fence
         self.family: str = keys.family
         self.index_key: str = keys.index
-        self.token: str = secrets.token_hex(16)
-        self._owner: tuple[str, str] = ("", "")
-        self.fence: int | None = None
-        self.state: LockState = LockState.UNLOCKED
-        self.lost_reason: str = ""
+        self.token = secrets.token_hex(16)
         self.job_id: str = ""
         self.job_func: str = ""
-        self.acquired_at: float | None = None  # monotonic
-        # The process that acquired the lock (0: never acquired). Another pid is a forked
-        # child holding a copy of this object: the lock is its parent's, not its own.
-        self.pid: int = 0
-        # max_hold as a monotonic deadline: no renewal (by the thread or renew()) after it.
-        self._hold_until: float = math.inf
-        # Local validity deadline (monotonic): send time of last confirmed acquire/renew
-        # + ttl - drift. Written by the renewal thread, read by the owner; float stores are atomic.
-        self._valid_until: float = 0.0
+        self._reset_view()
         self._context_token: contextvars.Token[Lock | None] | None = None
 
-    # -- state ---------------------------------------------------------------------------
-    @property
-    def ttl_ms(self) -> int:
-        return max(1, int(self.ttl * 1000))
-
-    def _foreign(self) -> bool:
-        """True in another process than the one that acquired the lock (a forked child)."""
-        return self.pid != 0 and self.pid != os.getpid()
-
-    def remaining(self) -> float:
-        """Seconds of validity left by the local monotonic clock (0 when not held here)."""
-        if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
-            return 0.0
-        return max(0.0, self._valid_until - time.monotonic())
-
-    @property
-    def held(self) -> bool:
-        """True while acquired by this process, not released, not lost, and the local deadline
-        has not passed."""
-        return self.remaining() > 0.0
-
-    @property
-    def lost(self) -> bool:
-        """True once the lock is known lost, or its local validity deadline has passed.
-
-        Stays True after :meth:`release` when the lock had been lost (``lost_reason`` says why).
-        False in a forked child: the lock is not lost, it is the parent's.
-        """
-        if self._foreign():
-            return False
-        if self.state is LockState.LOST:
-            return True
-        if self.state is LockState.RELEASED:
-            return bool(self.lost_reason)
-        return self.state in (LockState.HELD, LockState.SUSPECT) and self.remaining() <= 0.0
-
-    def _lost_error(self, reason: str) -> LockLost:
-        return LockLost(reason, resource=self.resource, key=self.key, owner=self.owner)
-
+    # -- checks --------------------------------------------------------------------------
     def ensure_held(self) -> None:
         """Raise :class:`LockLost` unless this lock is still validly held by this process.
 
@@ -232,19 +173,12 @@ class Lock:
             renewer().declare_lost(self, reason.reason)
         return False
 
-    # -- acquire / renew / release -------------------------------------------------------
+    # -- Redis ---------------------------------------------------------------------------
     def _client(self) -> Any:
         return connection(self.alias)
 
     def _unavailable(self, exc: BaseException, action: str) -> LockBackendUnavailable:
         return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
-
-    @property
-    def owner(self) -> str:
-        """Short hash of the current token: safe to log and show (the token is not)."""
-        if self._owner[0] != self.token:
-            self._owner = (self.token, owner_hash(self.token))
-        return self._owner[1]
 
     def acquire(self, wait: float | None = None) -> bool:
         """Take the lock, retrying a busy lock with exponential backoff + full jitter.
@@ -272,18 +206,9 @@ class Lock:
             # A fresh token per acquisition: a late renew of the previous holding can never
             # extend this one (nor can a forked child's acquire find its parent's lock).
             self.token = secrets.token_hex(16)
-        self.job_id, self.job_func, worker = job_context()
+        self.job_id, self.job_func, details = holder_details()
+        args = [self.token, self.ttl_ms, _FENCE_TTL, *details]
         client = self._client()
-        args = [
-            self.token,
-            self.ttl_ms,
-            _FENCE_TTL,
-            HOST,
-            pid_bytes(),
-            self.job_id,
-            self.job_func,
-            worker,
-        ]
         started = time.monotonic()
         deadline = started + wait
         attempt = 0
@@ -346,22 +271,10 @@ class Lock:
     def _on_acquired(self, fence: int, sent: float, *, waited: float) -> None:
         from .renewal import renewer
 
-        self.fence = fence
-        self.acquired_at = sent
-        self.pid = os.getpid()
-        self._valid_until = sent + self.ttl - drift(self.ttl)
-        self._hold_until = math.inf if self.max_hold is None else sent + self.max_hold
-        self.lost_reason = ""
-        self.state = LockState.HELD
+        self._begin(fence, sent)
         renewer().add(self)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
         log_lock(10, "acquired", self, "lock acquired")
-
-    def confirm_renewed(self, sent: float) -> None:
-        """Record a renewal confirmed by Redis that was sent at monotonic time ``sent``."""
-        self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
-        if self.state is LockState.SUSPECT:
-            self.state = LockState.HELD
 
     def renew(self) -> bool:
         """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours.
@@ -414,33 +327,24 @@ class Lock:
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        client = self._client()
-        commands: list[list[Any]] = [["EVALSHA", lua.RELEASE_SHA, 1, self.key, self.token]]
+        also: list[list[Any]] = []
         if indexed:
-            commands.append(["ZREM", self.index_key, index_member(self.resource, self.owner)])
+            also.append(["ZREM", self.index_key, index_member(self.resource, self.owner)])
         # Metrics ride along with the release: inside a job always (the work horse may exit
         # right after), elsewhere once a flush is due.
         pending = metrics.take_for_flush(force=bool(self.job_id))
         if pending:
-            commands.append(metrics.recorder().command(pending))
+            also.append(metrics.recorder().command(pending))
         try:
-            replies = execute_many(client, commands)
-            for index, reply in enumerate(replies):
-                if isinstance(reply, NoScriptError):  # Redis restarted: load and run it again
-                    replies[index] = lua.run_args(client, commands[index])
-                elif isinstance(reply, Exception):
-                    raise reply
+            code, retried = lua.release(self._client(), self.key, self.token, also)
         except REDIS_ERRORS as exc:
             self.state = LockState.RELEASED
             if pending:
                 metrics.recorder().restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        code = lua.Outcome(replies[0])
         # A release sent twice (its connection failed after sending) finds the lock gone when
         # the first one ran; that is our own release if the lock was still valid when sent.
-        released = code is lua.Outcome.OK or (
-            code is lua.Outcome.GONE and replies.retried and valid
-        )
+        released = code is lua.Outcome.OK or (code is lua.Outcome.GONE and retried and valid)
         if not released and self.state is not LockState.LOST:
             keeper.declare_lost(self, code.reason)
         self.state = LockState.RELEASED
@@ -498,12 +402,6 @@ class Lock:
             raise self._lost_error(
                 f"Lock was lost before the end of the with block: {self.lost_reason}"
             )
-
-    def __repr__(self) -> str:
-        return (
-            f"<Lock resource={self.resource!r} state={self.state.value} "
-            f"owner={self.owner} fence={self.fence}>"
-        )
 
 
 def lock(

@@ -17,7 +17,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from . import conf
-from .backend import execute
+from .backend import execute, execute_many
 
 # Last fence of a resource lives this long after its last acquire. The fence is also floored by
 # the server clock, so a forgotten counter cannot make the next fence go backwards.
@@ -187,9 +187,31 @@ def run_args(client: Any, command: list[Any]) -> Any:
 
 
 def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:
-    """``EVALSHA`` one script (lean path, no retries), loading it if the server forgot it."""
+    """``EVALSHA`` one script on the lean path, loading it if the server forgot it.
+
+    A connection that fails mid-call is retried once (see :func:`backend.execute_packed`):
+    every script here is safe to run twice (acquire recognises its own token, renew replaces
+    the TTL, release compares the token; metrics may count an increment twice).
+    """
     try:
         return execute(client, "EVALSHA", script_sha, len(keys), *keys, *args)
     except NoScriptError:
         execute(client, "SCRIPT", "LOAD", _SOURCES[script_sha])
         return execute(client, "EVALSHA", script_sha, len(keys), *keys, *args)
+
+
+def release(client: Any, key: str, token: str, also: list[list[Any]]) -> tuple[Outcome, bool]:
+    """Run RELEASE for ``token``, with the commands ``also`` in the same round trip.
+
+    Returns the outcome and whether the round trip was sent twice (its connection failed after
+    sending): then a GONE outcome may be this very release's first run. Raises the first
+    error reply, or a connection error.
+    """
+    commands: list[list[Any]] = [["EVALSHA", RELEASE_SHA, 1, key, token], *also]
+    replies = execute_many(client, commands)
+    for index, reply in enumerate(replies):
+        if isinstance(reply, NoScriptError):  # Redis restarted: load and run it again
+            replies[index] = run_args(client, commands[index])
+        elif isinstance(reply, Exception):
+            raise reply
+    return Outcome(replies[0]), replies.retried
