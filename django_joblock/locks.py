@@ -1,29 +1,23 @@
 """``Lock`` and ``lock()``: one holder per resource, with a TTL, an owner token and a fence.
 
-Guarantees (with a single Redis primary whose clock does not step backwards):
+Guarantees (with a single Redis primary whose clock does not step):
 
 - at most one *valid* holder per resource: acquire is ``SET``-if-absent in one Lua script, and
   renew / release compare the owner token atomically (never a blind ``DEL`` or ``PEXPIRE``);
 - every lock expires: the TTL is always set, so a dead holder frees it after at most ``ttl``;
 - each acquisition gets a fence strictly greater than every earlier one for the same resource,
   for the database to reject a stale holder's writes (see :mod:`django_joblock.fencing`);
-- the holder's own view is conservative: :meth:`Lock.remaining` counts from the *send* time of
-  the last confirmed acquire/renew, minus a clock-drift margin, so the local copy of the lock
-  always runs out before the server's does.
+- the holder's own view is conservative (see :mod:`django_joblock.holding`).
 
-Rules of use (see docs/locks.md):
-
-- a lock belongs to the *process* that acquired it: in a forked child, ``release()``, ``renew()``
-  and ``ensure_held()`` never touch Redis (the parent still holds the lock);
-- leaving a ``with`` block releases the lock whatever the context (``contextvars``) it is left
-  in, and raises :class:`LockLost` when the lock had been lost and the block raised nothing;
-- a ``Lock`` nobody references any more is no longer renewed: it expires after its TTL.
+Rules (docs/locks.md): a lock belongs to the *process* that acquired it (a forked child never
+touches its parent's lock in Redis); leaving a ``with`` block releases the lock in whatever
+``contextvars`` context, and raises :class:`LockLost` if the lock had been lost and the block
+raised nothing; a ``Lock`` nobody references any more is not renewed and expires.
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
 (never "busy"); so does a reply that arrives after the lock's validity already ran out. A
-connection that fails mid-call is retried once on a fresh connection: the acquire script
-recognises its own token, so a retried acquire whose first reply was lost gets the same lock
-and fence back.
+connection that fails mid-call is retried once: the acquire script recognises its own token,
+so an acquire whose first reply was lost gets the same lock and fence back.
 """
 
 from __future__ import annotations

@@ -2,28 +2,22 @@
 
 Every lock a process acquires is registered here. One daemon thread, however many locks:
 
-- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching all renewals that
-  are due within a quarter interval into one pipeline per Redis server (thousands of held locks
-  cost a handful of round trips per TTL, not thousands of threads or calls);
+- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching the renewals due
+  within a quarter interval into one round trip per Redis server (see :mod:`.heartbeat`);
 - writes the family's active-lock index entry for locks held longer than ``INDEX_DELAY``
-  seconds, piggy-backed on the same pipelines (a lock released sooner never touches the index,
-  which keeps the acquire/release hot path to one round trip each);
-- moves a lock HELD -> SUSPECT when a renewal fails (connection dropped, timeout) and retries
-  quickly; SUSPECT -> LOST when the token is gone or owned by someone else, when no renewal can
-  be confirmed before the lock's local validity deadline, or when ``max_hold`` stopped the
-  renewals and the lock ran out. On LOST: ``lock.lost`` is True, the ``lock_lost`` signal is
-  sent, a warning is logged and ``on_lost`` is called.
+  seconds in the same round trips (a lock released sooner never touches the index, which
+  keeps acquire and release to one round trip each);
+- HELD -> SUSPECT when a renewal fails (retried quickly); SUSPECT -> LOST when the token is
+  gone or someone else's, when no renewal can be confirmed before the local validity deadline,
+  or when ``max_hold`` stopped the renewals and the lock ran out. On LOST: ``lock.lost``, the
+  ``lock_lost`` signal, a warning and ``on_lost``;
+- refers to the locks *weakly*: a ``Lock`` nobody references any more (dropped without
+  release) is not renewed again; it expires after its TTL, and a warning names it.
 
-It holds only *weak* references to the locks: a ``Lock`` nobody references any more (acquired
-and dropped without release, e.g. on an exception path of a long-lived process) is not renewed
-again; it expires after its TTL, and a warning names it.
-
-The thread talks to Redis through its own client with short socket timeouts and no client-side
-retries (see :func:`django_joblock.backend.renewal_client`), so a black-holed server is noticed
-and the lock declared LOST *before* the server-side TTL could let another holder in.
-
-A failure inside the thread never kills it silently: it is logged and the loop goes on; and the
-lock's own deadline (``Lock.remaining()``) keeps running out even if the thread were gone.
+Its own client has short socket timeouts and no client-side retries (see
+:func:`django_joblock.backend.renewal_client`), so a black-holed server is noticed and the lock
+declared LOST *before* the server-side TTL could let another holder in. A failure inside the
+thread is logged and the loop goes on; a lock's own deadline keeps running out regardless.
 """
 
 from __future__ import annotations
@@ -36,14 +30,15 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import NoScriptError
 
 from . import conf, lua, metrics
-from .backend import connection, execute_packed, pack, renewal_client
-from .keys import families_key, index_member
+from .backend import connection, execute_packed, renewal_client
+from .heartbeat import Entry, RenewalStats, batch
+from .keys import families_key
 from .locks import Lock, LockState
 from .logs import log_lock, logger
 from .signals import lock_lost
@@ -55,53 +50,9 @@ IDLE_POLL = 0.25  # seconds between wake-ups while nothing is held ...
 IDLE_STOP = 60.0  # ... for this long; after that the thread sleeps until a lock is added
 
 
-@dataclass
-class RenewalStats:
-    """Counters of this process's renewal thread (cumulative)."""
-
-    round_trips: int = 0
-    renewed: int = 0
-    renew_failed: int = 0
-    lost: int = 0
-    index_writes: int = 0
-    dropped: int = 0
-    cpu_seconds: float = 0.0
-
-
-@dataclass(eq=False, slots=True)
-class _Entry:
-    """One holding of one lock: a weak reference to it, and what its renewals need.
-
-    The Redis commands are encoded once per holding, the first time they are needed (most
-    locks are released before their first renewal), so a renewal costs no encoding work.
-    """
-
-    ref: weakref.ReferenceType[Lock]
-    lock_id: int
-    resource: str
-    key: str
-    alias: str
-    index_key: str
-    ttl_ms: int
-    interval: float
-    renew_due: float
-    index_due: float
-    renew_command: bytes = b""
-    member: bytes = b""
-    indexed: bool = False
-    failures: int = 0
-    in_flight: bool = False
-
-    def encode(self, held: Lock) -> None:
-        if not self.renew_command:
-            self.renew_command = pack(
-                ("EVALSHA", lua.RENEW_SHA, 1, held.key, held.token, held.ttl_ms)
-            )
-            self.member = index_member(held.resource, held.owner).encode()
-
-
 # (entry, its lock, whether to renew it): one item of a batch sent to Redis.
-_Work = tuple[_Entry, Lock, bool]
+_Work = tuple["_Entry", Lock, bool]
+_Entry = Entry[Lock]
 
 
 class Renewer:
@@ -131,7 +82,7 @@ class Renewer:
         """Start keeping ``held`` (just acquired)."""
         now = time.monotonic()
         interval = held.heartbeat_interval
-        entry = _Entry(
+        entry: _Entry = Entry(
             ref=weakref.ref(held),
             lock_id=id(held),
             resource=held.resource,
@@ -376,33 +327,21 @@ class Renewer:
         return ""
 
     def _send(self, alias: str, items: list[_Work]) -> None:
-        """One round trip: the due renewals, then the index and families updates.
-
-        Commands go out pre-encoded on the lean path (no redis-py pipeline objects: with
-        thousands of locks their per-command encoding and parsing was most of this thread's
-        CPU), never retried here: a failure makes the locks SUSPECT and they are retried soon.
-        """
+        """One round trip (see :func:`heartbeat.batch`), never retried here: a failure makes
+        the locks SUSPECT, and they are retried soon."""
         client = self._clients[alias][0]
-        commands: list[bytes] = []
         renewing: list[tuple[_Entry, Lock]] = []
-        members: dict[str, list[bytes]] = defaultdict(list)
-        families: set[str] = set()
-        wall_ms = int(time.time() * 1000)
         for entry, held, renew in items:
-            entry.encode(held)
+            entry.encode(held.token, held.owner)
             if renew:
-                commands.append(entry.renew_command)
                 renewing.append((entry, held))
-            members[entry.index_key] += (b"%d" % (wall_ms + entry.ttl_ms), entry.member)
-            families.add(held.family)
-        for index_key, scores in members.items():
-            commands.append(pack(["ZADD", index_key, *scores]))
-        # Every batch, not once per process: the set must come back after a FLUSHDB or a
-        # Redis restart without persistence. One SADD per batch costs next to nothing.
-        commands.append(pack(["SADD", families_key(conf.get().KEY_PREFIX), *sorted(families)]))
+        packed, count, _ = batch(
+            ((entry, held.family, renew) for entry, held, renew in items),
+            families_key(conf.get().KEY_PREFIX),
+        )
         sent = time.monotonic()
         try:
-            replies = execute_packed(client, b"".join(commands), len(commands), retry=False)
+            replies = execute_packed(client, packed, count, retry=False)
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             self._failed(renewing, sent, exc)
             return
