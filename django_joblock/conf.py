@@ -108,6 +108,7 @@ TTL_RANGE = Range(0.01, MAX_TTL)
 WAIT_RANGE = Range(0.0, MAX_DURATION)
 HOLD_RANGE = Range(0.0, MAX_DURATION, open_low=True)
 MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
+LEASE_RANGE = Range(0.01, MAX_TTL)
 
 # Top-level numbers; None is also allowed for the keys in _OPTIONAL.
 _NUMBERS: dict[str, Range] = {
@@ -117,7 +118,7 @@ _NUMBERS: dict[str, Range] = {
     "ACQUIRE_WAIT": WAIT_RANGE,
     "REQUEUE_MAX_WAIT": WAIT_RANGE,
     "IDEMPOTENCY_TTL": Range(1.0, 10 * 365 * DAY),
-    "IDEMPOTENCY_LEASE": Range(0.01, MAX_TTL),
+    "IDEMPOTENCY_LEASE": LEASE_RANGE,
     "STUCK_AFTER": Range(0.0, MAX_DURATION, open_low=True),
     "RENEW_TIMEOUT": Range(0.001, 60.0),
     # Buckets are a minute long and expire after the retention (EXPIRE takes whole seconds).

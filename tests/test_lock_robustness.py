@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from django.core.cache import caches
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from redis.exceptions import ResponseError
 
 from django_joblock import (
+    JoblockConfigError,
     LockBackendUnavailable,
     LockLost,
     current_lock,
@@ -173,6 +176,32 @@ def test_acquire_wait_must_be_finite(value, rconn):
 def test_locked_job_numbers_must_be_finite(argument, value):
     with pytest.raises(ValueError, match=argument):
         locked_job("default", lock="numbers:{n}", **{argument: value})
+
+
+@pytest.mark.parametrize(
+    "joblock, key",
+    [
+        ({"LOCK_TTL": 1e300}, "LOCK_TTL"),
+        ({"LOCK_TTL": math.inf}, "LOCK_TTL"),
+        ({"HEARTBEAT_INTERVAL": math.nan}, "HEARTBEAT_INTERVAL"),
+        ({"MAX_HOLD": math.nan}, "MAX_HOLD"),
+        ({"ACQUIRE_WAIT": math.inf}, "ACQUIRE_WAIT"),
+        ({"REQUEUE_MAX_WAIT": math.nan}, "REQUEUE_MAX_WAIT"),
+        ({"IDEMPOTENCY_TTL": math.inf}, "IDEMPOTENCY_TTL"),
+        ({"RENEW_TIMEOUT": math.nan}, "RENEW_TIMEOUT"),
+        ({"METRICS_RETENTION": 0.5}, "METRICS_RETENTION"),
+        ({"REQUEUE_BACKOFF": {"factor": math.inf}}, "REQUEUE_BACKOFF"),
+        ({"ALERTS": {"WINDOW": math.nan}}, "ALERTS"),
+        ({"ALERTS": {"CONTENTION_RATIO": 2}}, "ALERTS"),
+    ],
+)
+@pytest.mark.django_db
+def test_settings_numbers_must_be_finite_and_in_range(settings, joblock, key):
+    settings.JOBLOCK = joblock
+    with pytest.raises(SystemCheckError, match=rf"django_joblock\.E003.*{key}"):
+        call_command("check")
+    with pytest.raises(JoblockConfigError, match=key):
+        lock("numbers:settings")
 
 
 @pytest.mark.parametrize("ttl_ms", ["1e+300", "nan", "inf", "abc", "0", "-5", "1.5"])
