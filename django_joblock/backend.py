@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import weakref
 from typing import Any
 
 import redis
@@ -163,9 +164,10 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
     a fresh connection (``Replies.retried``): callers only allow that for commands that are
     safe to run twice. Timeouts are never retried (the caller's time is bounded).
     """
-    lean = _lean(client.connection_pool)
+    pool = client.connection_pool
+    lean = _lean(pool)
     for attempt in (0, 1):
-        conn, own = lean.take()
+        conn, own = lean.take(pool)
         try:
             if own and conn._sock is not None:
                 _drop_if_stale(conn)
@@ -185,7 +187,7 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
             conn.disconnect()
             raise
         finally:
-            lean.give(conn, own)
+            lean.give(pool, conn, own)
         replies.retried = bool(attempt)
         return replies
     raise AssertionError("unreachable")  # pragma: no cover
@@ -210,20 +212,22 @@ class _Lean:
     path keeps up to :data:`LEAN_CONNECTIONS` connections of its own, made with the pool's
     connection class and arguments but outside its books, shared between threads (a thread
     takes one for a single call, LIFO so a busy thread keeps a warm one). When all are busy
-    it checks one out of the pool for that call, like any redis-py command. A new instance
-    replaces this one after a fork: a child must never use its parent's sockets.
+    it checks one out of the pool for that call, like any redis-py command.
+
+    It lives on the pool object itself, so it goes when the pool goes (a renewal client
+    replaced by one with a shorter timeout, say), and a new one replaces it after a fork: a
+    child must never use its parent's sockets.
     """
 
-    __slots__ = ("guard", "idle", "made", "pid", "pool")
+    __slots__ = ("__weakref__", "guard", "idle", "made", "pid")
 
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
+    def __init__(self) -> None:
         self.pid = os.getpid()
         self.idle: list[Any] = []
         self.made = 0
         self.guard = threading.Lock()
 
-    def take(self) -> tuple[Any, bool]:
+    def take(self, pool: Any) -> tuple[Any, bool]:
         """A connection and whether it is a lean one (False: checked out of the pool)."""
         try:
             return self.idle.pop(), True  # list.pop is atomic: no lock on the hot path
@@ -232,44 +236,47 @@ class _Lean:
         with self.guard:
             if self.made < LEAN_CONNECTIONS:
                 self.made += 1
-                return self.pool.connection_class(**self.pool.connection_kwargs), True
+                return pool.connection_class(**pool.connection_kwargs), True
         if _NO_COMMAND_NAME:
-            return self.pool.get_connection(), False
-        return self.pool.get_connection("EVALSHA"), False
+            return pool.get_connection(), False
+        return pool.get_connection("EVALSHA"), False
 
-    def give(self, conn: Any, own: bool) -> None:
+    def give(self, pool: Any, conn: Any, own: bool) -> None:
         if own:
             self.idle.append(conn)
         else:
-            self.pool.release(conn)
+            pool.release(conn)
 
     def close(self) -> None:
-        while self.idle:
+        """Close the idle connections' sockets (they stay, and reconnect when next used)."""
+        for conn in list(self.idle):
             try:
-                self.idle.pop().disconnect()
+                conn.disconnect()
             except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
                 pass
 
 
-_leans: dict[int, _Lean] = {}
+_LEAN_ATTRIBUTE = "_django_joblock_lean"
+_leans: weakref.WeakSet[_Lean] = weakref.WeakSet()  # to close them on a settings change
 _leans_guard = threading.Lock()
 
 
 def _lean(pool: Any) -> _Lean:
     """The :class:`_Lean` of ``pool`` in this process."""
-    found = _leans.get(id(pool))
-    if found is None or found.pool is not pool or found.pid != os.getpid():
+    found: _Lean | None = getattr(pool, _LEAN_ATTRIBUTE, None)
+    if found is None or found.pid != os.getpid():
         with _leans_guard:
-            found = _leans.get(id(pool))
-            if found is None or found.pool is not pool or found.pid != os.getpid():
-                found = _leans[id(pool)] = _Lean(pool)
+            found = getattr(pool, _LEAN_ATTRIBUTE, None)
+            if found is None or found.pid != os.getpid():
+                found = _Lean()
+                setattr(pool, _LEAN_ATTRIBUTE, found)
+                _leans.add(found)
     return found
 
 
 def _forget_lean_connections() -> None:
     with _leans_guard:
-        leans = list(_leans.values())
-        _leans.clear()
+        leans = list(_leans)
     for lean in leans:
         if lean.pid == os.getpid():
             lean.close()
