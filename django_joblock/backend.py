@@ -1,9 +1,12 @@
 """The Redis connection behind the locks, and the mapping of Redis failures to one exception.
 
 The connection is django-redis' ``get_redis_connection(alias, write=True)`` (never
-``cache.lock()``). The renewal thread gets its *own* client on the same server with short socket
-timeouts and no client-side retries, because redis-py's defaults can block for about a minute on
-a black-holed server, far past the lock's TTL.
+``cache.lock()``). The lock scripts go through a lean command path on that client's server
+(:func:`execute_packed`): a few connections of its own per process, never one held out of the
+pool, so a capped pool is never starved; stale connections replaced before sending; one retry
+of a call whose connection failed. The renewal thread gets its *own* client on the same server
+with short socket timeouts and no client-side retries, because redis-py's defaults can block
+for about a minute on a black-holed server, far past the lock's TTL.
 """
 
 from __future__ import annotations

@@ -82,15 +82,17 @@ class Range:
     unit: str = "seconds"
 
     def describe(self) -> str:
-        return f"{'>' if self.open_low else '>='} {self.low:g} and <= {self.high:g} {self.unit}"
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{'>' if self.open_low else '>='} {self.low:g} and <= {self.high:g}{unit}"
 
     def problem(self, value: object) -> str:
         """Why ``value`` is not allowed ("" if it is)."""
+        kind = f"number of {self.unit}" if self.unit else "number"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be a number of {self.unit}, got {value!r}"
+            return f"must be a {kind}, got {value!r}"
         # Only floats can be NaN or infinite (math.isfinite would overflow on a huge int).
         if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite number of {self.unit}, got {value!r}"
+            return f"must be a finite {kind}, got {value!r}"
         if value < self.low or (self.open_low and value == self.low) or value > self.high:
             return f"must be {self.describe()}, got {value!r}"
         return ""
@@ -128,13 +130,13 @@ _OPTIONAL = frozenset({"HEARTBEAT_INTERVAL", "MAX_HOLD"})
 _SUB_NUMBERS: dict[str, dict[str, Range]] = {
     "REQUEUE_BACKOFF": {
         "base": Range(0.0, DAY, open_low=True),
-        "factor": Range(1.0, 100.0, unit="(a multiplier)"),
+        "factor": Range(1.0, 100.0, unit=""),
         "max": Range(0.0, DAY, open_low=True),
     },
     "ALERTS": {
-        "CONTENTION_RATIO": Range(0.0, 1.0, open_low=True, unit="(a fraction)"),
-        "RENEW_FAILURES": Range(1.0, 1e9, unit="(a count)"),
-        "HOLD_FACTOR": Range(1.0, 1e6, unit="(a multiplier)"),
+        "CONTENTION_RATIO": Range(0.0, 1.0, open_low=True, unit=""),
+        "RENEW_FAILURES": Range(1.0, 1e9, unit=""),
+        "HOLD_FACTOR": Range(1.0, 1e6, unit=""),
         "ACTIVE_GROWTH": Range(0.0, MAX_DURATION, open_low=True),
         "WINDOW": Range(60.0, DAY),
     },
