@@ -21,6 +21,7 @@ from .exceptions import (
     StaleFence,
 )
 from .fencing import fenced_update
+from .holders import LockInfo, lock_info
 from .idempotency import Claim, fingerprint_of, idempotent
 from .jobs import locked_job
 from .locks import Lock, LockState, current_lock, lock
@@ -40,6 +41,7 @@ __all__ = [
     "LockBackendUnavailable",
     "LockContentionTimeout",
     "LockError",
+    "LockInfo",
     "LockLost",
     "LockNotAcquired",
     "LockState",
@@ -49,6 +51,7 @@ __all__ = [
     "fingerprint_of",
     "idempotent",
     "lock",
+    "lock_info",
     "locked_job",
 ]
 

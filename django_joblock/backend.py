@@ -1,9 +1,12 @@
 """The Redis connection behind the locks, and the mapping of Redis failures to one exception.
 
 The connection is django-redis' ``get_redis_connection(alias, write=True)`` (never
-``cache.lock()``). The renewal thread gets its *own* client on the same server with short socket
-timeouts and no client-side retries, because redis-py's defaults can block for about a minute on
-a black-holed server, far past the lock's TTL.
+``cache.lock()``). The lock scripts go through a lean command path on that client's server
+(:func:`execute_packed`): a few connections of its own per process, never one held out of the
+pool, so a capped pool is never starved; stale connections replaced before sending; one retry
+of a call whose connection failed. The renewal thread gets its *own* client on the same server
+with short socket timeouts and no client-side retries, because redis-py's defaults can block
+for about a minute on a black-holed server, far past the lock's TTL.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import weakref
 from typing import Any
 
 import redis
@@ -60,8 +64,9 @@ def connection(alias: str) -> Any:
 
 
 def forget_connections() -> None:
-    """Drop cached clients (after a settings change)."""
+    """Drop cached clients and close the lean path's connections (after a settings change)."""
     _clients.clear()
+    _forget_lean_connections()
 
 
 def _lookup(alias: str) -> Any:
@@ -92,8 +97,11 @@ def _takes_no_command_name() -> bool:
 
 _NO_COMMAND_NAME = _takes_no_command_name()
 
+# Connections the lean path keeps per process and pool, besides the pool's own (see _Lean).
+LEAN_CONNECTIONS = 4
 
-def pack(args: tuple[Any, ...]) -> bytes:
+
+def pack(args: tuple[Any, ...] | list[Any]) -> bytes:
     """RESP-encode one command of str / bytes / int arguments (UTF-8 for str)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -101,20 +109,26 @@ def pack(args: tuple[Any, ...]) -> bytes:
             arg = arg.encode()
         elif isinstance(arg, int):
             arg = b"%d" % arg
-        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+        parts += (b"$%d\r\n" % len(arg), arg, b"\r\n")
     return b"".join(parts)
 
 
+class Replies(list[Any]):
+    """Replies of :func:`execute_many`, one per command; ``retried`` is True when the commands
+    were sent a second time after the connection failed (so their first run may have happened:
+    only idempotent commands, or scripts that recognise their own token, are sent this way)."""
+
+    retried: bool = False
+
+
 def execute(client: Any, *args: Any) -> Any:
-    """Send one command on a pooled connection of ``client`` and return the raw reply.
+    """Send one command on the lean path of ``client`` and return the raw reply.
 
     The lock hot path (acquire and release scripts) uses this instead of
-    ``client.execute_command``: it skips redis-py's per-command retry and instrumentation
-    layers (about a third of a loopback round trip) and, on purpose, never retries. A retried
-    acquire whose first reply was lost would find our own lock and report it busy; the caller
-    maps the failure to :class:`LockBackendUnavailable` instead. A connection that failed
-    mid-command is dropped, never returned to the pool half-read. Clients without a plain
-    connection pool (e.g. Redis Cluster) take the regular path.
+    ``client.execute_command``: it skips redis-py's per-command pool checkout, retry and
+    instrumentation layers (together more than a loopback round trip's worth of client work).
+    A refused command raises its ``ResponseError``. See :func:`execute_packed` for connections
+    and retries.
     """
     reply = execute_many(client, [args])[0]
     if isinstance(reply, ResponseError):
@@ -122,74 +136,153 @@ def execute(client: Any, *args: Any) -> Any:
     return reply
 
 
-def execute_many(client: Any, commands: list[Any]) -> list[Any]:
+def execute_many(client: Any, commands: list[Any], *, retry: bool = True) -> Replies:
     """Send several commands in one round trip (a pipeline without MULTI) on the lean path.
 
     Returns one reply per command; a command the server refused gives its ``ResponseError``
-    as its reply (the others still ran), any other failure raises.
+    as its reply (the others still ran), any other failure raises. Clients without a plain
+    connection pool (e.g. Redis Cluster) take redis-py's pipeline instead.
     """
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or not hasattr(pool, "release"):
+    if not hasattr(getattr(client, "connection_pool", None), "connection_kwargs"):
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
-        return list(pipe.execute(raise_on_error=False))
-    packed = b"".join(pack(tuple(command)) for command in commands)
-    conn = _dedicated(pool)
-    try:
-        if conn._sock is not None and conn.can_read():
-            # Closed by the server (restart, CLIENT KILL) or unread bytes: reconnect before
-            # sending, as the pool's own checkout does; the command was never sent.
+        return Replies(pipe.execute(raise_on_error=False))
+    return execute_packed(
+        client, b"".join([pack(command) for command in commands]), len(commands), retry=retry
+    )
+
+
+def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True) -> Replies:
+    """Send ``count`` commands already RESP-encoded in ``packed``; read ``count`` replies.
+
+    Connections: one of the process's few lean connections of ``client``'s pool (see
+    :class:`_Lean`), else, when all are busy in other threads, one checked out of the pool for
+    this call only. A connection is never kept checked out of the pool between calls, so a
+    pool capped with ``max_connections`` is never starved by the locks.
+
+    Failures: an idle connection the server closed (restart, failover, ``CLIENT KILL``,
+    idle timeout) is reconnected *before* sending. A connection that fails mid-call is
+    closed, never reused half-read; with ``retry`` the commands are then sent once more on
+    a fresh connection (``Replies.retried``): callers only allow that for commands that are
+    safe to run twice. Timeouts are never retried (the caller's time is bounded).
+    """
+    pool = client.connection_pool
+    lean = _lean(pool)
+    for attempt in (0, 1):
+        conn, own = lean.take(pool)
+        try:
+            if own and conn._sock is not None:
+                _drop_if_stale(conn)
+            conn.send_packed_command([packed], check_health=False)
+            replies = Replies()
+            for _ in range(count):
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # read whole: the connection is still in step
+                    replies.append(exc)
+        except RedisConnectionError:
             conn.disconnect()
-        conn.send_packed_command([packed])
-        replies: list[Any] = []
-        for _ in commands:
-            try:
-                replies.append(conn.read_response())
-            except ResponseError as exc:  # read whole: the connection is still in step
-                replies.append(exc)
+            if attempt or not retry:
+                raise
+            continue
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            lean.give(pool, conn, own)
+        replies.retried = bool(attempt)
         return replies
-    except BaseException:
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _drop_if_stale(conn: Any) -> None:
+    """Close ``conn`` if the server closed it or it has unread bytes (it reconnects on send)."""
+    try:
+        stale = conn.can_read()
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        stale = True  # "Connection closed by server.": the command was never sent
+    if stale:
         conn.disconnect()
-        raise
 
 
-class _Dedicated:
-    """One pooled connection checked out for the life of a thread (returned when it ends).
+class _Lean:
+    """The lean path's connections to one pool's server, in this process.
 
-    Checking a connection out of and back into redis-py's pool costs more than the rest of a
-    command's client-side work (locks, pid checks, instrumentation). The connection stays
-    *in use* in the pool's books, so nobody else is handed it; ``pool.disconnect()`` still
-    closes it and the next command reconnects.
+    Checking a connection out of redis-py's pool and back costs about as much as the rest of a
+    command's client-side work (locks, pid checks, metrics hooks, events), and keeping one
+    checked out per thread would starve a pool capped with ``max_connections``. So the lean
+    path keeps up to :data:`LEAN_CONNECTIONS` connections of its own, made with the pool's
+    connection class and arguments but outside its books, shared between threads (a thread
+    takes one for a single call, LIFO so a busy thread keeps a warm one). When all are busy
+    it checks one out of the pool for that call, like any redis-py command.
+
+    It lives on the pool object itself, so it goes when the pool goes (a renewal client
+    replaced by one with a shorter timeout, say), and a new one replaces it after a fork: a
+    child must never use its parent's sockets.
     """
 
-    __slots__ = ("conn", "pid", "pool")
+    __slots__ = ("__weakref__", "guard", "idle", "made", "pid")
 
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
+    def __init__(self) -> None:
         self.pid = os.getpid()
-        self.conn = pool.get_connection() if _NO_COMMAND_NAME else pool.get_connection("EVALSHA")
+        self.idle: list[Any] = []
+        self.made = 0
+        self.guard = threading.Lock()
 
-    def __del__(self) -> None:  # the thread ended (thread-locals are cleared) or pool changed
-        if self.pid == os.getpid():
+    def take(self, pool: Any) -> tuple[Any, bool]:
+        """A connection and whether it is a lean one (False: checked out of the pool)."""
+        try:
+            return self.idle.pop(), True  # list.pop is atomic: no lock on the hot path
+        except IndexError:
+            pass
+        with self.guard:
+            if self.made < LEAN_CONNECTIONS:
+                self.made += 1
+                return pool.connection_class(**pool.connection_kwargs), True
+        if _NO_COMMAND_NAME:
+            return pool.get_connection(), False
+        return pool.get_connection("EVALSHA"), False
+
+    def give(self, pool: Any, conn: Any, own: bool) -> None:
+        if own:
+            self.idle.append(conn)
+        else:
+            pool.release(conn)
+
+    def close(self) -> None:
+        """Close the idle connections' sockets (they stay, and reconnect when next used)."""
+        for conn in list(self.idle):
             try:
-                self.pool.release(self.conn)
-            except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to save
+                conn.disconnect()
+            except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
                 pass
 
 
-_local = threading.local()
+_LEAN_ATTRIBUTE = "_django_joblock_lean"
+_leans: weakref.WeakSet[_Lean] = weakref.WeakSet()  # to close them on a settings change
+_leans_guard = threading.Lock()
 
 
-def _dedicated(pool: Any) -> Any:
-    """This thread's dedicated connection of ``pool`` (a new one after a fork)."""
-    held: dict[int, _Dedicated] | None = getattr(_local, "held", None)
-    if held is None:
-        held = _local.held = {}
-    found = held.get(id(pool))
-    if found is None or found.pid != os.getpid() or found.pool is not pool:
-        found = held[id(pool)] = _Dedicated(pool)
-    return found.conn
+def _lean(pool: Any) -> _Lean:
+    """The :class:`_Lean` of ``pool`` in this process."""
+    found: _Lean | None = getattr(pool, _LEAN_ATTRIBUTE, None)
+    if found is None or found.pid != os.getpid():
+        with _leans_guard:
+            found = getattr(pool, _LEAN_ATTRIBUTE, None)
+            if found is None or found.pid != os.getpid():
+                found = _Lean()
+                setattr(pool, _LEAN_ATTRIBUTE, found)
+                _leans.add(found)
+    return found
+
+
+def _forget_lean_connections() -> None:
+    with _leans_guard:
+        leans = list(_leans)
+    for lean in leans:
+        if lean.pid == os.getpid():
+            lean.close()
 
 
 def is_unavailable(exc: BaseException) -> bool:

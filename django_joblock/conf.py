@@ -11,6 +11,7 @@ never half-applied; ``problems()`` returns the same findings for the system chec
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -64,18 +65,81 @@ DEFAULTS: dict[str, Any] = {
 ON_LOCK_LOST_CHOICES = ("abort", "flag")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 
-# (key, kind) where kind is "positive", "non_negative", "optional_positive".
-_NUMBERS = {
-    "LOCK_TTL": "positive",
-    "HEARTBEAT_INTERVAL": "optional_positive",
-    "MAX_HOLD": "optional_positive",
-    "ACQUIRE_WAIT": "non_negative",
-    "REQUEUE_MAX_WAIT": "non_negative",
-    "IDEMPOTENCY_TTL": "positive",
-    "IDEMPOTENCY_LEASE": "positive",
-    "STUCK_AFTER": "positive",
-    "RENEW_TIMEOUT": "positive",
-    "METRICS_RETENTION": "positive",
+# The range of every number a user gives, in settings and in arguments (``lock(ttl=...)``,
+# ``@locked_job(max_wait=...)``...). Finite always: NaN passes every comparison, so a NaN
+# interval would silently stop renewals, and an infinite or absurd TTL cannot be sent to Redis.
+MAX_TTL = 7 * DAY  # longest lock TTL / lease: how long a crashed holder can block a resource
+MAX_DURATION = 365 * DAY  # longest wait, hold, window or retention
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one number: from ``low`` (excluded if ``open_low``) to ``high``."""
+
+    low: float
+    high: float
+    open_low: bool = False
+    unit: str = "seconds"
+
+    def describe(self) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        return f"{'>' if self.open_low else '>='} {self.low:g} and <= {self.high:g}{unit}"
+
+    def problem(self, value: object) -> str:
+        """Why ``value`` is not allowed ("" if it is)."""
+        kind = f"number of {self.unit}" if self.unit else "number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a {kind}, got {value!r}"
+        # Only floats can be NaN or infinite (math.isfinite would overflow on a huge int).
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite {kind}, got {value!r}"
+        if value < self.low or (self.open_low and value == self.low) or value > self.high:
+            return f"must be {self.describe()}, got {value!r}"
+        return ""
+
+    def check(self, what: str, value: object) -> float:
+        """``value`` as a float, or ``ValueError`` naming ``what`` and the allowed range."""
+        problem = self.problem(value)
+        if problem:
+            raise ValueError(f"{what} {problem}.")
+        assert isinstance(value, (int, float))
+        return float(value)
+
+
+TTL_RANGE = Range(0.01, MAX_TTL)
+WAIT_RANGE = Range(0.0, MAX_DURATION)
+HOLD_RANGE = Range(0.0, MAX_DURATION, open_low=True)
+MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
+LEASE_RANGE = Range(0.01, MAX_TTL)
+
+# Top-level numbers; None is also allowed for the keys in _OPTIONAL.
+_NUMBERS: dict[str, Range] = {
+    "LOCK_TTL": TTL_RANGE,
+    "HEARTBEAT_INTERVAL": Range(0.001, MAX_TTL),
+    "MAX_HOLD": HOLD_RANGE,
+    "ACQUIRE_WAIT": WAIT_RANGE,
+    "REQUEUE_MAX_WAIT": WAIT_RANGE,
+    "IDEMPOTENCY_TTL": Range(1.0, 10 * 365 * DAY),
+    "IDEMPOTENCY_LEASE": LEASE_RANGE,
+    "STUCK_AFTER": Range(0.0, MAX_DURATION, open_low=True),
+    "RENEW_TIMEOUT": Range(0.001, 60.0),
+    # Buckets are a minute long and expire after the retention (EXPIRE takes whole seconds).
+    "METRICS_RETENTION": Range(60.0, MAX_DURATION),
+}
+_OPTIONAL = frozenset({"HEARTBEAT_INTERVAL", "MAX_HOLD"})
+_SUB_NUMBERS: dict[str, dict[str, Range]] = {
+    "REQUEUE_BACKOFF": {
+        "base": Range(0.0, DAY, open_low=True),
+        "factor": Range(1.0, 100.0, unit=""),
+        "max": Range(0.0, DAY, open_low=True),
+    },
+    "ALERTS": {
+        "CONTENTION_RATIO": Range(0.0, 1.0, open_low=True, unit=""),
+        "RENEW_FAILURES": Range(1.0, 1e9, unit=""),
+        "HOLD_FACTOR": Range(1.0, 1e6, unit=""),
+        "ACTIVE_GROWTH": Range(0.0, MAX_DURATION, open_low=True),
+        "WINDOW": Range(60.0, DAY),
+    },
 }
 
 
@@ -122,23 +186,11 @@ class JoblockSettings:
         return ttl / 3
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_number(key: str, value: object, kind: str) -> list[Problem]:
-    if value is None and kind == "optional_positive":
+def _check_number(key: str, value: object, allowed: Range, *, optional: bool) -> list[Problem]:
+    if value is None and optional:
         return []
-    if not _is_number(value):
-        return [
-            Problem("E003", key, f"JOBLOCK[{key!r}] must be a number of seconds, got {value!r}.")
-        ]
-    assert isinstance(value, (int, float))
-    if kind == "non_negative" and value < 0:
-        return [Problem("E003", key, f"JOBLOCK[{key!r}] must be >= 0, got {value!r}.")]
-    if kind != "non_negative" and value <= 0:
-        return [Problem("E003", key, f"JOBLOCK[{key!r}] must be > 0, got {value!r}.")]
-    return []
+    problem = allowed.problem(value)
+    return [Problem("E003", key, f"JOBLOCK[{key!r}] {problem}.")] if problem else []
 
 
 def _check_mapping(key: str, value: object, defaults: dict[str, float]) -> list[Problem]:
@@ -155,7 +207,9 @@ def _check_mapping(key: str, value: object, defaults: dict[str, float]) -> list[
     ]
     for sub, sub_value in value.items():
         if sub in defaults:
-            found += _check_number(f"{key}.{sub}", sub_value, "positive")
+            found += _check_number(
+                f"{key}.{sub}", sub_value, _SUB_NUMBERS[key][sub], optional=False
+            )
     return found
 
 
@@ -174,9 +228,9 @@ def problems(raw: object) -> list[Problem]:
         for key in raw
         if key not in DEFAULTS
     ]
-    for key, kind in _NUMBERS.items():
+    for key, allowed in _NUMBERS.items():
         if key in raw:
-            found += _check_number(key, raw[key], kind)
+            found += _check_number(key, raw[key], allowed, optional=key in _OPTIONAL)
     for key in ("REDIS_ALIAS", "KEY_PREFIX"):
         value = raw.get(key, DEFAULTS[key])
         if not isinstance(value, str) or not value:

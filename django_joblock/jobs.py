@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
+from . import conf
 from .keys import validate_resource
 
 P = ParamSpec("P")
@@ -173,13 +174,10 @@ def locked_job(
         raise ValueError(
             f"@locked_job: on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
         )
-    for name, value in (("ttl", ttl), ("max_wait", max_wait)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-        ):
-            raise ValueError(
-                f"@locked_job: {name} must be a positive number of seconds, got {value!r}"
-            )
+    if ttl is not None:
+        conf.TTL_RANGE.check("@locked_job: ttl", ttl)
+    if max_wait is not None:
+        conf.MAX_WAIT_RANGE.check("@locked_job: max_wait", max_wait)
     if lock is None and idempotency_key is None:
         raise ValueError("@locked_job needs a lock resource, an idempotency_key, or both")
 

@@ -1,60 +1,60 @@
 """``Lock`` and ``lock()``: one holder per resource, with a TTL, an owner token and a fence.
 
-Guarantees (with a single Redis primary whose clock does not step backwards):
+Guarantees (with a single Redis primary whose clock does not step):
 
 - at most one *valid* holder per resource: acquire is ``SET``-if-absent in one Lua script, and
   renew / release compare the owner token atomically (never a blind ``DEL`` or ``PEXPIRE``);
 - every lock expires: the TTL is always set, so a dead holder frees it after at most ``ttl``;
 - each acquisition gets a fence strictly greater than every earlier one for the same resource,
   for the database to reject a stale holder's writes (see :mod:`django_joblock.fencing`);
-- the holder's own view is conservative: :meth:`Lock.remaining` counts from the *send* time of
-  the last confirmed acquire/renew, minus a clock-drift margin, so the local copy of the lock
-  always runs out before the server's does.
+- the holder's own view is conservative (see :mod:`django_joblock.holding`).
+
+Rules (docs/locks.md): a lock belongs to the *process* that acquired it (a forked child never
+touches its parent's lock in Redis); leaving a ``with`` block releases the lock in whatever
+``contextvars`` context, and raises :class:`LockLost` if the lock had been lost and the block
+raised nothing; a ``Lock`` nobody references any more is not renewed and expires.
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
-(never "busy"). A reply lost after the server ran the acquire leaves a lock nobody knows it holds;
-it expires after ``ttl``.
+(never "busy"); so does a reply that arrives after the lock's validity already ran out. A
+connection that fails mid-call is retried once: the acquire script recognises its own token,
+so an acquire whose first reply was lost gets the same lock and fence back.
 """
 
 from __future__ import annotations
 
 import contextvars
-import enum
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from redis.exceptions import NoScriptError
-from rq import get_current_job as _get_current_job
-
 from . import conf, lua, metrics
-from .backend import REDIS_ERRORS, connection, execute_many, unavailable
+from .backend import REDIS_ERRORS, connection, execute, unavailable
 from .backoff import full_jitter
-from .exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
-from .keys import LockKeys, index_member, owner_hash, validate_resource
+from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
+from .holders import holder_details, job_context
+from .holding import Holding, LockState, drift
+from .keys import LockKeys, index_member, validate_resource
 from .logs import log_lock, logger
 from .signals import lock_acquired, lock_contended, lock_released
 
 # Blocking acquire: first retry after <= 5 ms, doubling, never more than 0.5 s between tries.
 ACQUIRE_BACKOFF = {"base": 0.005, "factor": 2.0, "cap": 0.5}
-# Constant script arguments, encoded once (redis-py passes bytes through untouched).
-_HOST = socket.gethostname()[:255].encode()
+# Constant script argument, encoded once (redis-py passes bytes through untouched).
 _FENCE_TTL = str(lua.FENCE_COUNTER_TTL_MS).encode()
-_PID: tuple[int, bytes] = (0, b"")
-
-
-def _pid() -> bytes:
-    """This process's pid as bytes (recomputed after a fork)."""
-    global _PID
-    pid = os.getpid()
-    if _PID[0] != pid:
-        _PID = (pid, str(pid).encode())
-    return _PID[1]
-
+# Kept under its old name for the modules that record the running job with their writes.
+_job_context = job_context
+__all__ = [
+    "Lock",
+    "LockState",
+    "current_lock",
+    "drift",
+    "lock",
+    "reset_current_lock",
+    "set_current_lock",
+]
 
 OnLost = Callable[["Lock", str], Any]
 
@@ -63,42 +63,7 @@ _current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
 )
 
 
-class LockState(enum.Enum):
-    """Life cycle: UNLOCKED -> HELD <-> SUSPECT -> LOST, and HELD/SUSPECT/LOST -> RELEASED."""
-
-    UNLOCKED = "unlocked"
-    HELD = "held"
-    SUSPECT = "suspect"  # renewals are failing; still valid until the local deadline
-    LOST = "lost"
-    RELEASED = "released"
-
-
-def drift(ttl: float) -> float:
-    """Safety margin (s) for clock drift between us and Redis: 1 % of the TTL + 2 ms."""
-    return ttl * 0.01 + 0.002
-
-
-def _number(name: str, value: object, *, allow_zero: bool, resource: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"lock({resource!r}): {name} must be a number of seconds, got {value!r}.")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"lock({resource!r}): {name} must be {bound} seconds, got {value!r}.")
-    return float(value)
-
-
-def _job_context() -> tuple[str, str, str]:
-    """(job id, function name, worker name) of the RQ job running in this thread, if any."""
-    try:
-        job = _get_current_job()
-    except Exception:  # noqa: BLE001 - outside a worker, rq may raise on a missing connection
-        return "", "", ""
-    if job is None:
-        return "", "", ""
-    return job.id or "", job.func_name or "", getattr(job, "worker_name", None) or ""
-
-
-class Lock:
+class Lock(Holding):
     """A lock on one resource. Use as a context manager or call acquire/release yourself.
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
@@ -121,20 +86,16 @@ class Lock:
     ) -> None:
         settings = conf.get()
         self.resource: str = validate_resource(resource)
-        self.ttl: float = _number(
-            "ttl", settings.LOCK_TTL if ttl is None else ttl, allow_zero=False, resource=resource
+        what = f"lock({resource!r}):"
+        self.ttl: float = conf.TTL_RANGE.check(
+            f"{what} ttl", settings.LOCK_TTL if ttl is None else ttl
         )
-        if self.ttl < 0.01:
-            raise ValueError(f"lock({resource!r}): ttl must be at least 0.01 seconds, got {ttl!r}.")
-        self.wait: float = _number(
-            "wait",
-            settings.ACQUIRE_WAIT if wait is None else wait,
-            allow_zero=True,
-            resource=resource,
+        self.wait: float = conf.WAIT_RANGE.check(
+            f"{what} wait", settings.ACQUIRE_WAIT if wait is None else wait
         )
         hold = settings.MAX_HOLD if max_hold is None else max_hold
         self.max_hold: float | None = (
-            None if hold is None else _number("max_hold", hold, allow_zero=False, resource=resource)
+            None if hold is None else conf.HOLD_RANGE.check(f"{what} max_hold", hold)
         )
         self.heartbeat: bool = bool(heartbeat)
         self.heartbeat_interval: float = settings.heartbeat_interval(self.ttl)
@@ -145,48 +106,25 @@ class Lock:
         self.fence_key: str = keys.fence
         self.family: str = keys.family
         self.index_key: str = keys.index
-        self.token: str = secrets.token_hex(16)
-        self._owner: tuple[str, str] = ("", "")
-        self.fence: int | None = None
-        self.state: LockState = LockState.UNLOCKED
-        self.lost_reason: str = ""
+        self.token = secrets.token_hex(16)
         self.job_id: str = ""
         self.job_func: str = ""
-        self.acquired_at: float | None = None  # monotonic
-        # Local validity deadline (monotonic): send time of last confirmed acquire/renew
-        # + ttl - drift. Written by the renewal thread, read by the owner; float stores are atomic.
-        self._valid_until: float = 0.0
+        self._reset_view()
         self._context_token: contextvars.Token[Lock | None] | None = None
 
-    # -- state ---------------------------------------------------------------------------
-    @property
-    def ttl_ms(self) -> int:
-        return max(1, int(self.ttl * 1000))
-
-    def remaining(self) -> float:
-        """Seconds of validity left by the local monotonic clock (0 when not held)."""
-        if self.state not in (LockState.HELD, LockState.SUSPECT):
-            return 0.0
-        return max(0.0, self._valid_until - time.monotonic())
-
-    @property
-    def held(self) -> bool:
-        """True while acquired, not released, not lost, and the local deadline has not passed."""
-        return self.remaining() > 0.0
-
-    @property
-    def lost(self) -> bool:
-        """True once the lock is known lost, or its local validity deadline has passed."""
-        if self.state is LockState.LOST:
-            return True
-        return self.state in (LockState.HELD, LockState.SUSPECT) and self.remaining() <= 0.0
-
+    # -- checks --------------------------------------------------------------------------
     def ensure_held(self) -> None:
-        """Raise :class:`LockLost` unless this lock is still validly held.
+        """Raise :class:`LockLost` unless this lock is still validly held by this process.
 
         Noticing an expired deadline here (before the renewal thread did) counts as the loss:
-        the lock is marked LOST with the usual signal, log, metric and ``on_lost``.
+        the lock is marked LOST with the usual signal, log, metric and ``on_lost``. In a forked
+        child it raises without touching Redis or the lock's state.
         """
+        if self._foreign():
+            raise self._lost_error(
+                f"Lock is held by process {self.pid}, not by this one ({os.getpid()}): a "
+                "forked child does not hold its parent's locks"
+            )
         if not self.held:
             if self.state in (LockState.HELD, LockState.SUSPECT):
                 from .renewal import renewer
@@ -197,35 +135,56 @@ class Lock:
                 if self.state is not LockState.RELEASED
                 else "already released"
             )
-            raise LockLost(
-                f"Lock is no longer held: {reason}",
-                resource=self.resource,
-                key=self.key,
-                owner=self.owner,
-            )
+            raise self._lost_error(f"Lock is no longer held: {reason}")
 
-    # -- acquire / renew / release -------------------------------------------------------
+    def owned(self) -> bool:
+        """Ask Redis whether the lock still carries this object's token, without renewing it.
+
+        One read (``HGET``), no TTL change. Finding it gone or taken marks a held lock LOST (as
+        a renewal would). False without asking Redis when this object has not acquired the lock,
+        has released it, or is a forked child's copy. A lock can still be owned on the server
+        after its local deadline passed (``held`` is False): act on ``held`` /
+        :meth:`ensure_held`, which stay on the safe side of clock drift.
+        """
+        if self._foreign() or self.state not in (
+            LockState.HELD,
+            LockState.SUSPECT,
+            LockState.LOST,
+        ):
+            return False
+        try:
+            stored = execute(self._client(), "HGET", self.key, "token")
+        except REDIS_ERRORS as exc:
+            raise self._unavailable(exc, "check the lock") from exc
+        if isinstance(stored, bytes):
+            stored = stored.decode()
+        if stored == self.token:
+            return True
+        if self.state in (LockState.HELD, LockState.SUSPECT):
+            from .renewal import renewer
+
+            reason = lua.Outcome.GONE if stored is None else lua.Outcome.OTHER_OWNER
+            renewer().declare_lost(self, reason.reason)
+        return False
+
+    # -- Redis ---------------------------------------------------------------------------
     def _client(self) -> Any:
         return connection(self.alias)
 
     def _unavailable(self, exc: BaseException, action: str) -> LockBackendUnavailable:
         return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
 
-    @property
-    def owner(self) -> str:
-        """Short hash of the current token: safe to log and show (the token is not)."""
-        if self._owner[0] != self.token:
-            self._owner = (self.token, owner_hash(self.token))
-        return self._owner[1]
-
     def acquire(self, wait: float | None = None) -> bool:
         """Take the lock, retrying a busy lock with exponential backoff + full jitter.
 
         Returns False if it was still busy after ``wait`` seconds (default: this lock's wait).
-        Raises :class:`LockBackendUnavailable` if Redis cannot be asked, :class:`LockError` if
-        this object already holds the lock.
+        Raises :class:`LockBackendUnavailable` if Redis cannot be asked, or answered only after
+        the lock's validity had run out (then the lock is given back at once),
+        :class:`LockError` if this object already holds the lock. A failed call can simply be
+        repeated: the same object keeps its token until it acquires, and the script hands an
+        acquisition whose reply was lost back to its own token.
         """
-        if self.state in (LockState.HELD, LockState.SUSPECT):
+        if self.state in (LockState.HELD, LockState.SUSPECT) and not self._foreign():
             raise LockError(
                 "This Lock object already holds the lock",
                 resource=self.resource,
@@ -235,24 +194,15 @@ class Lock:
         wait = (
             self.wait
             if wait is None
-            else _number("wait", wait, allow_zero=True, resource=self.resource)
+            else conf.WAIT_RANGE.check(f"lock({self.resource!r}): wait", wait)
         )
         if self.state is not LockState.UNLOCKED:
             # A fresh token per acquisition: a late renew of the previous holding can never
-            # extend this one.
+            # extend this one (nor can a forked child's acquire find its parent's lock).
             self.token = secrets.token_hex(16)
-        self.job_id, self.job_func, worker = _job_context()
+        self.job_id, self.job_func, details = holder_details()
+        args = [self.token, self.ttl_ms, _FENCE_TTL, *details]
         client = self._client()
-        args = [
-            self.token,
-            self.ttl_ms,
-            _FENCE_TTL,
-            _HOST,
-            _pid(),
-            self.job_id,
-            self.job_func,
-            worker,
-        ]
         started = time.monotonic()
         deadline = started + wait
         attempt = 0
@@ -265,6 +215,9 @@ class Lock:
                 metrics.count("acquire_errors", self.family, self.job_func)
                 raise self._unavailable(exc, "acquire the lock") from exc
             if reply > 0:
+                late = time.monotonic() - sent
+                if late >= self.ttl - drift(self.ttl):
+                    raise self._too_late(client, late)
                 metrics.record_acquire(self.family, self.job_func, sent - started, acquired=True)
                 self._on_acquired(reply, sent, waited=sent - started)
                 return True
@@ -289,31 +242,48 @@ class Lock:
             time.sleep(min(delay, deadline - now))
             attempt += 1
 
+    def _too_late(self, client: Any, took: float) -> LockBackendUnavailable:
+        """The error for an acquire whose reply came after the lock's validity ran out.
+
+        The lock is ours on the server for at most the drift margin longer; give it back now
+        (best effort) rather than let others wait for it.
+        """
+        metrics.count("acquire_attempts", self.family, self.job_func)
+        metrics.count("acquire_errors", self.family, self.job_func)
+        try:
+            lua.run(client, lua.RELEASE_SHA, [self.key], [self.token])
+        except REDIS_ERRORS:
+            pass  # it expires on its own within moments
+        return LockBackendUnavailable(
+            f"Redis answered the acquire after {took:.3f}s, when the lock's validity "
+            f"(ttl {self.ttl:g}s minus the drift margin) had already run out; not acquired",
+            resource=self.resource,
+            key=self.key,
+            owner=self.owner,
+        )
+
     def _on_acquired(self, fence: int, sent: float, *, waited: float) -> None:
         from .renewal import renewer
 
-        self.fence = fence
-        self.acquired_at = sent
-        self._valid_until = sent + self.ttl - drift(self.ttl)
-        self.lost_reason = ""
-        self.state = LockState.HELD
+        self._begin(fence, sent)
         renewer().add(self)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
         log_lock(10, "acquired", self, "lock acquired")
 
-    def confirm_renewed(self, sent: float) -> None:
-        """Record a renewal confirmed by Redis that was sent at monotonic time ``sent``."""
-        self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
-        if self.state is LockState.SUSPECT:
-            self.state = LockState.HELD
-
     def renew(self) -> bool:
-        """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours."""
+        """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours.
+
+        Also False, without asking Redis and without marking it lost, once ``max_hold`` has
+        passed (the lock then runs out, as with the heartbeat), when the lock is not held, and
+        in a forked child.
+        """
         from .renewal import renewer
 
-        if self.state not in (LockState.HELD, LockState.SUSPECT):
+        if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
             return False
         sent = time.monotonic()
+        if sent >= self._hold_until:
+            return False
         try:
             code = lua.Outcome(
                 lua.run(self._client(), lua.RENEW_SHA, [self.key], [self.token, self.ttl_ms])
@@ -330,46 +300,55 @@ class Lock:
     def release(self) -> bool:
         """Release if still ours (compare-and-delete). False if it had expired or changed owner.
 
-        Raises :class:`LockBackendUnavailable` if Redis cannot be asked; the lock then expires
-        after its TTL.
+        A lock found lost here is marked LOST first (signal, log, metric, ``on_lost``), and
+        ``lost`` / ``lost_reason`` keep saying so after the release. Raises
+        :class:`LockBackendUnavailable` if Redis cannot be asked; the lock then expires after
+        its TTL. In a forked child: False, and Redis is not touched (the lock is the parent's).
         """
         from .renewal import renewer
 
-        if self.state not in (LockState.HELD, LockState.SUSPECT, LockState.LOST):
+        if self._foreign() or self.state not in (
+            LockState.HELD,
+            LockState.SUSPECT,
+            LockState.LOST,
+        ):
             return False
-        indexed = renewer().remove(self)
-        self.state = LockState.RELEASED
-        held_for = time.monotonic() - (self.acquired_at or time.monotonic())
+        keeper = renewer()
+        indexed = keeper.remove(self)
+        sent = time.monotonic()
+        if self.state is not LockState.LOST and sent >= self._valid_until:
+            keeper.declare_lost(self, "validity deadline passed")
+        valid = self.state is not LockState.LOST
+        held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        client = self._client()
-        commands: list[list[Any]] = [["EVALSHA", lua.RELEASE_SHA, 1, self.key, self.token]]
+        also: list[list[Any]] = []
         if indexed:
-            commands.append(["ZREM", self.index_key, index_member(self.resource, self.owner)])
+            also.append(["ZREM", self.index_key, index_member(self.resource, self.owner)])
         # Metrics ride along with the release: inside a job always (the work horse may exit
         # right after), elsewhere once a flush is due.
         pending = metrics.take_for_flush(force=bool(self.job_id))
         if pending:
-            commands.append(metrics.recorder().command(pending))
+            also.append(metrics.recorder().command(pending))
         try:
-            replies = execute_many(client, commands)
-            for index, reply in enumerate(replies):
-                if isinstance(reply, NoScriptError):  # Redis restarted: load and run it again
-                    replies[index] = lua.run_args(client, commands[index])
-                elif isinstance(reply, Exception):
-                    raise reply
+            code, retried = lua.release(self._client(), self.key, self.token, also)
         except REDIS_ERRORS as exc:
+            self.state = LockState.RELEASED
             if pending:
                 metrics.recorder().restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        code = lua.Outcome(replies[0])
-        released = code is lua.Outcome.OK
+        # A release sent twice (its connection failed after sending) finds the lock gone when
+        # the first one ran; that is our own release if the lock was still valid when sent.
+        released = code is lua.Outcome.OK or (code is lua.Outcome.GONE and retried and valid)
+        if not released and self.state is not LockState.LOST:
+            keeper.declare_lost(self, code.reason)
+        self.state = LockState.RELEASED
         lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
         log_lock(
             10 if released else 30,
             "released",
             self,
             "lock released" if released else "lock was no longer ours at release",
-            reason=code.reason,
+            reason=code.reason if not released else "ok",
         )
         return released
 
@@ -391,9 +370,18 @@ class Lock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._context_token is not None:
-            _current.reset(self._context_token)
-            self._context_token = None
+        token, self._context_token = self._context_token, None
+        try:
+            if token is not None:
+                _leave(self, token)
+        finally:
+            self._exit(exc)
+
+    def _exit(self, exc: BaseException | None) -> None:
+        """Release on leaving the ``with`` block; raise :class:`LockLost` if it had been lost."""
+        if self._foreign():
+            return  # a forked child leaving its copy of the block: the lock is the parent's
+        released_in_block = self.state is LockState.RELEASED
         try:
             self.release()
         except LockBackendUnavailable:
@@ -403,12 +391,11 @@ class Lock:
             logger.warning(
                 "Could not release %s after an error in the block", self.key, exc_info=True
             )
-
-    def __repr__(self) -> str:
-        return (
-            f"<Lock resource={self.resource!r} state={self.state.value} "
-            f"owner={self.owner} fence={self.fence}>"
-        )
+            return
+        if exc is None and not released_in_block and self.lost_reason:
+            raise self._lost_error(
+                f"Lock was lost before the end of the with block: {self.lost_reason}"
+            )
 
 
 def lock(
@@ -449,3 +436,18 @@ def set_current_lock(held: Lock | None) -> contextvars.Token[Lock | None]:
 def reset_current_lock(token: contextvars.Token[Lock | None]) -> None:
     """Undo :func:`set_current_lock`."""
     _current.reset(token)
+
+
+def _leave(held: Lock, token: contextvars.Token[Lock | None]) -> None:
+    """Undo ``__enter__``'s :func:`current_lock` change, in whatever context the block is left.
+
+    ``ContextVar.reset`` refuses a token made in another context (e.g. a lock's ``__enter__``
+    and ``__exit__`` run by two ``sync_to_async`` calls, each in a copy of the caller's
+    context); then the previous value is restored here instead, and nothing is raised.
+    """
+    try:
+        _current.reset(token)
+    except ValueError:
+        if _current.get() is held:
+            previous = token.old_value
+            _current.set(None if previous is contextvars.Token.MISSING else previous)

@@ -2,24 +2,22 @@
 
 Every lock a process acquires is registered here. One daemon thread, however many locks:
 
-- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching all renewals that
-  are due within a quarter interval into one pipeline per Redis server (thousands of held locks
-  cost a handful of round trips per TTL, not thousands of threads or calls);
+- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching the renewals due
+  within a quarter interval into one round trip per Redis server (see :mod:`.heartbeat`);
 - writes the family's active-lock index entry for locks held longer than ``INDEX_DELAY``
-  seconds, piggy-backed on the same pipelines (a lock released sooner never touches the index,
-  which keeps the acquire/release hot path to one round trip each);
-- moves a lock HELD -> SUSPECT when a renewal fails (connection dropped, timeout) and retries
-  quickly; SUSPECT -> LOST when the token is gone or owned by someone else, when no renewal can
-  be confirmed before the lock's local validity deadline, or when ``max_hold`` stopped the
-  renewals and the lock ran out. On LOST: ``lock.lost`` is True, the ``lock_lost`` signal is
-  sent, a warning is logged and ``on_lost`` is called.
+  seconds in the same round trips (a lock released sooner never touches the index, which
+  keeps acquire and release to one round trip each);
+- HELD -> SUSPECT when a renewal fails (retried quickly); SUSPECT -> LOST when the token is
+  gone or someone else's, when no renewal can be confirmed before the local validity deadline,
+  or when ``max_hold`` stopped the renewals and the lock ran out. On LOST: ``lock.lost``, the
+  ``lock_lost`` signal, a warning and ``on_lost``;
+- refers to the locks *weakly*: a ``Lock`` nobody references any more (dropped without
+  release) is not renewed again; it expires after its TTL, and a warning names it.
 
-The thread talks to Redis through its own client with short socket timeouts and no client-side
-retries (see :func:`django_joblock.backend.renewal_client`), so a black-holed server is noticed
-and the lock declared LOST *before* the server-side TTL could let another holder in.
-
-A failure inside the thread never kills it silently: it is logged and the loop goes on; and the
-lock's own deadline (``Lock.remaining()``) keeps running out even if the thread were gone.
+Its own client has short socket timeouts and no client-side retries (see
+:func:`django_joblock.backend.renewal_client`), so a black-holed server is noticed and the lock
+declared LOST *before* the server-side TTL could let another holder in. A failure inside the
+thread is logged and the loop goes on; a lock's own deadline keeps running out regardless.
 """
 
 from __future__ import annotations
@@ -30,16 +28,17 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import NoScriptError
 
 from . import conf, lua, metrics
-from .backend import connection, renewal_client
-from .keys import families_key, index_member
+from .backend import connection, execute_packed, renewal_client
+from .heartbeat import Entry, RenewalStats, batch
+from .keys import families_key
 from .locks import Lock, LockState
 from .logs import log_lock, logger
 from .signals import lock_lost
@@ -51,33 +50,9 @@ IDLE_POLL = 0.25  # seconds between wake-ups while nothing is held ...
 IDLE_STOP = 60.0  # ... for this long; after that the thread sleeps until a lock is added
 
 
-@dataclass
-class RenewalStats:
-    """Counters of this process's renewal thread (cumulative)."""
-
-    round_trips: int = 0
-    renewed: int = 0
-    renew_failed: int = 0
-    lost: int = 0
-    index_writes: int = 0
-    cpu_seconds: float = 0.0
-
-
-@dataclass(eq=False)
-class _Entry:
-    lock: Lock
-    renew_due: float
-    index_due: float
-    hold_until: float
-    indexed: bool = False
-    failures: int = 0
-    in_flight: bool = False
-
-    def renewing(self, now: float) -> bool:
-        return self.lock.heartbeat and now < self.hold_until
-
-    def renew_at(self) -> float:
-        return self.renew_due
+# (entry, its lock, whether to renew it): one item of a batch sent to Redis.
+_Work = tuple["_Entry", Lock, bool]
+_Entry = Entry[Lock]
 
 
 class Renewer:
@@ -86,12 +61,14 @@ class Renewer:
     Scheduling is a heap of ``(when, seq, entry)``; an entry is pushed again whenever its next
     moment changes and stale heap items are skipped, so a wake-up costs O(k log n) for the k
     locks due, not O(n), and registering a lock wakes the thread only if it is due first.
+    Entries are keyed by ``id(lock)`` and refer to their lock weakly; an entry is current only
+    while its weak reference still returns that lock.
     """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._cond = threading.Condition()
-        self._entries: dict[Lock, _Entry] = {}
+        self._entries: dict[int, _Entry] = {}
         self._heap: list[tuple[float, int, _Entry]] = []
         self._seq = itertools.count()
         self._wake_at = math.inf
@@ -104,16 +81,23 @@ class Renewer:
     def add(self, held: Lock) -> None:
         """Start keeping ``held`` (just acquired)."""
         now = time.monotonic()
-        entry = _Entry(
-            lock=held,
-            renew_due=now + held.heartbeat_interval if held.heartbeat else math.inf,
+        interval = held.heartbeat_interval
+        entry: _Entry = Entry(
+            ref=weakref.ref(held),
+            lock_id=id(held),
+            resource=held.resource,
+            key=held.key,
+            alias=held.alias,
+            index_key=held.index_key,
+            ttl_ms=held.ttl_ms,
+            interval=interval,
+            renew_due=now + interval if held.heartbeat else math.inf,
             index_due=now + INDEX_DELAY,
-            hold_until=now + held.max_hold if held.max_hold is not None else math.inf,
         )
         with self._cond:
-            self._entries[held] = entry
+            self._entries[id(held)] = entry
             self._ensure_client(held)
-            when = self._schedule(entry)
+            when = self._schedule(entry, held)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="joblock-renewer", daemon=True
@@ -122,25 +106,34 @@ class Renewer:
             if when < self._wake_at:
                 self._cond.notify()
 
+    def _pop(self, held: Lock) -> _Entry | None:
+        """Remove and return ``held``'s entry (caller holds the condition)."""
+        entry = self._entries.get(id(held))
+        if entry is None or entry.ref() is not held:
+            return None
+        del self._entries[entry.lock_id]
+        return entry
+
     def remove(self, held: Lock) -> bool:
         """Stop keeping ``held``; True if its active-index entry had been written."""
         with self._cond:
-            entry = self._entries.pop(held, None)
+            entry = self._pop(held)
         return entry is not None and entry.indexed
 
     def declare_lost(self, held: Lock, reason: str) -> None:
         """Mark ``held`` LOST (once) and notify: signal, log, metric, ``on_lost``."""
         with self._cond:
-            self._entries.pop(held, None)
+            self._pop(held)
             if held.state not in (LockState.HELD, LockState.SUSPECT):
                 return
             self._mark_lost(held, reason)
         self._notify_lost(held, reason)
 
     def held_locks(self) -> list[Lock]:
-        """The locks this process holds (acquired, not yet released or lost)."""
+        """The locks this process holds (acquired, not yet released, lost or dropped)."""
         with self._cond:
-            return list(self._entries)
+            found = [entry.ref() for entry in self._entries.values()]
+        return [held for held in found if held is not None]
 
     def stats(self) -> RenewalStats:
         with self._cond:
@@ -153,16 +146,15 @@ class Renewer:
         if current is None or current[1] > wanted:
             self._clients[held.alias] = (renewal_client(connection(held.alias), wanted), wanted)
 
-    def _timeout(self, held: Lock) -> float:
-        return float(self._clients[held.alias][1])
+    def _timeout(self, alias: str) -> float:
+        return float(self._clients[alias][1])
 
-    def _schedule(self, entry: _Entry) -> float:
+    def _schedule(self, entry: _Entry, held: Lock) -> float:
         """Push ``entry`` at its next moment (caller holds the condition)."""
-        held = entry.lock
         when = held._valid_until
         if held.state is LockState.SUSPECT:
-            when -= self._timeout(held)
-        when = min(when, entry.renew_at())
+            when -= self._timeout(entry.alias)
+        when = min(when, entry.renew_due)
         if not entry.indexed:
             when = min(when, entry.index_due)
         heapq.heappush(self._heap, (when, next(self._seq), entry))
@@ -198,50 +190,27 @@ class Renewer:
     def _step(self) -> bool:
         started_cpu = time.thread_time()
         self._flush_metrics()  # outside the condition: network I/O must not block add()
-        lost: list[tuple[Lock, str]] = []
-        work: dict[str, list[tuple[_Entry, bool]]] = defaultdict(list)
         with self._cond:
             if self.pid != os.getpid():
                 return False
             now = time.monotonic()
-            seen: set[int] = set()
-            later: list[_Entry] = []
-            # Gather everything due within a quarter interval of the first due lock into one
-            # batch: renewing a little early is harmless (renew replaces the TTL) and turns a
-            # stream of individual deadlines into a few pipelines per interval.
-            horizon = now
-            if self._heap and self._heap[0][0] <= now:
-                horizon = now + COALESCE * self._heap[0][2].lock.heartbeat_interval
-            while self._heap and self._heap[0][0] <= horizon:
-                _when, _seq, entry = heapq.heappop(self._heap)
-                if self._entries.get(entry.lock) is not entry or entry.in_flight:
-                    continue  # released, lost, or already in this batch
-                if id(entry) in seen:
-                    continue
-                seen.add(id(entry))
-                reason = self._lost_reason(entry, now)
-                if reason:
-                    del self._entries[entry.lock]
-                    self._mark_lost(entry.lock, reason)
-                    lost.append((entry.lock, reason))
-                    continue
-                if not entry.renewing(now):
-                    entry.renew_due = math.inf  # heartbeat off or max_hold reached
-                renew = entry.renew_at() <= horizon
-                index = not entry.indexed and entry.index_due <= horizon
-                if renew or index:
-                    entry.in_flight = True
-                    work[entry.lock.alias].append((entry, renew))
-                else:
-                    later.append(entry)
-            for entry in later:
-                self._schedule(entry)
-            if not lost and not work:
+            lost, work, dropped = self._gather(now)
+            if not lost and not work and not dropped:
+                # Nothing here refers to a lock any more: a lock dropped by its owner while
+                # the thread sleeps can be collected.
                 self._sleep(now)
                 return True
             self._wake_at = -math.inf
         for held, reason in lost:
             self._notify_lost(held, reason)
+        del lost
+        for entry in dropped:
+            logger.warning(
+                "lock %s was dropped while held (no release, no reference left): no longer "
+                "renewed, it expires within its TTL",
+                entry.key,
+                extra={"resource": entry.resource, "lock_key": entry.key, "outcome": "dropped"},
+            )
         for alias, items in work.items():
             for start in range(0, len(items), BATCH):
                 chunk = items[start : start + BATCH]
@@ -249,13 +218,57 @@ class Renewer:
                     self._send(alias, chunk)
                 finally:
                     with self._cond:
-                        for entry, _renew in chunk:
+                        for entry, held, _renew in chunk:
                             entry.in_flight = False
-                            if self._entries.get(entry.lock) is entry:
-                                self._schedule(entry)
+                            if self._entries.get(entry.lock_id) is entry:
+                                self._schedule(entry, held)
         with self._cond:
             self._stats.cpu_seconds += time.thread_time() - started_cpu
         return True
+
+    def _gather(
+        self, now: float
+    ) -> tuple[list[tuple[Lock, str]], dict[str, list[_Work]], list[_Entry]]:
+        """Pop what is due (caller holds the condition): (lost, work per alias, dropped).
+
+        Everything due within a quarter interval of the first due lock joins one batch:
+        renewing a little early is harmless (renew replaces the TTL) and turns a stream of
+        individual deadlines into a few pipelines per interval.
+        """
+        lost: list[tuple[Lock, str]] = []
+        work: dict[str, list[_Work]] = defaultdict(list)
+        dropped: list[_Entry] = []
+        later: list[tuple[_Entry, Lock]] = []
+        horizon = now
+        if self._heap and self._heap[0][0] <= now:
+            horizon = now + COALESCE * self._heap[0][2].interval
+        while self._heap and self._heap[0][0] <= horizon:
+            entry = heapq.heappop(self._heap)[2]
+            if self._entries.get(entry.lock_id) is not entry or entry.in_flight:
+                continue  # released, lost, or already in this batch
+            held = entry.ref()
+            if held is None:  # nobody references the lock any more: let it expire
+                del self._entries[entry.lock_id]
+                self._stats.dropped += 1
+                dropped.append(entry)
+                continue
+            reason = self._lost_reason(entry, held, now)
+            if reason:
+                del self._entries[entry.lock_id]
+                self._mark_lost(held, reason)
+                lost.append((held, reason))
+                continue
+            if not (held.heartbeat and now < held._hold_until):
+                entry.renew_due = math.inf  # heartbeat off or max_hold reached
+            renew = entry.renew_due <= horizon
+            if renew or (not entry.indexed and entry.index_due <= horizon):
+                entry.in_flight = True
+                work[entry.alias].append((entry, held, renew))
+            else:
+                later.append((entry, held))
+        for entry, held in later:
+            self._schedule(entry, held)
+        return lost, work, dropped
 
     def _flush_metrics(self) -> bool:
         """Flush the process's metric buffer if due; True if it sent something."""
@@ -280,11 +293,12 @@ class Renewer:
         while: then registering a lock (due INDEX_DELAY later at the soonest, for normal TTLs)
         need not ``notify``, keeping a thread switch off the acquire hot path.
         """
-        while self._heap and self._entries.get(self._heap[0][2].lock) is not self._heap[0][2]:
-            heapq.heappop(self._heap)
-        if self._heap:
+        heap = self._heap
+        while heap and self._entries.get(heap[0][2].lock_id) is not heap[0][2]:
+            heapq.heappop(heap)
+        if heap:
             self._idle_since = None
-            self._wake_at = self._heap[0][0]
+            self._wake_at = heap[0][0]
             if metrics.recorder().pending():
                 self._wake_at = min(self._wake_at, now + metrics.FLUSH_INTERVAL)
         elif self._idle_since is None or now - self._idle_since < IDLE_STOP:
@@ -297,61 +311,56 @@ class Renewer:
         self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
         self._wake_at = -math.inf  # awake: add() need not notify
 
-    def _lost_reason(self, entry: _Entry, now: float) -> str:
-        held = entry.lock
+    def _lost_reason(self, entry: _Entry, held: Lock, now: float) -> str:
         if now >= held._valid_until:
             if not held.heartbeat:
                 return "ttl expired (heartbeat off)"
-            if now >= entry.hold_until:
+            if now >= held._hold_until:
                 return f"max_hold ({held.max_hold:g}s) reached"
             return "no renewal confirmed before the validity deadline"
-        if held.state is LockState.SUSPECT and now + self._timeout(held) >= held._valid_until:
+        if (
+            held.state is LockState.SUSPECT
+            and now + self._timeout(entry.alias) >= held._valid_until
+        ):
             # One more attempt could not be confirmed in time: give up *before* the deadline.
             return f"renewals failing ({entry.failures} in a row) up to the validity deadline"
         return ""
 
-    def _send(self, alias: str, items: list[tuple[_Entry, bool]]) -> None:
-        client, timeout = self._clients[alias]
-        prefix = conf.get().KEY_PREFIX
-        pipe = client.pipeline(transaction=False)
-        renewing = [entry for entry, renew in items if renew]
-        for entry in renewing:
-            pipe.evalsha(lua.RENEW_SHA, 1, entry.lock.key, entry.lock.token, entry.lock.ttl_ms)
-        scores: dict[str, dict[str, float]] = defaultdict(dict)
-        families: set[str] = set()
-        wall_ms = time.time() * 1000
-        for entry, _renew in items:
-            held = entry.lock
-            scores[held.index_key][index_member(held.resource, held.owner)] = wall_ms + held.ttl_ms
-            families.add(held.family)
-        for index_key, mapping in scores.items():
-            pipe.zadd(index_key, mapping)
-        if families:
-            # Every batch, not once per process: the set must come back after a FLUSHDB or a
-            # Redis restart without persistence. One SADD per batch costs next to nothing.
-            pipe.sadd(families_key(prefix), *sorted(families))
+    def _send(self, alias: str, items: list[_Work]) -> None:
+        """One round trip (see :func:`heartbeat.batch`), never retried here: a failure makes
+        the locks SUSPECT, and they are retried soon."""
+        client = self._clients[alias][0]
+        renewing: list[tuple[_Entry, Lock]] = []
+        for entry, held, renew in items:
+            entry.encode(held.token, held.owner)
+            if renew:
+                renewing.append((entry, held))
+        packed, count, _ = batch(
+            ((entry, held.family, renew) for entry, held, renew in items),
+            families_key(conf.get().KEY_PREFIX),
+        )
         sent = time.monotonic()
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = execute_packed(client, packed, count, retry=False)
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
-            self._failed(renewing, sent, exc, timeout)
+            self._failed(renewing, sent, exc)
             return
         with self._cond:
             self._stats.round_trips += 1
             self._stats.index_writes += len(items)
-            for entry, _renew in items:
+            for entry, _held, _renew in items:
                 entry.indexed = True
         self._renewed(renewing, replies[: len(renewing)], sent, client)
 
     def _renewed(
-        self, entries: list[_Entry], replies: Iterable[Any], sent: float, client: Any
+        self, items: list[tuple[_Entry, Lock]], replies: list[Any], sent: float, client: Any
     ) -> None:
         lost: list[tuple[Lock, str]] = []
+        renewed: dict[tuple[str, str], int] = defaultdict(int)
         reload = False
         with self._cond:
-            for entry, reply in zip(entries, replies, strict=True):
-                held = entry.lock
-                if self._entries.get(held) is not entry:
+            for (entry, held), reply in zip(items, replies, strict=True):
+                if self._entries.get(entry.lock_id) is not entry:
                     continue  # released (or lost) while the pipeline was in flight
                 if isinstance(reply, NoScriptError):
                     reload = True  # Redis restarted; retry at once, not a failure
@@ -359,18 +368,20 @@ class Renewer:
                 elif isinstance(reply, Exception):
                     self._stats.renew_failed += 1
                     metrics.count("renew_failed", held.family, held.job_func)
-                    self._suspect(entry, sent, reply)
+                    self._suspect(entry, held, reply)
                 elif reply == lua.Outcome.OK:
                     held.confirm_renewed(sent)
                     entry.failures = 0
-                    entry.renew_due = sent + held.heartbeat_interval
-                    self._stats.renewed += 1
-                    metrics.count("renewed", held.family, held.job_func)
+                    entry.renew_due = sent + entry.interval
+                    renewed[(held.family, held.job_func)] += 1
                 else:
                     reason = lua.Outcome(reply).reason
-                    del self._entries[held]
+                    del self._entries[entry.lock_id]
                     self._mark_lost(held, reason)
                     lost.append((held, reason))
+            self._stats.renewed += sum(renewed.values())
+        for (family, func), count in renewed.items():
+            metrics.count("renewed", family, func, count)
         if reload:
             try:
                 lua.load_all(client)
@@ -379,24 +390,23 @@ class Renewer:
         for held, reason in lost:
             self._notify_lost(held, reason)
 
-    def _failed(self, entries: list[_Entry], sent: float, exc: Exception, timeout: float) -> None:
+    def _failed(self, items: list[tuple[_Entry, Lock]], sent: float, exc: Exception) -> None:
         with self._cond:
             self._stats.round_trips += 1
-            for entry in entries:
-                if self._entries.get(entry.lock) is entry:
+            for entry, held in items:
+                if self._entries.get(entry.lock_id) is entry:
                     self._stats.renew_failed += 1
-                    metrics.count("renew_failed", entry.lock.family, entry.lock.job_func)
-                    self._suspect(entry, sent, exc)
+                    metrics.count("renew_failed", held.family, held.job_func)
+                    self._suspect(entry, held, exc)
 
-    def _suspect(self, entry: _Entry, sent: float, exc: BaseException) -> None:
-        held = entry.lock
+    def _suspect(self, entry: _Entry, held: Lock, exc: BaseException) -> None:
         entry.failures += 1
         if held.state is LockState.HELD:
             held.state = LockState.SUSPECT
             log_lock(30, "renew_failed", held, "renewal failed; retrying", reason=repr(exc))
         # Retry soon, but do not hammer a server that just timed out.
         entry.renew_due = time.monotonic() + min(
-            held.heartbeat_interval / 2, max(0.02, self._timeout(held) / 2)
+            entry.interval / 2, max(0.02, self._timeout(entry.alias) / 2)
         )
 
 

@@ -1,0 +1,134 @@
+"""A lock's local view of one holding: its state and deadlines, by the local monotonic clock.
+
+:class:`~django_joblock.Lock` extends this with the Redis operations. The view is
+conservative: validity counts from the *send* time of the last confirmed acquire/renew, minus a
+clock-drift margin, so the holder believes the lock is gone before the server lets anyone else
+in. It is also per process: in a forked child the parent's lock is neither held nor lost, it is
+the parent's.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import time
+
+from .exceptions import LockLost
+from .keys import owner_hash
+
+
+class LockState(enum.Enum):
+    """Life cycle: UNLOCKED -> HELD <-> SUSPECT -> LOST, and HELD/SUSPECT/LOST -> RELEASED."""
+
+    UNLOCKED = "unlocked"
+    HELD = "held"
+    SUSPECT = "suspect"  # renewals are failing; still valid until the local deadline
+    LOST = "lost"
+    RELEASED = "released"
+
+
+def drift(ttl: float) -> float:
+    """Safety margin (s) for clock drift between us and Redis: 1 % of the TTL + 2 ms."""
+    return ttl * 0.01 + 0.002
+
+
+class Holding:
+    """State, deadlines and owner of one lock, as its holder sees them (no I/O here)."""
+
+    resource: str
+    key: str
+    ttl: float
+    max_hold: float | None
+    token: str
+    fence: int | None
+    state: LockState
+    lost_reason: str
+    # Monotonic time of the send of the acquire that took the lock (None before).
+    acquired_at: float | None
+    # The process that acquired the lock (0: never acquired). Another pid is a forked child
+    # holding a copy of this object: the lock is its parent's, not its own.
+    pid: int
+    # Local validity deadline (monotonic): send time of the last confirmed acquire/renew + ttl
+    # - drift. Written by the renewal thread, read by the owner; float stores are atomic.
+    _valid_until: float
+    # max_hold as a monotonic deadline: no renewal (by the thread or renew()) after it.
+    _hold_until: float
+    _owner: tuple[str, str]
+
+    def _reset_view(self) -> None:
+        self.fence = None
+        self.state = LockState.UNLOCKED
+        self.lost_reason = ""
+        self.acquired_at = None
+        self.pid = 0
+        self._valid_until = 0.0
+        self._hold_until = math.inf
+        self._owner = ("", "")
+
+    def _begin(self, fence: int, sent: float) -> None:
+        """Record an acquisition confirmed by Redis, sent at monotonic time ``sent``."""
+        self.fence = fence
+        self.acquired_at = sent
+        self.pid = os.getpid()
+        self._valid_until = sent + self.ttl - drift(self.ttl)
+        self._hold_until = math.inf if self.max_hold is None else sent + self.max_hold
+        self.lost_reason = ""
+        self.state = LockState.HELD
+
+    def confirm_renewed(self, sent: float) -> None:
+        """Record a renewal confirmed by Redis that was sent at monotonic time ``sent``."""
+        self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
+        if self.state is LockState.SUSPECT:
+            self.state = LockState.HELD
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl * 1000))
+
+    def _foreign(self) -> bool:
+        """True in another process than the one that acquired the lock (a forked child)."""
+        return self.pid != 0 and self.pid != os.getpid()
+
+    def remaining(self) -> float:
+        """Seconds of validity left by the local monotonic clock (0 when not held here)."""
+        if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
+            return 0.0
+        return max(0.0, self._valid_until - time.monotonic())
+
+    @property
+    def held(self) -> bool:
+        """True while acquired by this process, not released, not lost, and the local deadline
+        has not passed."""
+        return self.remaining() > 0.0
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock is known lost, or its local validity deadline has passed.
+
+        Stays True after :meth:`release` when the lock had been lost (``lost_reason`` says why).
+        False in a forked child: the lock is not lost, it is the parent's.
+        """
+        if self._foreign():
+            return False
+        if self.state is LockState.LOST:
+            return True
+        if self.state is LockState.RELEASED:
+            return bool(self.lost_reason)
+        return self.state in (LockState.HELD, LockState.SUSPECT) and self.remaining() <= 0.0
+
+    def _lost_error(self, reason: str) -> LockLost:
+        return LockLost(reason, resource=self.resource, key=self.key, owner=self.owner)
+
+    @property
+    def owner(self) -> str:
+        """Short hash of the current token: safe to log and show (the token is not)."""
+        if self._owner[0] != self.token:
+            self._owner = (self.token, owner_hash(self.token))
+        return self._owner[1]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Lock resource={self.resource!r} state={self.state.value} "
+            f"owner={self.owner} fence={self.fence}>"
+        )

@@ -1,0 +1,437 @@
+"""The lock core under real conditions (issue 12): Redis restarts, lost replies, capped pools,
+bad numbers, fork(), other contexts, forgotten locks, loss at exit, slow replies, max_hold,
+SIGUSR2, clock steps and introspection. Real Redis throughout; faults injected for real."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.core.cache import caches
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+from redis.exceptions import ResponseError
+
+from django_joblock import (
+    JoblockConfigError,
+    LockBackendUnavailable,
+    LockLost,
+    current_lock,
+    lock,
+    lock_info,
+    locked_job,
+    lua,
+)
+from django_joblock.renewal import renewer
+from tests import harness
+from tests.droppers import ReplyDropper
+from tests.harness import expire_now, wait_for
+
+
+def _cache(location: str, **options: Any) -> dict[str, Any]:
+    """A django-redis cache. django-redis shares one pool per URL in a process, so a cache that
+    needs its own pool options gets a URL of its own (a query argument redis-py accepts)."""
+    return {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": location,
+        "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5, **options},
+    }
+
+
+def _port() -> int:
+    return int(harness.redis_url().rsplit(":", 1)[1].split("/")[0])
+
+
+# -- 1. Redis restart; an acquire whose reply was lost -------------------------------------
+def test_first_acquire_after_a_redis_restart_reconnects(server, rconn):
+    before = lock("restart:1", ttl=5)
+    assert before.acquire()  # the lock path's connection is open, and now idle
+    run_id = rconn.info("server")["run_id"]
+    server.restart()
+    assert server.client().info("server")["run_id"] != run_id, "negative control: restarted"
+    assert server.client().exists(before.key) == 0, "negative control: the restart lost it"
+    after = lock("restart:2", ttl=5)
+    assert after.acquire(), "the first acquire after the restart must reconnect and succeed"
+    assert after.release()
+
+
+def test_an_acquire_whose_reply_was_lost_is_retried_and_gets_the_same_fence(settings, rconn):
+    lua.load_all(rconn)  # the dropped reply must be the acquire's, not a NOSCRIPT
+    dropper = ReplyDropper(_port())
+    settings.CACHES = {**settings.CACHES, "dropper": _cache(dropper.url)}
+    try:
+        held = lock("lost-reply:1", ttl=30, using="dropper")
+        dropper.armed = True
+        assert held.acquire(), "a connection lost after the acquire ran is retried once"
+        assert len(dropper.dropped) == 1, "negative control: one reply was really lost"
+        lost_reply = dropper.dropped[0]
+        assert lost_reply.startswith(b":") and int(lost_reply[1:].strip()) == held.fence, (
+            "the retry got the fence of the acquire that ran, not a second acquisition"
+        )
+        assert rconn.hget(held.key, "token").decode() == held.token
+        assert 0 < rconn.pttl(held.key) <= 30_000
+        assert held.release()
+    finally:
+        dropper.close()
+
+
+def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(settings, proxy, rconn):
+    lua.load_all(rconn)
+    settings.CACHES = {
+        **settings.CACHES,
+        "slow": _cache(f"{harness.proxy_url()}?socket_timeout=0.3", SOCKET_TIMEOUT=0.3),
+    }
+    warm = lock("lost-reply:warm", ttl=30, using="slow")
+    assert warm.acquire() and warm.release()  # connections made before the fault
+    held = lock("lost-reply:2", ttl=30, using="slow")
+    proxy.set("delay", 0.5)  # the server runs the acquire after the client gave up
+    with pytest.raises(LockBackendUnavailable):
+        held.acquire()
+    assert wait_for(lambda: rconn.hget(held.key, "token") == held.token.encode(), 3.0), (
+        "negative control: the acquire did run on the server after the timeout"
+    )
+    fence = int(rconn.hget(held.key, "fence"))
+    proxy.set("forward")
+    assert held.acquire(), "the same Lock retrying finds its own token: acquired"
+    assert held.fence == fence
+    assert held.release()
+
+
+# -- 2. Capped connection pool ---------------------------------------------------------------
+def test_threads_taking_locks_never_starve_a_capped_pool(settings, rconn):
+    settings.CACHES = {
+        **settings.CACHES,
+        "capped": _cache(
+            f"{harness.redis_url()}?max_connections=4",
+            CONNECTION_POOL_KWARGS={"max_connections": 4},
+        ),
+    }
+    turn = [threading.Event() for _ in range(7)]
+    done = threading.Event()
+    results: dict[int, str] = {}
+
+    def worker(index: int) -> None:
+        turn[index].wait(10)
+        try:
+            held = lock(f"capped:{index}", ttl=10, using="capped")
+            results[index] = "held" if held.acquire() else "busy"
+        except Exception as exc:
+            results[index] = repr(exc)
+            held = None
+        turn[index + 1].set()
+        done.wait(10)
+        if held is not None and held.held:
+            held.release()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    turn[0].set()
+    assert turn[6].wait(10)
+    try:
+        # All six threads are alive and hold their locks; the cache still has its pool.
+        assert results == dict.fromkeys(range(6), "held"), results
+        cache = caches["capped"]
+        cache.set("capped-probe", 1)
+        assert cache.get("capped-probe") == 1
+        pool = cache.client.get_client(write=True).connection_pool
+        assert len(pool._in_use_connections) == 0, "no lock connection is kept out of the pool"
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(10)
+
+
+# -- 3. Numbers: finite, in range, checked before anything is written -------------------------
+BAD_NUMBERS = [math.nan, math.inf, -math.inf, 1e300, 10**400, -1]
+
+
+@pytest.mark.parametrize("value", BAD_NUMBERS)
+@pytest.mark.parametrize("argument", ["ttl", "wait", "max_hold"])
+def test_lock_arguments_must_be_finite_and_in_range(argument, value, rconn):
+    with pytest.raises(ValueError, match=argument):
+        lock("numbers:1", **{argument: value})
+    assert rconn.dbsize() == 0, "nothing may be written for a refused lock"
+
+
+@pytest.mark.parametrize("value", BAD_NUMBERS)
+def test_acquire_wait_must_be_finite(value, rconn):
+    held = lock("numbers:2", ttl=5)
+    with pytest.raises(ValueError, match="wait"):
+        held.acquire(wait=value)
+    assert rconn.dbsize() == 0
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 1e300])
+@pytest.mark.parametrize("argument", ["ttl", "max_wait"])
+def test_locked_job_numbers_must_be_finite(argument, value):
+    with pytest.raises(ValueError, match=argument):
+        locked_job("default", lock="numbers:{n}", **{argument: value})
+
+
+@pytest.mark.parametrize(
+    "joblock, key",
+    [
+        ({"LOCK_TTL": 1e300}, "LOCK_TTL"),
+        ({"LOCK_TTL": math.inf}, "LOCK_TTL"),
+        ({"HEARTBEAT_INTERVAL": math.nan}, "HEARTBEAT_INTERVAL"),
+        ({"MAX_HOLD": math.nan}, "MAX_HOLD"),
+        ({"ACQUIRE_WAIT": math.inf}, "ACQUIRE_WAIT"),
+        ({"REQUEUE_MAX_WAIT": math.nan}, "REQUEUE_MAX_WAIT"),
+        ({"IDEMPOTENCY_TTL": math.inf}, "IDEMPOTENCY_TTL"),
+        ({"RENEW_TIMEOUT": math.nan}, "RENEW_TIMEOUT"),
+        ({"METRICS_RETENTION": 0.5}, "METRICS_RETENTION"),
+        ({"REQUEUE_BACKOFF": {"factor": math.inf}}, "REQUEUE_BACKOFF"),
+        ({"ALERTS": {"WINDOW": math.nan}}, "ALERTS"),
+        ({"ALERTS": {"CONTENTION_RATIO": 2}}, "ALERTS"),
+    ],
+)
+@pytest.mark.django_db
+def test_settings_numbers_must_be_finite_and_in_range(settings, joblock, key):
+    settings.JOBLOCK = joblock
+    with pytest.raises(SystemCheckError, match=rf"django_joblock\.E003.*{key}"):
+        call_command("check")
+    with pytest.raises(JoblockConfigError, match=key):
+        lock("numbers:settings")
+
+
+@pytest.mark.parametrize("ttl_ms", ["1e+300", "nan", "inf", "abc", "0", "-5", "1.5"])
+def test_the_acquire_script_refuses_a_bad_ttl_before_writing(ttl_ms, rconn):
+    key, fence_key = "joblock:{numbers:3}:lock", "joblock:{numbers:3}:fence"
+    args = ["token", ttl_ms, 86_400_000, "host", 1, "", "", ""]
+    with pytest.raises(ResponseError, match="ttl"):
+        lua.run(rconn, lua.ACQUIRE_SHA, [key, fence_key], args)
+    assert rconn.exists(key) == 0, "the script must not leave a lock hash (without expiry)"
+
+
+def test_the_renew_script_refuses_a_bad_ttl_before_writing(rconn):
+    held = lock("numbers:4", ttl=5, heartbeat=False)
+    assert held.acquire()
+    before = rconn.hgetall(held.key)
+    with pytest.raises(ResponseError, match="ttl"):
+        lua.run(rconn, lua.RENEW_SHA, [held.key], [held.token, "1e+300"])
+    assert rconn.hgetall(held.key) == before
+    assert 0 < rconn.pttl(held.key) <= 5000
+    held.release()
+
+
+def test_a_lock_key_found_without_expiry_gets_one(rconn):
+    key = "joblock:{numbers:5}:lock"
+    rconn.hset(key, mapping={"token": "left-by-a-bug", "fence": 1})
+    assert rconn.pttl(key) == -1
+    assert lock("numbers:5", ttl=3).acquire() is False
+    assert 0 < rconn.pttl(key) <= 3000, "a lock without expiry must not block forever"
+
+
+# -- 4. fork() ---------------------------------------------------------------------------------
+def _child_leaves(held: Any) -> None:
+    """In the forked child: release / renew / ensure_held / leave the block; never returns."""
+    code = 10
+    try:
+        ok = held.release() is False and held.renew() is False and not held.held
+        try:
+            held.ensure_held()
+            ok = False
+        except LockLost as exc:
+            ok = ok and "forked child" in str(exc)
+        held.__exit__(None, None, None)  # leaving the with block in the child
+        code = 0 if ok else 1
+    except BaseException:
+        code = 2
+    finally:
+        os._exit(code)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_never_releases_its_parents_lock(rconn):
+    with lock("fork:1", ttl=5) as held:
+        pid = os.fork()
+        if pid == 0:
+            _child_leaves(held)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0, f"child saw the wrong behaviour (code {status})"
+        assert rconn.hget(held.key, "token").decode() == held.token, (
+            "the child released the parent's lock"
+        )
+        assert held.held
+        assert lock("fork:1", ttl=5).acquire() is False, "nobody else may get in"
+    assert rconn.exists(held.key) == 0, "the parent's own exit still releases it"
+
+
+# -- 5. Leaving the block in another context ---------------------------------------------------
+def test_leaving_the_block_in_another_context_still_releases(rconn):
+    held = lock("context:1", ttl=5)
+
+    async def scenario() -> Any:
+        await sync_to_async(held.__enter__)()
+        assert current_lock() is held
+        assert rconn.exists(held.key)
+        await sync_to_async(held.__exit__)(None, None, None)
+        return current_lock()
+
+    assert asyncio.run(scenario()) is None
+    assert rconn.exists(held.key) == 0, "leaving in another context must still release"
+    assert held not in renewer().held_locks(), "and stop the heartbeat"
+
+
+# -- 6. Forgotten locks ----------------------------------------------------------------------
+def _take_and_forget(resource: str) -> str:
+    held = lock(resource, ttl=1.0)
+    assert held.acquire()
+    return held.key
+
+
+def test_a_lock_nobody_references_stops_being_renewed_and_expires(rconn, caplog):
+    kept = lock("forgotten:kept", ttl=1.0)
+    assert kept.acquire()
+    key = _take_and_forget("forgotten:dropped")
+    gc.collect()
+    assert wait_for(lambda: rconn.exists(key) == 0, 5.0), "a forgotten lock is renewed forever"
+    # Negative control: the lock still referenced was renewed through the same time.
+    assert kept.held and rconn.hget(kept.key, "token").decode() == kept.token
+    assert [held.resource for held in renewer().held_locks()] == ["forgotten:kept"]
+    assert any(
+        "dropped while held" in r.getMessage() and key in r.getMessage() for r in caplog.records
+    )
+    assert kept.release()
+
+
+# -- 7. Loss is reported when leaving the block --------------------------------------------------
+def test_leaving_the_block_after_the_lock_expired_raises_lock_lost(rconn):
+    with pytest.raises(LockLost) as info:
+        with lock("exit:1", ttl=0.3, heartbeat=False) as held:
+            time.sleep(0.6)
+    assert info.value.resource == "exit:1"
+    assert held.lost and held.lost_reason, "lost and its reason stay visible after the exit"
+
+
+def test_leaving_the_block_after_another_owner_took_it_raises_lock_lost(rconn):
+    with pytest.raises(LockLost, match="another owner"):
+        with lock("exit:2", ttl=5) as held:
+            rconn.hset(held.key, "token", "someone-else")
+    assert held.lost and held.lost_reason == "taken by another owner"
+    assert rconn.hget(held.key, "token") == b"someone-else", "the other owner's lock stays"
+
+
+def test_the_blocks_own_exception_wins_over_lock_lost(rconn):
+    with pytest.raises(KeyError):
+        with lock("exit:3", ttl=0.3, heartbeat=False):
+            time.sleep(0.6)
+            raise KeyError("the block's own error")
+
+
+# -- 8. Smaller ones -------------------------------------------------------------------------
+def test_an_acquire_answered_after_the_ttl_ran_out_is_not_acquired(proxy, rconn):
+    lua.load_all(rconn)
+    held = lock("late:1", ttl=0.2, using="proxied")
+    proxy.set("delay", 0.3)  # each way: the reply comes ~0.6 s after sending
+    with pytest.raises(LockBackendUnavailable, match="validity"):
+        held.acquire()
+    proxy.set("forward")
+    assert not held.held
+    # Negative control: the server did grant it (its fence counter moved).
+    assert rconn.exists("joblock:{late:1}:fence")
+
+
+def test_renew_by_the_holder_stops_at_max_hold(rconn):
+    held = lock("maxhold:1", ttl=1.0, max_hold=0.6, heartbeat=False)
+    assert held.acquire()
+    assert held.renew() is True, "negative control: before max_hold a renew works"
+    time.sleep(0.7)
+    assert held.renew() is False, "past max_hold the holder cannot keep renewing"
+    assert wait_for(lambda: rconn.exists(held.key) == 0, 3.0), "the lock runs out"
+
+
+@locked_job("default", lock="signal:{n}", ttl=2)
+def _inline_job(n: int, expire: bool = False) -> Any:
+    """Reports the SIGUSR2 handler seen inside the job; with ``expire``, loses its lock."""
+    seen = signal.getsignal(signal.SIGUSR2)
+    if expire:
+        held = current_lock()
+        assert held is not None
+        threading.Timer(0.2, expire_now, args=(_redis(), held.key)).start()
+        time.sleep(3)  # interrupted by the abort
+    return seen
+
+
+def _redis() -> Any:
+    import redis
+
+    return redis.Redis.from_url(harness.redis_url())
+
+
+@pytest.fixture
+def own_sigusr2() -> Iterator[list[int]]:
+    calls: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        yield calls
+        assert signal.getsignal(signal.SIGUSR2) is handler, "SIGUSR2 handler not restored"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_an_inline_locked_job_restores_the_sigusr2_handler(own_sigusr2):
+    seen = _inline_job(1)
+    assert seen is not signal.getsignal(signal.SIGUSR2), "negative control: the job armed it"
+    assert not own_sigusr2
+
+
+def test_the_sigusr2_handler_is_restored_after_an_abort(own_sigusr2):
+    with pytest.raises(LockLost, match="aborted"):
+        _inline_job(2, expire=True)
+    time.sleep(0.2)  # a late signal would have reached the restored handler by now
+    assert not own_sigusr2, "our abort signal must not reach the user's handler"
+
+
+def test_a_forward_clock_step_shows_as_early_expiry_and_is_reported(rconn):
+    # A forward step of the Redis server clock expires keys early; the holder's monotonic
+    # view cannot see it. Simulated by expiring the key on the server, which is what the
+    # step does: the next renewal finds it gone, and leaving the block says so.
+    with pytest.raises(LockLost, match="expired"):
+        with lock("clock:1", ttl=0.9) as held:
+            expire_now(rconn, held.key)
+            assert wait_for(lambda: held.lost, 1.0), "found at the next renewal (ttl/3)"
+
+
+# -- 9. Introspection --------------------------------------------------------------------------
+def test_lock_info_says_who_holds_a_resource_without_touching_it(rconn):
+    assert lock_info("info:1") is None
+    held = lock("info:1", ttl=5, heartbeat=False)
+    assert held.acquire()
+    rconn.pexpire(held.key, 4000)
+    info = lock_info("info:1")
+    assert info is not None
+    assert (info.resource, info.owner, info.fence) == ("info:1", held.owner, held.fence)
+    assert info.pid == os.getpid() and info.host and info.ttl == 5
+    assert 0 < info.expires_in <= 4 and info.renewals == 0
+    assert info.acquired_at is not None and info.acquired_at.tzinfo is not None
+    assert rconn.pttl(held.key) <= 4000, "reading must not extend the lock"
+    assert held.token not in repr(info), "the token itself is never exposed"
+    held.release()
+    assert lock_info("info:1") is None
+
+
+def test_owned_checks_with_the_server_without_extending(rconn):
+    held = lock("info:2", ttl=5, heartbeat=False)
+    assert held.owned() is False, "not acquired yet"
+    assert held.acquire()
+    rconn.pexpire(held.key, 4000)
+    assert held.owned() is True
+    assert rconn.pttl(held.key) <= 4000, "owned() must not extend the lock"
+    rconn.hset(held.key, "token", "someone-else")
+    assert held.owned() is False
+    assert held.lost and held.lost_reason == "taken by another owner"
