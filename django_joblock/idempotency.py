@@ -27,7 +27,21 @@ Protocol (no read-then-write window):
    ``succeed()`` records a success with result ``None``; a ``succeed()`` that was rolled back
    is recorded as failed.
 
+Results are checked and stored with one encoder, Django's ``DjangoJSONEncoder`` (the model's
+``JSONField`` uses it too): ``Decimal``, ``datetime``, ``date``, ``time``, ``timedelta``, ``UUID``
+and lazy strings are accepted and stored as strings, so a *replay* returns those strings
+(``"10.00"``, ``"2024-05-01T12:00:00Z"``), not the original objects; tuples come back as lists
+and non-string dict keys as strings. NaN and infinities are refused (PostgreSQL's ``jsonb``
+cannot store them).
+
+Keys are non-empty strings of at most 255 characters without NUL; scopes at most 100
+characters without NUL (:func:`validate_key`, :func:`validate_scope`; ``@locked_job`` checks
+both at enqueue).
+
 Leases and expiry use this server's clock (``timezone.now()``): keep app servers NTP-synced.
+A claim (new or taken over) expires ``IDEMPOTENCY_TTL`` after it was made, a success
+``IDEMPOTENCY_TTL`` after it was recorded; ``joblock_purge`` never deletes a running claim
+whose lease is live, whatever its ``expires_at``.
 Works on PostgreSQL and SQLite (>= 3.35, for ``RETURNING``); other databases use a savepoint
 and ``IntegrityError`` for step 1 (one more statement).
 """
@@ -62,6 +76,52 @@ MAX_SCOPE_LENGTH = 100
 _TAKEOVER_TRIES = 5
 
 
+def validate_key(key: object, *, what: str = "idempotent()") -> str:
+    """``key`` if it is a usable idempotency key, else ``ValueError`` naming it.
+
+    A key is a non-empty ``str`` of at most ``MAX_KEY_LENGTH`` characters without NUL (which
+    PostgreSQL cannot store in text).
+    """
+    if not isinstance(key, str):
+        raise ValueError(
+            f"{what}: idempotency key must be a str, got {type(key).__name__}: {key!r}."
+        )
+    if not key or len(key) > MAX_KEY_LENGTH:
+        shown = key if len(key) <= 80 else key[:77] + "..."
+        raise ValueError(
+            f"{what}: idempotency key must be 1 to {MAX_KEY_LENGTH} characters, got "
+            f"{len(key)}: {shown!r}."
+        )
+    if "\x00" in key:
+        raise ValueError(f"{what}: idempotency key {key!r} contains a NUL character.")
+    return key
+
+
+def validate_scope(scope: object, *, what: str = "idempotent()") -> str:
+    """``scope`` if usable (a ``str`` of at most ``MAX_SCOPE_LENGTH``, no NUL), else
+    ``ValueError`` naming it."""
+    if not isinstance(scope, str):
+        raise ValueError(
+            f"{what}: idempotency scope must be a str, got {type(scope).__name__}: {scope!r}."
+        )
+    if len(scope) > MAX_SCOPE_LENGTH:
+        raise ValueError(
+            f"{what}: idempotency scope must be at most {MAX_SCOPE_LENGTH} characters, got "
+            f"{len(scope)}: {scope!r}."
+        )
+    if "\x00" in scope:
+        raise ValueError(f"{what}: idempotency scope {scope!r} contains a NUL character.")
+    return scope
+
+
+def check_result(result: Any) -> str:
+    """``result`` as the JSON the record stores (``DjangoJSONEncoder``, no NaN/infinity).
+
+    Raises ``TypeError`` / ``ValueError`` for a value that cannot be stored.
+    """
+    return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
+
+
 def fingerprint_of(value: Any) -> str:
     """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces)."""
     canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
@@ -74,16 +134,23 @@ def _model() -> Any:
     return IdempotencyRecord
 
 
-def _job_id() -> str:
-    from .locks import _job_context
+def _current_job() -> Any:
+    from rq import get_current_job
 
-    return _job_context()[0]
+    try:
+        return get_current_job()
+    except Exception:  # noqa: BLE001 - outside a worker rq may raise on a missing connection
+        return None
+
+
+def _job_id() -> str:
+    job = _current_job()
+    return (job.id or "") if job is not None else ""
 
 
 def _job_func() -> str:
-    from .locks import _job_context
-
-    return _job_context()[1]
+    job = _current_job()
+    return (job.func_name or "") if job is not None else ""
 
 
 @dataclass
@@ -115,10 +182,11 @@ class Claim:
                 scope=self.scope,
             )
         try:
-            json.dumps(result, cls=DjangoJSONEncoder)
+            check_result(result)
         except (TypeError, ValueError) as exc:
             raise IdempotencyError(
-                f"Result for idempotency key {self.key!r} is not JSON-serialisable: {exc}",
+                f"Result for idempotency key {self.key!r} cannot be stored as JSON "
+                f"(DjangoJSONEncoder, no NaN or infinity): {exc}",
                 key=self.key,
                 scope=self.scope,
             ) from exc
@@ -182,16 +250,8 @@ class idempotent:
         lease: float | None = None,
         using: str | None = None,
     ) -> None:
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
-            raise ValueError(
-                f"idempotent(): key must be a non-empty str of at most "
-                f"{MAX_KEY_LENGTH} characters, got {key!r}."
-            )
-        if not isinstance(scope, str) or len(scope) > MAX_SCOPE_LENGTH:
-            raise ValueError(
-                f"idempotent(): scope must be a str of at most {MAX_SCOPE_LENGTH} "
-                f"characters, got {scope!r}."
-            )
+        validate_key(key)
+        validate_scope(scope)
         if lease is not None and (
             isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0
         ):
@@ -336,6 +396,8 @@ def claim(spec: idempotent) -> Claim:
                 updated_at=now,
                 finished_at=None,
                 lease_expires_at=now + timedelta(seconds=spec.lease),
+                # A takeover is a new claim: it lives a full TTL from now, like an insert.
+                expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
                 fingerprint=spec.fingerprint or row["fingerprint"],
             )
         )

@@ -2,8 +2,9 @@
 
 JSON output: a list of objects with ``resource``, ``family``, ``owner`` (token hash),
 ``fence``, ``host``, ``pid``, ``job_id``, ``job_func``, ``worker``, ``acquired_ms``,
-``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds) and ``health``
-(``healthy`` / ``holder dead`` / ``overdue``).
+``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds), ``health``
+(``healthy`` / ``holder dead`` / ``overdue``) and ``why`` (the evidence behind ``holder dead``
+or ``overdue``; empty when healthy).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from django_joblock.health import HEALTHY, lock_health
+from django_joblock.health import HEALTHY, LockHealth, lock_health
 from django_joblock.monitoring import active_locks
 
 
@@ -33,11 +34,15 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         locks = active_locks(family=options["family"], limit=options["limit"])
         health = lock_health(locks)
-        rows = [{**held.as_dict(), "health": health.get(held.resource, HEALTHY)} for held in locks]
+        rows = []
+        for held in locks:
+            state = health.get(held.resource, LockHealth(HEALTHY))
+            row = {**held.as_dict(), "health": state.state.value, "why": state.why}
+            for internal in ("token_hash", "read_ms"):
+                row.pop(internal, None)
+            rows.append(row)
         if options["stuck"]:
-            rows = [row for row in rows if row["health"] != HEALTHY]
-        for row in rows:
-            row.pop("token_hash", None)
+            rows = [row for row in rows if row["health"] != HEALTHY.value]
         if options["json"]:
             self.stdout.write(json.dumps(rows, indent=2))
             return
@@ -50,4 +55,5 @@ class Command(BaseCommand):
                 f"held={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
                 f"holder={row['host']}:{row['pid']} job={row['job_id'] or '-'} "
                 f"worker={row['worker'] or '-'} owner={row['owner']}"
+                + (f" why={row['why']}" if row["why"] else "")
             )
