@@ -105,15 +105,16 @@ def test_live_holder_is_healthy_and_never_reaped_then_a_dead_one_is(topology):
     owner = _locks(locks)["split:1"]["owner"]
     time.sleep(3)  # a few seconds old, not renewed yet (TTL 30 s renews after 10 s)
 
-    row = _locks(locks)["split:1"]
-    assert (row["health"], row["why"], row["renewals"]) == ("healthy", "", 0), row
-    out = StringIO()
-    call_command("joblock_reap", stdout=out)
-    assert "0 lock(s) with a dead holder" in out.getvalue(), out.getvalue()
     page = browser.get("/admin/django_joblock/dashboard/")
     assert page.status_code == 200
     assert b"jl-health-healthy" in page.content and b"holder dead</td>" not in page.content
-    assert _locks(locks)["split:1"]["owner"] == owner, "the live holder keeps its lock"
+    out = StringIO()
+    call_command("joblock_reap", stdout=out)
+    assert "0 lock(s) with a dead holder" in out.getvalue(), out.getvalue()
+    assert LockAudit.objects.count() == 0, LockAudit.objects.values("reason", "outcome")
+    row = _locks(locks)["split:1"]
+    assert (row["health"], row["renewals"], row["owner"]) == ("healthy", 0, owner), row
+    assert row["why"] == ""
 
     locks.set("test:go:split1", 1)
     assert wait_status(live, DONE, 30) is JobStatus.FINISHED, crew.logs()
