@@ -72,6 +72,7 @@ _RETRY_MAX = 10**6
 _MAX_DELAYS_KEPT = 50
 # Reading the operator's note on the loss path: never wait long for a Redis that may be gone.
 _NOTE_TIMEOUT = 1.0
+_AUDIT_ID_WAIT = 2.0
 
 
 class JobOutcome(enum.StrEnum):
@@ -178,11 +179,22 @@ def _lost(spec: JobSpec[Any, Any], abort: Abort, held: Lock, reason: str) -> Non
 
 
 def _operator_note(held: Lock) -> tombstones.OperatorRelease | None:
-    """Did an operator release this holding? One GET, in the job's thread, on the loss path."""
+    """Did an operator release this holding? Read in the job's thread, on the loss path only.
+
+    One GET normally. A note still without its audit id (the operator's process writes the
+    audit row right after the release, and on SQLite it waits for this job's transaction to
+    end) is read again for up to ``_AUDIT_ID_WAIT`` seconds: the job is failing anyway.
+    """
     client = None
     try:
         client = renewal_client(connection(held.alias), _NOTE_TIMEOUT)
-        return tombstones.read(client, conf.get().KEY_PREFIX, held.resource, held.owner)
+        prefix = conf.get().KEY_PREFIX
+        note = tombstones.read(client, prefix, held.resource, held.owner)
+        deadline = time.monotonic() + _AUDIT_ID_WAIT
+        while note is not None and note.audit is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            note = tombstones.read(client, prefix, held.resource, held.owner) or note
+        return note
     except REDIS_ERRORS:
         return None  # Redis is gone too: the plain loss reason stands
     finally:

@@ -78,3 +78,10 @@ def plain_once(n: int) -> int:
 @locked_job("default", lock="plain:{n}")
 def raises(n: int) -> int:
     raise RuntimeError(f"job {n} broke")
+
+
+@locked_job("default", lock="brief:{n}", ttl=2)
+def hold_briefly_renewed(n: int) -> int:
+    """Holds a short-TTL lock (renewed every 2/3 s) until told to finish."""
+    _wait_for_go(f"brief{n}")
+    return n
