@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from io import StringIO
@@ -27,7 +29,7 @@ from django_joblock.models import LockAudit
 from tests import harness, seam_jobs
 from tests.harness import wait_for
 from tests.settings import _cache
-from tests.workers import Workers, wait_status
+from tests.workers import ROOT, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -136,3 +138,43 @@ def test_live_holder_is_healthy_and_never_reaped_then_a_dead_one_is(topology):
     assert not locks.exists("joblock:{split:2}:lock")
     audit = LockAudit.objects.get()
     assert audit.action == "reap" and f"RQ job {doomed.id} is failed" in audit.reason
+
+
+def _django(env: dict[str, str], *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_rq_key_prefix_of_rq_3_is_followed(rconn):
+    """rq 3 reads ``RQ_KEY_PREFIX`` from the environment: its job and worker keys are then not
+    ``rq:...``. Every process here (worker, enqueuer, commands) runs with the same prefix, as a
+    deployment does; the test process itself never touches RQ's keys. (rq 2.12 has no such
+    setting and uses ``rq:``: the test then checks the default prefix.)"""
+    crew = Workers()
+    env = dict(crew.env(), RQ_KEY_PREFIX="myrq")
+    crew.env = lambda: env  # type: ignore[method-assign]
+    try:
+        crew.start()
+        enqueue = "import django; django.setup()\nfrom tests import seam_jobs\n"
+        enqueue += "print(seam_jobs.hold_until_told.delay(5).id)\n"
+        job_id = _django(env, "-c", enqueue).strip()
+        assert wait_for(lambda: rconn.get("test:pid:split5"), 30), crew.logs()
+        assert wait_for(lambda: rconn.zcard("joblock:active:split"), 10)
+        # --skip-checks: on SQLite the job's open transaction holds the database's write lock,
+        # which Django's JSONField probe would wait 30 s for (PostgreSQL does not mind).
+        rows = json.loads(
+            _django(env, "-m", "django", "joblock_locks", "--json", "--skip-checks")
+        )
+        assert [(r["resource"], r["job_id"], r["health"]) for r in rows] == [
+            ("split:5", job_id, "healthy")
+        ], rows
+        reaped = _django(env, "-m", "django", "joblock_reap", "--skip-checks")
+        assert "0 lock(s) with a dead holder" in reaped
+        rconn.set("test:go:split5", 1)
+        assert wait_for(lambda: not rconn.exists("joblock:{split:5}:lock"), 30), crew.logs()
+        assert LockAudit.objects.count() == 0
+    finally:
+        crew.stop()
