@@ -8,8 +8,8 @@ from rq import Queue
 
 from django_joblock import (
     IdempotencyRecord,
-    JoblockConfigError,
     InvalidResource,
+    JoblockConfigError,
     LockNotAcquired,
     current_lock,
     lock,
@@ -121,7 +121,9 @@ def test_callable_templates(scratch_registry, rconn):
 
 def test_queue_resolution(settings):
     assert get_queue("default").__class__.__module__.startswith("django_rq")
-    with pytest.raises(JoblockConfigError, match="'not-in-rq-queues' is not in settings.RQ_QUEUES"):
+    with pytest.raises(
+        JoblockConfigError, match=r"'not-in-rq-queues' is not in settings\.RQ_QUEUES"
+    ):
         get_queue("not-in-rq-queues")
     mine = Queue("mine", connection=get_queue("default").connection)
     assert get_queue(mine) is mine

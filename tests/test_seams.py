@@ -107,7 +107,7 @@ def test_decimal_datetime_uuid_results_are_stored_and_replayed_as_strings(rconn)
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, object()])
 def test_results_the_database_cannot_store_fail_clearly(bad):
-    with pytest.raises(IdempotencyError, match="cannot be stored as JSON"):  # noqa: PT012
+    with pytest.raises(IdempotencyError, match="cannot be stored as JSON"):
         with idempotent(f"bad:{bad!r}") as claim:
             claim.succeed({"value": bad})
     assert IdempotencyRecord.objects.get().status == "failed"

@@ -165,9 +165,7 @@ def test_rq_key_prefix_of_rq_3_is_followed(rconn):
         assert wait_for(lambda: rconn.zcard("joblock:active:split"), 10)
         # --skip-checks: on SQLite the job's open transaction holds the database's write lock,
         # which Django's JSONField probe would wait 30 s for (PostgreSQL does not mind).
-        rows = json.loads(
-            _django(env, "-m", "django", "joblock_locks", "--json", "--skip-checks")
-        )
+        rows = json.loads(_django(env, "-m", "django", "joblock_locks", "--json", "--skip-checks"))
         assert [(r["resource"], r["job_id"], r["health"]) for r in rows] == [
             ("split:5", job_id, "healthy")
         ], rows

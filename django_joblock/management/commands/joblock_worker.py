@@ -9,6 +9,11 @@ With django-rq installed, a queue name missing from ``RQ_QUEUES`` is an error li
 known names (as django-rq's ``rqworker`` refuses it), never a silent queue on another Redis.
 Queues on different Redis connections cannot share one worker (RQ reads them all through one
 connection): that is an error too; start one worker per connection.
+
+The system checks run at start without database probes (``databases=[]``): a worker must start
+while a job elsewhere holds a long transaction (on SQLite that transaction holds the database
+lock, which Django's JSON-support probe would wait for); ``manage.py check`` and ``migrate``
+still probe the databases.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 
 class Command(BaseCommand):
     help = "Run an RQ worker for django-joblock jobs."
+
+    def check(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["databases"] = []  # no database probes at start (see the module docs)
+        super().check(*args, **kwargs)
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument(
