@@ -77,6 +77,7 @@ class JobSpec(Generic[P, R]):
     max_wait: float | None
     on_lost: Callable[..., Any] | None
     rq_options: dict[str, Any] = field(default_factory=dict)
+    atomic: bool = True
 
     @property
     def name(self) -> str:
@@ -240,6 +241,7 @@ def locked_job(
     on_conflict: str = "requeue",
     max_wait: float | None = None,
     on_lost: Callable[..., Any] | None = None,
+    atomic: bool = True,
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
     """Decorate an RQ job function with the safe flow; see the module docs.
@@ -249,6 +251,12 @@ def locked_job(
     ``LOCK_TTL``). ``on_conflict``: ``"requeue"`` (backoff + jitter, give up after
     ``max_wait`` / ``REQUEUE_MAX_WAIT`` as a failed job), ``"skip"`` or ``"fail"``.
     ``on_lost(lock, reason)``: called when the lock is lost while the job runs.
+    ``atomic`` (default True): the body runs inside ``transaction.atomic()`` and commits only
+    while the lock is held, so a lost lock rolls its writes back. ``atomic=False`` is for
+    lock-only jobs that manage their own transactions or do long work outside the database
+    (a transaction held open that long blocks SQLite writers and may hit PostgreSQL's
+    ``idle_in_transaction_session_timeout``); their writes are not rolled back when the lock is
+    lost, so fence them. A job with an ``idempotency_key`` is always atomic.
     """
     if on_conflict not in CONFLICT_POLICIES:
         raise ValueError(
@@ -263,6 +271,13 @@ def locked_job(
             )
     if lock is None and idempotency_key is None:
         raise ValueError("@locked_job needs a lock resource, an idempotency_key, or both")
+    if not isinstance(atomic, bool):
+        raise ValueError(f"@locked_job: atomic must be True or False, got {atomic!r}")
+    if not atomic and idempotency_key is not None:
+        raise ValueError(
+            "@locked_job: atomic=False is only for jobs without an idempotency_key (the "
+            "record of success commits in the same transaction as the effect)"
+        )
 
     def decorate(func: Callable[P, R]) -> LockedJob[P, R]:
         _check_template(func, lock, "lock")
@@ -283,6 +298,7 @@ def locked_job(
             max_wait=max_wait,
             on_lost=on_lost,
             rq_options=dict(rq_options),
+            atomic=atomic,
         )
 
         @functools.wraps(func)

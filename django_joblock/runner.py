@@ -5,7 +5,8 @@
 3. run the function inside ``transaction.atomic()`` and record success **in that same
    transaction** as its effect, committing only if the lock is still held (``ensure_held()``).
    A job with a lock and no idempotency key runs the same way, so a lost lock rolls its
-   writes back too; the transaction is on the database the idempotency records use;
+   writes back too (unless declared ``atomic=False``); the transaction is on the database the
+   idempotency records use;
 4. return (RQ acknowledges the job), release the lock if still ours.
 
 A busy lock (or a claim still running elsewhere) is a *conflict*, handled by ``on_conflict``:
@@ -224,6 +225,8 @@ def _claim_and_run(
     held: Lock | None,
     job: Any,
 ) -> Ending:
+    if key is None and not spec.atomic:
+        return JobOutcome.RAN, spec.func(*args, **kwargs), {}  # its own transactions: fenced
     if key is None:
         # A lock-only job: same transaction rule as the others, so a lost lock rolls back.
         with transaction.atomic(using=_database()):

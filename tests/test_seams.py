@@ -226,3 +226,8 @@ def test_per_call_job_timeout_is_checked_at_enqueue(scratch_registry, caplog):
     assert "[django_joblock.W002]" in found[0] and "unrenewed" in found[0]
     assert "[django_joblock.W006]" in found[1] and "3600s" in found[1]
     assert json.dumps(found)  # plain text, no objects
+
+
+def test_atomic_false_is_refused_for_a_job_with_an_idempotency_key(scratch_registry):
+    with pytest.raises(ValueError, match="atomic=False is only for jobs without"):
+        locked_job("default", lock="x:{a}", idempotency_key="k:{a}", atomic=False)
