@@ -231,3 +231,34 @@ def test_per_call_job_timeout_is_checked_at_enqueue(scratch_registry, caplog):
 def test_atomic_false_is_refused_for_a_job_with_an_idempotency_key(scratch_registry):
     with pytest.raises(ValueError, match="atomic=False is only for jobs without"):
         locked_job("default", lock="x:{a}", idempotency_key="k:{a}", atomic=False)
+
+
+# -- item 9: queue names unknown to django-rq fail loudly ----------------------------------
+def test_queue_missing_from_rq_queues_fails_loudly_with_the_known_names(scratch_registry, rconn):
+    from django.core.management.base import CommandError
+
+    from django_joblock import JoblockConfigError
+
+    @locked_job("low", lock="low:{a}")
+    def on_low(a: int) -> None: ...
+
+    with pytest.raises(JoblockConfigError, match=r"'low' is not in settings\.RQ_QUEUES"):
+        on_low.delay(1)
+    with pytest.raises(
+        CommandError, match=r"'low' is not in settings\.RQ_QUEUES \(known: default, other\)"
+    ):
+        call_command("joblock_worker", "low", "--burst")
+    assert not rconn.exists("rq:queue:low"), "nothing went to a queue on the cache Redis"
+    # Negative control: a known queue runs (a burst worker on an empty queue just returns).
+    call_command("joblock_worker", "default", "--burst", "--simple")
+
+
+def test_one_worker_cannot_serve_queues_on_two_connections(settings):
+    from django.core.management.base import CommandError
+
+    settings.RQ_QUEUES = {
+        "default": {"USE_REDIS_CACHE": "default"},
+        "elsewhere": {"URL": "redis://127.0.0.1:1/3"},
+    }
+    with pytest.raises(CommandError, match="different Redis connections"):
+        call_command("joblock_worker", "default", "elsewhere", "--burst")
