@@ -14,7 +14,7 @@ W004       a requeueing ``@locked_job`` waits longer (``max_wait``) than ``IDEMP
 W005       ``IDEMPOTENCY_TTL`` shorter than ``IDEMPOTENCY_LEASE``
 W006       a ``@locked_job`` with an idempotency key and no lock has an RQ job timeout longer
            than ``IDEMPOTENCY_LEASE``
-W010       (deploy) Redis does not answer
+W010       (deploy) Redis does not answer (the locks' Redis, or a requeueing job's queue Redis)
 W011       (deploy) Redis ``maxmemory-policy`` can evict locks
 W012       (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
 =========  ==================================================================================
@@ -156,18 +156,42 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
 @register(Tags.compatibility, TAG, deploy=True)
 def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run."""
-    if check_redis_server() or _serious(check_jobs()):
-        return []
-    from .monitoring import queues_without_scheduler
+    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run.
 
-    return [
-        _message(
-            "W012",
-            f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
-            "contention with delays: requeued jobs would wait forever.",
-            hint="Run one worker per queue with --with-scheduler "
-            "(manage.py joblock_worker --with-scheduler).",
-        )
-        for name in queues_without_scheduler()
-    ]
+    Each queue is asked on its own connection (short timeout); a queue Redis that does not
+    answer is W010 for that queue."""
+    if _serious(check_settings()) or check_redis_alias() or _serious(check_jobs()):
+        return []
+    if any(message.id == "django_joblock.W010" for message in check_redis_server()):
+        return []
+    from .backend import REDIS_ERRORS, renewal_client
+    from .monitoring import has_scheduler, requeueing_queues
+
+    found: list[CheckMessage] = []
+    for name, queue in requeueing_queues().items():
+        try:
+            client = renewal_client(queue.connection, timeout=2.0)
+            try:
+                served = has_scheduler(queue, client)
+            finally:
+                client.connection_pool.disconnect()
+        except REDIS_ERRORS as exc:
+            found.append(
+                _message(
+                    "W010",
+                    f"Redis of RQ queue {name!r} does not answer: {exc}",
+                    hint="Jobs cannot be enqueued or run on this queue.",
+                )
+            )
+            continue
+        if not served:
+            found.append(
+                _message(
+                    "W012",
+                    f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
+                    "contention with delays: requeued jobs would wait forever.",
+                    hint="Run one worker per queue with --with-scheduler "
+                    "(manage.py joblock_worker --with-scheduler).",
+                )
+            )
+    return found

@@ -291,28 +291,33 @@ def active_samples(since: float) -> list[tuple[float, int]]:
 
 
 # -- scheduler -------------------------------------------------------------------------------
-def queues_without_scheduler() -> list[str]:
-    """Queues used by requeueing ``@locked_job`` functions that no RQ scheduler serves.
-
-    The scheduler's lock is looked up on each queue's own connection with RQ's key helper. A
-    queue whose name cannot be resolved is skipped (system check E006 reports it).
-    """
-    from rq.scheduler import RQScheduler
-
+def requeueing_queues() -> dict[str, Any]:
+    """Name -> queue of every queue a requeueing ``@locked_job`` uses. A queue whose name
+    cannot be resolved is left out (system check E006 reports it)."""
     from .exceptions import JoblockConfigError
     from .jobs import registered_jobs
     from .queues import get_queue, queue_name
 
-    missing, seen = [], set()
+    found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
-        if spec.on_conflict != "requeue" or name in seen:
+        if spec.on_conflict != "requeue" or name in found:
             continue
-        seen.add(name)
         try:
-            queue = get_queue(spec.queue)
+            found[name] = get_queue(spec.queue)
         except (JoblockConfigError, ValueError):
             continue
-        if not queue.connection.exists(RQScheduler.get_locking_key(name)):
-            missing.append(name)
-    return missing
+    return found
+
+
+def has_scheduler(queue: Any, client: Any = None) -> bool:
+    """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, on the queue's connection
+    or ``client``, a client on the same server.)"""
+    from rq.scheduler import RQScheduler
+
+    return bool((client or queue.connection).exists(RQScheduler.get_locking_key(queue.name)))
+
+
+def queues_without_scheduler() -> list[str]:
+    """Queues used by requeueing ``@locked_job`` functions that no RQ scheduler serves."""
+    return [name for name, queue in requeueing_queues().items() if not has_scheduler(queue)]

@@ -180,3 +180,14 @@ def test_a_warning_does_not_break_joblock_commands():
     )
     assert proc.returncode == 0, proc.stderr
     assert "django_joblock.W001" in proc.stderr and "No active locks." in proc.stdout
+
+
+def test_w010_for_a_queue_redis_that_does_not_answer(scratch_registry, settings):
+    from tests import harness
+
+    settings.RQ_QUEUES = {"default": {"URL": harness.dead_url()}}
+
+    @locked_job("default", lock="x:{a}")
+    def requeues(a: int) -> None: ...
+
+    assert_warning("W010", "Redis of RQ queue 'default' does not answer", deploy=True)
