@@ -27,16 +27,9 @@ Protocol (no read-then-write window):
    ``succeed()`` records a success with result ``None``; a ``succeed()`` that was rolled back
    is recorded as failed.
 
-Results are checked and stored with one encoder, Django's ``DjangoJSONEncoder`` (the model's
-``JSONField`` uses it too): ``Decimal``, ``datetime``, ``date``, ``time``, ``timedelta``, ``UUID``
-and lazy strings are accepted and stored as strings, so a *replay* returns those strings
-(``"10.00"``, ``"2024-05-01T12:00:00Z"``), not the original objects; tuples come back as lists
-and non-string dict keys as strings. NaN and infinities are refused (PostgreSQL's ``jsonb``
-cannot store them).
-
-Keys are non-empty strings of at most 255 characters without NUL; scopes at most 100
-characters without NUL (:func:`validate_key`, :func:`validate_scope`; ``@locked_job`` checks
-both at enqueue).
+Keys, scopes and results are validated by :mod:`django_joblock.idempotency_inputs`: results
+are stored with ``DjangoJSONEncoder``, so a *replay* returns strings for ``Decimal``,
+``datetime``, ``UUID``... (docs/idempotency.md lists them).
 
 Leases and expiry use this server's clock (``timezone.now()``): keep app servers NTP-synced.
 A claim (new or taken over) expires ``IDEMPOTENCY_TTL`` after it was made, a success
@@ -48,15 +41,12 @@ and ``IntegrityError`` for step 1 (one more statement).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -68,64 +58,30 @@ from .exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
 )
+from .idempotency_inputs import (
+    MAX_KEY_LENGTH,
+    MAX_SCOPE_LENGTH,
+    check_result,
+    fingerprint_of,
+    validate_key,
+    validate_scope,
+)
 from .keys import family
 from .signals import duplicate_blocked
 
-MAX_KEY_LENGTH = 255
-MAX_SCOPE_LENGTH = 100
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "MAX_SCOPE_LENGTH",
+    "Claim",
+    "check_result",
+    "claim",
+    "fingerprint_of",
+    "idempotent",
+    "validate_key",
+    "validate_scope",
+]
+
 _TAKEOVER_TRIES = 5
-
-
-def validate_key(key: object, *, what: str = "idempotent()") -> str:
-    """``key`` if it is a usable idempotency key, else ``ValueError`` naming it.
-
-    A key is a non-empty ``str`` of at most ``MAX_KEY_LENGTH`` characters without NUL (which
-    PostgreSQL cannot store in text).
-    """
-    if not isinstance(key, str):
-        raise ValueError(
-            f"{what}: idempotency key must be a str, got {type(key).__name__}: {key!r}."
-        )
-    if not key or len(key) > MAX_KEY_LENGTH:
-        shown = key if len(key) <= 80 else key[:77] + "..."
-        raise ValueError(
-            f"{what}: idempotency key must be 1 to {MAX_KEY_LENGTH} characters, got "
-            f"{len(key)}: {shown!r}."
-        )
-    if "\x00" in key:
-        raise ValueError(f"{what}: idempotency key {key!r} contains a NUL character.")
-    return key
-
-
-def validate_scope(scope: object, *, what: str = "idempotent()") -> str:
-    """``scope`` if usable (a ``str`` of at most ``MAX_SCOPE_LENGTH``, no NUL), else
-    ``ValueError`` naming it."""
-    if not isinstance(scope, str):
-        raise ValueError(
-            f"{what}: idempotency scope must be a str, got {type(scope).__name__}: {scope!r}."
-        )
-    if len(scope) > MAX_SCOPE_LENGTH:
-        raise ValueError(
-            f"{what}: idempotency scope must be at most {MAX_SCOPE_LENGTH} characters, got "
-            f"{len(scope)}: {scope!r}."
-        )
-    if "\x00" in scope:
-        raise ValueError(f"{what}: idempotency scope {scope!r} contains a NUL character.")
-    return scope
-
-
-def check_result(result: Any) -> str:
-    """``result`` as the JSON the record stores (``DjangoJSONEncoder``, no NaN/infinity).
-
-    Raises ``TypeError`` / ``ValueError`` for a value that cannot be stored.
-    """
-    return json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
-
-
-def fingerprint_of(value: Any) -> str:
-    """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces)."""
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _model() -> Any:

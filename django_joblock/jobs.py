@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
-from .idempotency import validate_key, validate_scope
+from .idempotency_inputs import validate_key, validate_scope
 from .keys import validate_resource
 
 logger = logging.getLogger("django_joblock")
