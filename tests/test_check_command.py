@@ -191,3 +191,14 @@ def test_w010_for_a_queue_redis_that_does_not_answer(scratch_registry, settings)
     def requeues(a: int) -> None: ...
 
     assert_warning("W010", "Redis of RQ queue 'default' does not answer", deploy=True)
+
+
+def test_command_arguments_are_checked():
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--limit must be >= 1"):
+        call_command("joblock_locks", "--limit", "0")
+    with pytest.raises(CommandError, match="Invalid family"):
+        call_command("joblock_locks", "--family", "<b>")
+    with pytest.raises(CommandError, match="--max-jobs must be >= 1"):
+        call_command("joblock_worker", "default", "--max-jobs", "0")

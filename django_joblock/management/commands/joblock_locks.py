@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.health import HEALTHY, LockHealth, lock_health
-from django_joblock.monitoring import active_locks
+from django_joblock.monitoring import active_locks, validate_family
 
 
 class Command(BaseCommand):
@@ -32,6 +32,13 @@ class Command(BaseCommand):
         parser.add_argument("--limit", type=int, default=1000, help="At most this many per family.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["limit"] < 1:
+            raise CommandError(f"--limit must be >= 1, got {options['limit']}.")
+        if options["family"] is not None:
+            try:
+                validate_family(options["family"])
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
         locks = active_locks(family=options["family"], limit=options["limit"])
         health = lock_health(locks)
         rows = []

@@ -14,6 +14,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_joblock.backend import REDIS_ERRORS
 from django_joblock.control import reap
 from django_joblock.exceptions import LockBackendUnavailable
 
@@ -29,6 +30,8 @@ class Command(BaseCommand):
             done = reap(dry_run=options["dry_run"])
         except LockBackendUnavailable as exc:
             raise CommandError(str(exc)) from exc
+        except REDIS_ERRORS as exc:
+            raise CommandError(f"Redis did not answer: {type(exc).__name__}: {exc}") from exc
         for resource, outcome in done:
             self.stdout.write(f"{resource}: {outcome}")
         self.stdout.write(f"{len(done)} lock(s) with a dead holder.")
