@@ -1,10 +1,25 @@
 """Django admin for django-joblock: the "Job locks" dashboard with audited force release, the
 read-only idempotency records and the lock audit log. Thin: the data comes from
-:mod:`dashboard`, the actions from :mod:`control`."""
+:mod:`dashboard`, the actions from :mod:`control`.
+
+Who sees what (Django's model permissions; superusers have them all):
+
+- the dashboard: every active staff user (like django-rq's queue pages); its list of stuck
+  idempotency claims only for users who may view idempotency records;
+- idempotency records: ``django_joblock.view_idempotencyrecord``;
+- the lock audit log: ``django_joblock.view_lockaudit``;
+- force release: ``django_joblock.force_release_lock``.
+
+Every reflected value is escaped by the templates; a bad parameter is answered with a
+``text/plain`` 400 naming it; a Redis that does not answer gives a 503 page saying so. Filters
+in the changelists accept lookups on displayed fields only (the claim token in ``owner`` is
+never shown, so it cannot be probed with ``?owner__startswith=``).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -14,26 +29,47 @@ from django.core.paginator import Paginator
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connections
 from django.db.models import QuerySet
-from django.http import (
-    HttpRequest,
-    HttpResponse,
-    HttpResponseBadRequest,
-    HttpResponseNotAllowed,
-)
+from django.db.models.constants import LOOKUP_SEP
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from . import control, dashboard, monitoring
-from .keys import family, validate_resource
+from . import control, dashboard
+from .backend import REDIS_ERRORS
+from .exceptions import LockBackendUnavailable
+from .health import Health
+from .keys import validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
+from .monitoring import validate_family
+
+OWNER_RE = re.compile(r"[0-9a-f]{12}\Z|[0-9a-f]{32}\Z")
+
+
+def bad_request(message: str) -> HttpResponse:
+    """A 400 in plain text: a reflected parameter can never become markup."""
+    response = HttpResponse(message, status=400, content_type="text/plain; charset=utf-8")
+    response["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     """Nothing here is added, edited or deleted through the admin: records are written by
-    claims, the audit log is append-only, and the dashboard has no rows."""
+    claims, the audit log is append-only, and the dashboard has no rows.
+
+    URL lookups (``?field__lookup=value``) are allowed on displayed model fields only, so a
+    hidden column cannot be probed character by character."""
+
+    def displayed_fields(self) -> set[str]:
+        shown = {*self.list_display, *(self.fields or ()), *self.readonly_fields}
+        return {f.name for f in self.model._meta.get_fields()} & shown
+
+    def lookup_allowed(self, lookup: str, value: str, request: Any = None) -> bool:
+        if lookup.split(LOOKUP_SEP, 1)[0] not in self.displayed_fields():
+            return False
+        return bool(super().lookup_allowed(lookup, value, request))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -100,7 +136,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         text = json.dumps(obj.result, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
 
-    @admin.display(description="owner")
+    @admin.display(description="owner (hash)")
     def owner_short(self, obj: IdempotencyRecord) -> str:
         from .keys import owner_hash
 
@@ -124,14 +160,47 @@ class DashboardAdmin(ReadOnlyAdmin):
             path("", wrap(self.changelist_view), name="django_joblock_dashboard_changelist"),
         ]
 
+    def _unavailable(self, request: HttpRequest, title: str, error: str) -> HttpResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "opts": self.model._meta,
+            "error": error,
+        }
+        response = TemplateResponse(
+            request, "admin/django_joblock/unavailable.html", context, status=503
+        )
+        return response
+
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
+        fam = request.GET.get("family") or None
+        health = request.GET.get("health") or None
+        try:
+            if fam is not None:
+                validate_family(fam)
+        except ValueError as exc:
+            return bad_request(str(exc))
+        if health is not None and health not in {choice.value for choice in Health}:
+            return bad_request(
+                f"Unknown health filter {health!r}; one of: "
+                + ", ".join(choice.value for choice in Health)
+            )
         started = time.perf_counter()
-        data = dashboard.build(
-            family=request.GET.get("family") or None,
-            health_filter=request.GET.get("health") or None,
-        )
+        try:
+            data = dashboard.build(
+                family=fam,
+                health_filter=health,
+                claims=request.user.has_perm("django_joblock.view_idempotencyrecord"),
+            )
+        except REDIS_ERRORS as exc:
+            return self._unavailable(
+                request,
+                "Job locks: Redis does not answer",
+                f"Redis did not answer ({type(exc).__name__}: {exc}). The dashboard reads "
+                "locks, metrics and RQ state from Redis; nothing was changed.",
+            )
         context = {
             **self.admin_site.each_context(request),
             **data,
@@ -149,12 +218,19 @@ class DashboardAdmin(ReadOnlyAdmin):
         """GET: a confirmation page (changes nothing). POST: compare-and-delete + audit."""
         if not request.user.has_perm("django_joblock.force_release_lock"):
             raise PermissionDenied
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
         source = request.POST if request.method == "POST" else request.GET
         resource, owner = source.get("resource", ""), source.get("owner", "")
         try:
             validate_resource(resource)
         except ValueError as exc:
-            return HttpResponseBadRequest(str(exc))
+            return bad_request(str(exc))
+        if owner and not OWNER_RE.match(owner):
+            return bad_request(
+                f"Invalid owner {owner[:80]!r}: expected the 12-character owner hash shown "
+                "on the dashboard."
+            )
         errors = []
         if request.method == "POST":
             reason = request.POST.get("reason", "").strip()
@@ -163,13 +239,20 @@ class DashboardAdmin(ReadOnlyAdmin):
             elif not owner:
                 errors.append("The owner shown on the page is missing.")
             else:
-                result = control.force_release(
-                    resource,
-                    owner=owner,
-                    reason=reason,
-                    user=request.user,
-                    actor=request.user.get_username(),
-                )
+                try:
+                    result = control.force_release(
+                        resource,
+                        owner=owner,
+                        reason=reason,
+                        user=request.user,
+                        actor=request.user.get_username(),
+                    )
+                except LockBackendUnavailable as exc:
+                    return self._unavailable(
+                        request,
+                        f"Force-release {resource}: Redis does not answer",
+                        f"{exc}. See the lock audit log for what was recorded.",
+                    )
                 if result.released:
                     self.log_change(
                         request,
@@ -180,20 +263,21 @@ class DashboardAdmin(ReadOnlyAdmin):
                 else:
                     messages.error(request, f"Not released: {result.outcome}")
                 return redirect("admin:django_joblock_dashboard_changelist")
-        elif request.method != "GET":
-            return HttpResponseNotAllowed(["GET", "POST"])
-        current = [
-            row
-            for row in monitoring.active_locks(family=family(resource), limit=5000)
-            if row.resource == resource
-        ]
+        try:
+            current = control.holder(resource)
+        except LockBackendUnavailable as exc:
+            return self._unavailable(
+                request,
+                f"Force-release {resource}: Redis does not answer",
+                f"{exc}. Nothing was changed.",
+            )
         context = {
             **self.admin_site.each_context(request),
             "title": f"Force-release {resource}?",
             "opts": self.model._meta,
             "resource": resource,
             "owner": owner,
-            "lock": current[0] if current else None,
+            "lock": current,
             "errors": errors,
         }
         return TemplateResponse(request, "admin/django_joblock/release_confirm.html", context)

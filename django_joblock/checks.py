@@ -6,14 +6,22 @@ E002       unknown key in ``JOBLOCK`` (or in its ``REQUEUE_BACKOFF`` / ``ALERTS`
 E003       a ``JOBLOCK`` value has the wrong type or range
 E004       ``HEARTBEAT_INTERVAL`` >= ``LOCK_TTL``
 E005       ``REDIS_ALIAS`` is not a django-redis cache in ``CACHES``
+E006       a ``@locked_job`` queue name is not in ``RQ_QUEUES`` while django-rq is installed
 W001       ``HEARTBEAT_INTERVAL`` > ``LOCK_TTL / 2``
 W002       a ``@locked_job`` with heartbeat off has a lock TTL shorter than its RQ job timeout
 W003       ``IDEMPOTENCY_TTL`` shorter than ``REQUEUE_MAX_WAIT``
 W004       a requeueing ``@locked_job`` waits longer (``max_wait``) than ``IDEMPOTENCY_TTL``
-W010       (deploy) Redis does not answer
+W005       ``IDEMPOTENCY_TTL`` shorter than ``IDEMPOTENCY_LEASE``
+W006       a ``@locked_job`` with an idempotency key and no lock has an RQ job timeout longer
+           than ``IDEMPOTENCY_LEASE``
+W010       (deploy) Redis does not answer (the locks' Redis, or a requeueing job's queue Redis)
 W011       (deploy) Redis ``maxmemory-policy`` can evict locks
 W012       (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
 =========  ==================================================================================
+
+Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
+per-call ``.enqueue(..., job_timeout=...)`` is checked at enqueue time instead and logged as a
+warning with the same id (see :mod:`django_joblock.jobs`).
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.checks import ERROR, CheckMessage, Error, Tags, Warning, register
 
 from . import conf
+from .exceptions import JoblockConfigError
 
 DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
 TAG = "django_joblock"
@@ -34,9 +43,13 @@ def _message(problem_id: str, message: str, hint: str | None = None) -> CheckMes
     return cls(message, hint=hint, id=f"django_joblock.{problem_id}")
 
 
+def _serious(messages: list[CheckMessage]) -> bool:
+    return any(message.level >= ERROR for message in messages)
+
+
 @register(Tags.compatibility, TAG)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E001-E004, W001, W003: the shape and consistency of ``JOBLOCK``."""
+    """E001-E004, W001, W003, W005: the shape and consistency of ``JOBLOCK``."""
     raw = getattr(settings, "JOBLOCK", None)
     found = [_message(p.id, p.message) for p in conf.problems(raw)]
     return found
@@ -68,7 +81,7 @@ def check_redis_alias(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
 @register(Tags.caches, TAG, deploy=True)
 def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W010: Redis answers; W011: its eviction policy cannot silently drop locks."""
-    if check_settings() or check_redis_alias():
+    if _serious(check_settings()) or check_redis_alias():
         return []
     from .backend import connection, renewal_client
 
@@ -99,37 +112,31 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     return []
 
 
-def _job_specs() -> list[Any]:
-    """Every ``@locked_job``, after importing the ``jobs`` / ``tasks`` modules of the apps."""
-    from django.utils.module_loading import autodiscover_modules
-
-    from .jobs import registry
-
-    autodiscover_modules("jobs", "tasks")
-    return sorted(registry.values(), key=lambda spec: spec.name)
-
-
 @register(Tags.compatibility, TAG)
 def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W002: TTL vs RQ job timeout without heartbeat; W004: idempotency TTL vs requeue window."""
-    if any(message.level >= Error.level for message in check_settings()):
+    """E006: queue names; W002 / W006: timeouts; W004: idempotency TTL vs requeue window."""
+    if _serious(check_settings()) or check_redis_alias():
         return []
+    from .jobs import job_timeout, registered_jobs, timeout_findings
     from .queues import get_queue
 
     current = conf.get()
     found: list[CheckMessage] = []
-    for spec in _job_specs():
-        ttl = spec.ttl if spec.ttl is not None else current.LOCK_TTL
-        timeout = spec.rq_options.get("job_timeout") or get_queue(spec.queue)._default_timeout
-        if spec.lock is not None and not spec.heartbeat and ttl < float(timeout):
+    for spec in registered_jobs():
+        try:
+            queue = get_queue(spec.queue)
+        except (JoblockConfigError, ValueError) as exc:
             found.append(
                 _message(
-                    "W002",
-                    f"{spec.name}: lock TTL {ttl:g}s is shorter than its RQ job timeout "
-                    f"{timeout}s with heartbeat off: a slow run loses its lock to a second worker.",
-                    hint="Turn heartbeat on, or make ttl longer than job_timeout.",
+                    "E006",
+                    f"{spec.name}: {exc}",
+                    hint="Every @locked_job queue must be in RQ_QUEUES when django-rq is "
+                    "installed; .delay() of this job raises the same error.",
                 )
             )
+            continue
+        timeout = job_timeout(spec.rq_options.get("job_timeout"), queue)
+        found += [_message(f.id, f.message, hint=f.hint) for f in timeout_findings(spec, timeout)]
         window = spec.max_wait if spec.max_wait is not None else current.REQUEUE_MAX_WAIT
         if (
             spec.idempotency_key is not None
@@ -149,18 +156,42 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
 @register(Tags.compatibility, TAG, deploy=True)
 def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run."""
-    if check_redis_server():
-        return []
-    from .monitoring import queues_without_scheduler
+    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run.
 
-    return [
-        _message(
-            "W012",
-            f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
-            "contention with delays: requeued jobs would wait forever.",
-            hint="Run one worker per queue with --with-scheduler "
-            "(manage.py joblock_worker --with-scheduler).",
-        )
-        for name in queues_without_scheduler()
-    ]
+    Each queue is asked on its own connection (short timeout); a queue Redis that does not
+    answer is W010 for that queue."""
+    if _serious(check_settings()) or check_redis_alias() or _serious(check_jobs()):
+        return []
+    if any(message.id == "django_joblock.W010" for message in check_redis_server()):
+        return []
+    from .backend import REDIS_ERRORS, renewal_client
+    from .monitoring import has_scheduler, requeueing_queues
+
+    found: list[CheckMessage] = []
+    for name, queue in requeueing_queues().items():
+        try:
+            client = renewal_client(queue.connection, timeout=2.0)
+            try:
+                served = has_scheduler(queue, client)
+            finally:
+                client.connection_pool.disconnect()
+        except REDIS_ERRORS as exc:
+            found.append(
+                _message(
+                    "W010",
+                    f"Redis of RQ queue {name!r} does not answer: {exc}",
+                    hint="Jobs cannot be enqueued or run on this queue.",
+                )
+            )
+            continue
+        if not served:
+            found.append(
+                _message(
+                    "W012",
+                    f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
+                    "contention with delays: requeued jobs would wait forever.",
+                    hint="Run one worker per queue with --with-scheduler "
+                    "(manage.py joblock_worker --with-scheduler).",
+                )
+            )
+    return found

@@ -309,6 +309,16 @@ def problems(raw: object) -> list[Problem]:
                 "requeued duplicate could outlive the record that blocks it.",
             )
         )
+    if merged["IDEMPOTENCY_TTL"] < merged["IDEMPOTENCY_LEASE"]:
+        found.append(
+            Problem(
+                "W005",
+                "IDEMPOTENCY_TTL",
+                f"JOBLOCK['IDEMPOTENCY_TTL'] ({merged['IDEMPOTENCY_TTL']}s) is shorter than "
+                f"IDEMPOTENCY_LEASE ({merged['IDEMPOTENCY_LEASE']}s): a record would expire "
+                "while its claim may still be running.",
+            )
+        )
     return found
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import alerts, monitoring
-from .health import known_queues, lock_health, stuck_claims, stuck_jobs
+from .health import DEAD, HEALTHY, Health, lock_health, stuck_claims, stuck_jobs
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
@@ -91,8 +91,15 @@ def _time_chart(title: str, series: list[tuple[int, int]], note: str = "") -> Ch
     )
 
 
-def build(family: str | None = None, health_filter: str | None = None) -> dict[str, Any]:
-    """The dashboard's context: cards, charts, active locks, stuck work, alerts."""
+def build(
+    family: str | None = None, health_filter: str | None = None, *, claims: bool = True
+) -> dict[str, Any]:
+    """The dashboard's context: cards, charts, active locks, stuck work, alerts.
+
+    ``family`` must be a family name (validated by the caller), ``health_filter`` one of the
+    :class:`~django_joblock.health.Health` values; ``claims=False`` leaves out the stuck
+    idempotency claims (for users who may not see idempotency records).
+    """
     started = time.perf_counter()
     hour = monitoring.window(3600)
     counts = monitoring.active_counts()
@@ -139,16 +146,19 @@ def build(family: str | None = None, health_filter: str | None = None) -> dict[s
     ]
     locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
     health = lock_health(locks)
-    rows = [
-        {
-            "lock": held,
-            "health": health.get(held.resource, "healthy"),
-            "ttl_left": max(0.0, held.pttl_ms / 1000),
-        }
-        for held in locks
-        if not health_filter or health.get(held.resource) == health_filter
-    ]
-    queues = known_queues()
+    rows = []
+    for held in locks:
+        state = health.get(held.resource)
+        if health_filter and (state is None or state.state.value != health_filter):
+            continue
+        rows.append(
+            {
+                "lock": held,
+                "health": state.state.value if state is not None else HEALTHY.value,
+                "why": state.why if state is not None else "",
+                "ttl_left": max(0.0, held.pttl_ms / 1000),
+            }
+        )
     fired = alerts.evaluate()
     cards = [
         ("Active locks", sum(counts.values())),
@@ -167,11 +177,12 @@ def build(family: str | None = None, health_filter: str | None = None) -> dict[s
         "families": sorted(counts),
         "family": family or "",
         "health_filter": health_filter or "",
-        "health_choices": ["healthy", "holder dead", "overdue"],
+        "health_choices": [choice.value for choice in Health],
         "shown_limit": LOCK_ROWS,
-        "stuck_jobs": stuck_jobs(queues),
-        "dead_locks": [row for row in rows if row["health"] == "holder dead"],
-        "stuck_claims": stuck_claims(),
+        "stuck_jobs": stuck_jobs(),
+        "dead_locks": [row for row in rows if row["health"] == DEAD.value],
+        "stuck_claims": stuck_claims() if claims else [],
+        "claims_shown": claims,
         "alerts": fired,
         "no_scheduler": [a for a in fired if a.name == "no_scheduler"],
         "build_ms": (time.perf_counter() - started) * 1000,

@@ -1,34 +1,96 @@
 """Is a lock's holder alive? Which RQ jobs and idempotency claims are stuck? (read-only)
 
-RQ is read with plain ``HGET`` / ``EXISTS`` and registries with ``cleanup=False``: looking at a
-registry never moves or fails anybody's job.
+RQ's state is read where RQ keeps it: on the connection of the *queue* the job was enqueued
+on (which may be another Redis database or server than the locks'), with RQ's own key helpers
+(``Job.key_for`` of the queue's job class, the worker class's key prefix; both follow rq 3's
+``RQ_KEY_PREFIX``). The queue of a lock's job is the queue of its registered ``@locked_job``
+function; for other jobs (a ``lock()`` inside a plain RQ job) every known queue connection is
+asked, and a job found on none of them is *unknown*, never evidence of death. Registries are
+read with ``cleanup=False``: looking never moves or fails anybody's job.
+
+Times are compared on one clock: a lock's renewal times come from its Redis server's ``TIME``
+and are compared with that server's ``TIME`` read together with the lock; a started RQ job's
+run time is measured with its queue server's ``TIME``.
 
 A lock's health is one of:
 
-- ``holder dead``: no renewal in the last half TTL, *and* positive evidence its holder is
-  gone: its RQ job no longer exists or is no longer started, its RQ
-  worker has vanished, or (same host) its process id does not exist. An orphaned work horse
-  that still heartbeats is alive, whatever happened to its worker.
+- ``holder dead``: no renewal in the last half TTL (a lock never renewed counts as not
+  renewed), *and* positive evidence its holder is gone: its RQ job no longer exists or is no
+  longer ``started``, its RQ worker has vanished, or (same host) its process id does not exist.
+  An orphaned work horse that still heartbeats is alive, whatever happened to its worker.
+  ``why`` names the evidence that applied.
 - ``overdue``: held longer than ``JOBLOCK["STUCK_AFTER"]``;
 - ``healthy`` otherwise.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import os
 import socket
-import time
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from . import conf
-from .monitoring import ActiveLock, _client, _text
+from .exceptions import JoblockConfigError
+from .jobs import registered_jobs, registry
+from .monitoring import ActiveLock, decode
+from .queues import configured_names, get_queue, queue_name, server_of
 
-HEALTHY, DEAD, OVERDUE = "healthy", "holder dead", "overdue"
 _HOST = socket.gethostname()
-WORKER_PREFIX = "rq:worker:"
-JOB_PREFIX = "rq:job:"
+logger = logging.getLogger("django_joblock")
+
+
+class Health(enum.StrEnum):
+    """The health of a lock's holder (the values are what pages and JSON show)."""
+
+    HEALTHY = "healthy"
+    DEAD = "holder dead"
+    OVERDUE = "overdue"
+
+
+HEALTHY, DEAD, OVERDUE = Health.HEALTHY, Health.DEAD, Health.OVERDUE
+
+
+@dataclass(frozen=True)
+class LockHealth:
+    """A lock's health, and for ``holder dead`` the evidence (``why``)."""
+
+    state: Health
+    why: str = ""
+
+
+def known_queues() -> dict[str, Any]:
+    """Name -> queue for the queues of the registered ``@locked_job`` functions and of
+    django-rq's ``RQ_QUEUES``. A job whose queue cannot be resolved is left out (system check
+    ``django_joblock.E006`` reports it) and logged, so one bad name cannot break a page."""
+    found: dict[str, Any] = {}
+    for spec in registered_jobs():
+        name = queue_name(spec.queue)
+        if name in found:
+            continue
+        try:
+            found[name] = get_queue(spec.queue)
+        except (JoblockConfigError, ValueError) as exc:
+            logger.warning("queue of %s cannot be resolved: %s", spec.name, exc)
+    for name in configured_names():
+        if name not in found:
+            found[name] = get_queue(name)
+    return dict(sorted(found.items()))
+
+
+def job_queue(job_func: str) -> Any:
+    """The queue a registered ``@locked_job`` function (by dotted name) is enqueued on."""
+    spec = registry.get(job_func)
+    if spec is None:
+        return None
+    try:
+        return get_queue(spec.queue)
+    except (JoblockConfigError, ValueError):
+        return None
 
 
 def _pid_exists(pid: int) -> bool:
@@ -41,35 +103,127 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def lock_health(locks: list[ActiveLock]) -> dict[str, str]:
-    """resource -> health, with two pipelined reads for the whole list."""
+@dataclass
+class _Place:
+    """Where RQ keeps the state of some queue: a connection and the job / worker key helpers."""
+
+    connection: Any
+    job_class: Any
+    worker_prefix: str
+
+    def job_key(self, job_id: str) -> str:
+        return str(self.job_class.key_for(job_id))
+
+    def worker_key(self, name: str) -> str:
+        return self.worker_prefix + name
+
+
+def _place(queue: Any) -> _Place:
+    from rq import Worker
+
+    return _Place(queue.connection, queue.job_class, Worker.redis_worker_namespace_prefix)
+
+
+def _all_places() -> list[_Place]:
+    """One place per distinct (server, database, job key prefix) among the known queues."""
+    places: dict[tuple[Any, ...], _Place] = {}
+    for queue in known_queues().values():
+        place = _place(queue)
+        places.setdefault((*server_of(queue.connection), place.job_key("")), place)
+    return list(places.values())
+
+
+@dataclass
+class _Seen:
+    """What RQ says about one lock's job and worker (None: not looked at / not found)."""
+
+    status: str | None = None
+    job_found: bool = False
+    worker_found: bool | None = None
+    known: bool = False  # the job's own queue was asked, so "not found" means gone
+
+
+def _read_rq(locks: list[ActiveLock]) -> dict[int, _Seen]:
+    """Index in ``locks`` -> what RQ says, one pipeline per distinct Redis server/database."""
+    queues: dict[str, Any] = {}
+    everywhere: list[_Place] | None = None
+    asks: dict[tuple[Any, ...], tuple[_Place, list[tuple[int, bool]]]] = {}
+    for index, held in enumerate(locks):
+        if not held.job_id:
+            continue
+        if held.job_func not in queues:
+            queues[held.job_func] = job_queue(held.job_func)
+        queue = queues[held.job_func]
+        if queue is not None:
+            candidates, known = [_place(queue)], True
+        else:
+            if everywhere is None:
+                everywhere = _all_places()
+            candidates, known = everywhere, False
+        for place in candidates:
+            server = (*server_of(place.connection), place.job_key(""))
+            asks.setdefault(server, (place, []))[1].append((index, known))
+    seen: dict[int, _Seen] = defaultdict(_Seen)
+    for place, wanted in asks.values():
+        pipe = place.connection.pipeline(transaction=False)
+        for index, _known in wanted:
+            held = locks[index]
+            pipe.hget(place.job_key(held.job_id), "status")
+            if held.worker:
+                pipe.exists(place.worker_key(held.worker))
+            else:
+                pipe.echo("1")
+        replies = pipe.execute()
+        for position, (index, known) in enumerate(wanted):
+            status, worker = replies[2 * position], replies[2 * position + 1]
+            entry = seen[index]
+            entry.known = entry.known or known
+            if status is not None and not entry.job_found:
+                entry.job_found, entry.status = True, decode(status)
+                entry.worker_found = bool(int(worker))
+            elif known:
+                entry.worker_found = bool(int(worker))
+    return seen
+
+
+def _evidence(held: ActiveLock, seen: _Seen | None) -> list[str]:
+    found = []
+    if held.job_id and seen is not None:
+        if seen.job_found and seen.status != "started":
+            found.append(f"RQ job {held.job_id} is {seen.status}, not started")
+        elif not seen.job_found and seen.known:
+            found.append(f"RQ job {held.job_id} is gone")
+        if held.worker and (seen.job_found or seen.known) and seen.worker_found is False:
+            found.append(f"RQ worker {held.worker} is gone")
+    if held.host == _HOST and held.pid is not None and not _pid_exists(held.pid):
+        found.append(f"process {held.pid} on {held.host} is gone")
+    return found
+
+
+def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
+    """resource -> health, with one pipelined read per Redis server RQ uses."""
     if not locks:
         return {}
-    client = _client()
-    pipe = client.pipeline(transaction=False)
-    for held in locks:
-        pipe.hget(JOB_PREFIX + held.job_id, "status") if held.job_id else pipe.echo("")
-        pipe.exists(WORKER_PREFIX + held.worker) if held.worker else pipe.echo("1")
-    replies = pipe.execute()
-    now_ms = time.time() * 1000
+    seen = _read_rq(locks)
     stuck_after = conf.get().STUCK_AFTER
     found = {}
     for index, held in enumerate(locks):
-        status, worker_alive = replies[2 * index], replies[2 * index + 1]
+        # Both times come from the lock's Redis server clock.
+        since_renewal = max(0, held.read_ms - (held.renewed_ms or held.acquired_ms or 0))
         # A renewal in the last half TTL proves a live renewal thread (e.g. an orphaned work
         # horse whose worker died); a lock never renewed proves nothing either way.
-        renewing = bool(held.renewals) and now_ms - (held.renewed_ms or 0) < (held.ttl_ms or 0) / 2
-        evidence = (
-            (held.job_id and _text(status or "") != "started")
-            or (held.worker and not int(worker_alive))
-            or (held.host == _HOST and held.pid is not None and not _pid_exists(held.pid))
-        )
+        renewing = bool(held.renewals) and since_renewal < (held.ttl_ms or 0) / 2
+        evidence = _evidence(held, seen.get(index))
         if evidence and not renewing:
-            found[held.resource] = DEAD
+            never = " (never renewed)" if not held.renewals else ""
+            why = "; ".join([*evidence, f"not renewed for {since_renewal / 1000:.0f}s{never}"])
+            found[held.resource] = LockHealth(DEAD, why)
         elif held.held_for > stuck_after:
-            found[held.resource] = OVERDUE
+            found[held.resource] = LockHealth(
+                OVERDUE, f"held {held.held_for:.0f}s, longer than STUCK_AFTER {stuck_after:g}s"
+            )
         else:
-            found[held.resource] = HEALTHY
+            found[held.resource] = LockHealth(HEALTHY)
     return found
 
 
@@ -85,26 +239,33 @@ class StuckJob:
     reason: str
 
 
-def stuck_jobs(queue_names: list[str], limit: int = 200) -> list[StuckJob]:
-    """RQ jobs in the started registries that have run past their timeout."""
-    from rq.job import Job
+def _server_now(client: Any) -> datetime:
+    seconds, micros = client.time()
+    return datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, UTC)
+
+
+def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[StuckJob]:
+    """RQ jobs in the started registries of ``queues`` (default: the known queues) that have
+    run past their timeout, measured with each queue server's clock."""
     from rq.registry import StartedJobRegistry
 
-    from .queues import get_queue
-
-    now = datetime.now(UTC)
     found = []
-    for name in queue_names:
-        queue = get_queue(name)
+    for name, queue in (known_queues() if queues is None else queues).items():
         registry = StartedJobRegistry(queue=queue)
         ids = registry.get_job_ids(0, limit - 1, cleanup=False)
-        for job in Job.fetch_many(ids, connection=queue.connection):
+        if not ids:
+            continue
+        now = _server_now(queue.connection)
+        jobs = queue.job_class.fetch_many(
+            ids, connection=queue.connection, serializer=queue.serializer
+        )
+        for job in jobs:
             if job is None or job.started_at is None:
                 continue
             started = (
                 job.started_at.replace(tzinfo=UTC)
                 if job.started_at.tzinfo is None
-                else (job.started_at)
+                else job.started_at
             )
             running = (now - started).total_seconds()
             timeout = job.timeout
@@ -135,15 +296,3 @@ def stuck_claims(limit: int = 50) -> list[Any]:
             status="running", lease_expires_at__lt=timezone.now()
         ).order_by("lease_expires_at")[:limit]
     )
-
-
-def known_queues() -> list[str]:
-    """Queues of the registered ``@locked_job`` functions (and django-rq's, if configured)."""
-    from django.conf import settings
-
-    from .checks import _job_specs
-    from .queues import queue_name
-
-    names = {queue_name(spec.queue) for spec in _job_specs()}
-    names |= set(getattr(settings, "RQ_QUEUES", {}) or {})
-    return sorted(names)

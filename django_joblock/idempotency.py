@@ -27,22 +27,26 @@ Protocol (no read-then-write window):
    ``succeed()`` records a success with result ``None``; a ``succeed()`` that was rolled back
    is recorded as failed.
 
+Keys, scopes and results are validated by :mod:`django_joblock.idempotency_inputs`: results
+are stored with ``DjangoJSONEncoder``, so a *replay* returns strings for ``Decimal``,
+``datetime``, ``UUID``... (docs/idempotency.md lists them).
+
 Leases and expiry use this server's clock (``timezone.now()``): keep app servers NTP-synced.
+A claim (new or taken over) expires ``IDEMPOTENCY_TTL`` after it was made, a success
+``IDEMPOTENCY_TTL`` after it was recorded; ``joblock_purge`` never deletes a running claim
+whose lease is live, whatever its ``expires_at``.
 Works on PostgreSQL and SQLite (>= 3.35, for ``RETURNING``); other databases use a savepoint
 and ``IntegrityError`` for step 1 (one more statement).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -54,18 +58,30 @@ from .exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
 )
+from .idempotency_inputs import (
+    MAX_KEY_LENGTH,
+    MAX_SCOPE_LENGTH,
+    check_result,
+    fingerprint_of,
+    validate_key,
+    validate_scope,
+)
 from .keys import family
 from .signals import duplicate_blocked
 
-MAX_KEY_LENGTH = 255
-MAX_SCOPE_LENGTH = 100
+__all__ = [
+    "MAX_KEY_LENGTH",
+    "MAX_SCOPE_LENGTH",
+    "Claim",
+    "check_result",
+    "claim",
+    "fingerprint_of",
+    "idempotent",
+    "validate_key",
+    "validate_scope",
+]
+
 _TAKEOVER_TRIES = 5
-
-
-def fingerprint_of(value: Any) -> str:
-    """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces)."""
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _model() -> Any:
@@ -74,16 +90,23 @@ def _model() -> Any:
     return IdempotencyRecord
 
 
-def _job_id() -> str:
-    from .locks import _job_context
+def _current_job() -> Any:
+    from rq import get_current_job
 
-    return _job_context()[0]
+    try:
+        return get_current_job()
+    except Exception:  # noqa: BLE001 - outside a worker rq may raise on a missing connection
+        return None
+
+
+def _job_id() -> str:
+    job = _current_job()
+    return (job.id or "") if job is not None else ""
 
 
 def _job_func() -> str:
-    from .locks import _job_context
-
-    return _job_context()[1]
+    job = _current_job()
+    return (job.func_name or "") if job is not None else ""
 
 
 @dataclass
@@ -115,10 +138,11 @@ class Claim:
                 scope=self.scope,
             )
         try:
-            json.dumps(result, cls=DjangoJSONEncoder)
+            check_result(result)
         except (TypeError, ValueError) as exc:
             raise IdempotencyError(
-                f"Result for idempotency key {self.key!r} is not JSON-serialisable: {exc}",
+                f"Result for idempotency key {self.key!r} cannot be stored as JSON "
+                f"(DjangoJSONEncoder, no NaN or infinity): {exc}",
                 key=self.key,
                 scope=self.scope,
             ) from exc
@@ -182,16 +206,8 @@ class idempotent:
         lease: float | None = None,
         using: str | None = None,
     ) -> None:
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
-            raise ValueError(
-                f"idempotent(): key must be a non-empty str of at most "
-                f"{MAX_KEY_LENGTH} characters, got {key!r}."
-            )
-        if not isinstance(scope, str) or len(scope) > MAX_SCOPE_LENGTH:
-            raise ValueError(
-                f"idempotent(): scope must be a str of at most {MAX_SCOPE_LENGTH} "
-                f"characters, got {scope!r}."
-            )
+        validate_key(key)
+        validate_scope(scope)
         if lease is not None and (
             isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0
         ):
@@ -336,6 +352,8 @@ def claim(spec: idempotent) -> Claim:
                 updated_at=now,
                 finished_at=None,
                 lease_expires_at=now + timedelta(seconds=spec.lease),
+                # A takeover is a new claim: it lives a full TTL from now, like an insert.
+                expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
                 fingerprint=spec.fingerprint or row["fingerprint"],
             )
         )

@@ -10,10 +10,16 @@
 
 ``lock`` and ``idempotency_key`` are ``str.format`` templates over the bound call arguments
 (defaults applied), callables taking those arguments as keywords, or None. Template fields are
-checked against the function's parameters at decoration time, and both are rendered (and the
-resource validated) at enqueue time, so a bad template or argument fails in the caller, not
-later inside a worker. Other keyword arguments (``job_timeout``, ``retry``, ``result_ttl``...)
-pass through to ``Queue.enqueue``.
+checked against the function's parameters at decoration time, and both are rendered and
+validated (the resource's characters, the key's type, length and characters, the scope's
+length) at enqueue time, so a bad template or argument fails in the caller, not later inside a
+worker. The queue name is resolved at enqueue too: with django-rq installed it must be in
+``RQ_QUEUES``. Other keyword arguments (``job_timeout``, ``retry``, ``result_ttl``...) pass
+through to ``Queue.enqueue``.
+
+Timeouts that only a call knows (a per-call ``job_timeout``) are checked at enqueue against
+the same rules as system checks W002 / W006, and a finding is logged as a warning on logger
+``django_joblock`` with the check id (the call still goes ahead, as with the check).
 
 The flow inside the work horse lives in :mod:`django_joblock.runner`.
 """
@@ -22,13 +28,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import math
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
 from . import conf
+from .idempotency_inputs import validate_key, validate_scope
 from .keys import validate_resource
+
+logger = logging.getLogger("django_joblock")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,6 +78,7 @@ class JobSpec(Generic[P, R]):
     max_wait: float | None
     on_lost: Callable[..., Any] | None
     rq_options: dict[str, Any] = field(default_factory=dict)
+    atomic: bool = True
 
     @property
     def name(self) -> str:
@@ -108,7 +120,14 @@ class JobSpec(Generic[P, R]):
         return None if value is None else validate_resource(value)
 
     def key(self, arguments: dict[str, Any]) -> str | None:
-        return self.render(self.idempotency_key, arguments, "idempotency key")
+        """The idempotency key for these arguments, validated (``ValueError`` naming it)."""
+        value = self.render(self.idempotency_key, arguments, "idempotency key")
+        return None if value is None else validate_key(value, what=f"@locked_job {self.name}")
+
+    @property
+    def scope(self) -> str:
+        """Scope of the job's idempotency records: its dotted name."""
+        return self.name
 
 
 def _template_fields(template: str) -> set[str]:
@@ -150,6 +169,69 @@ def _check_template(func: Callable[..., Any], template: Template, what: str) -> 
 registry: dict[str, JobSpec[Any, Any]] = {}
 
 
+def registered_jobs() -> list[JobSpec[Any, Any]]:
+    """Every ``@locked_job``, after importing the ``jobs`` / ``tasks`` modules of the apps."""
+    from django.utils.module_loading import autodiscover_modules
+
+    autodiscover_modules("jobs", "tasks")
+    return sorted(registry.values(), key=lambda spec: spec.name)
+
+
+@dataclass(frozen=True)
+class TimeoutFinding:
+    """A W002 / W006 finding about one job and one RQ job timeout."""
+
+    id: str
+    message: str
+    hint: str
+
+
+def job_timeout(value: Any, queue: Any) -> float:
+    """RQ's timeout (s) for a job enqueued with ``job_timeout=value`` on ``queue``.
+
+    ``None`` means the queue's default; ``-1`` (RQ's "no timeout") is ``math.inf``. Strings
+    such as ``"10m"`` are parsed as RQ parses them.
+    """
+    from rq.utils import parse_timeout
+
+    seconds = parse_timeout(value)
+    if seconds is None:
+        seconds = parse_timeout(getattr(queue, "_default_timeout", None)) or 180
+    return math.inf if seconds == -1 else float(seconds)
+
+
+def timeout_findings(spec: JobSpec[Any, Any], timeout: float) -> list[TimeoutFinding]:
+    """W002 and W006 for ``spec`` running under an RQ job timeout of ``timeout`` seconds."""
+    from . import conf
+
+    current = conf.get()
+    shown = "none (-1)" if math.isinf(timeout) else f"{timeout:g}s"
+    found = []
+    ttl = spec.ttl if spec.ttl is not None else current.LOCK_TTL
+    if spec.lock is not None and not spec.heartbeat and ttl < timeout:
+        found.append(
+            TimeoutFinding(
+                "W002",
+                f"{spec.name}: lock TTL {ttl:g}s is shorter than its RQ job timeout {shown} with "
+                "heartbeat off: a slow run loses its lock to a second worker.",
+                "Turn heartbeat on, or make ttl longer than job_timeout.",
+            )
+        )
+    lease = current.IDEMPOTENCY_LEASE
+    if spec.lock is None and spec.idempotency_key is not None and timeout > lease:
+        found.append(
+            TimeoutFinding(
+                "W006",
+                f"{spec.name}: RQ job timeout {shown} is longer than IDEMPOTENCY_LEASE "
+                f"{lease:g}s and the job has no lock: a duplicate delivered after the lease "
+                "takes the claim over and runs while the first run still works.",
+                "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower job_timeout, "
+                "or give the job a lock.",
+            )
+        )
+    return found
+
+
 def locked_job(
     queue: Any,
     *,
@@ -160,6 +242,7 @@ def locked_job(
     on_conflict: str = "requeue",
     max_wait: float | None = None,
     on_lost: Callable[..., Any] | None = None,
+    atomic: bool = True,
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
     """Decorate an RQ job function with the safe flow; see the module docs.
@@ -169,6 +252,12 @@ def locked_job(
     ``LOCK_TTL``). ``on_conflict``: ``"requeue"`` (backoff + jitter, give up after
     ``max_wait`` / ``REQUEUE_MAX_WAIT`` as a failed job), ``"skip"`` or ``"fail"``.
     ``on_lost(lock, reason)``: called when the lock is lost while the job runs.
+    ``atomic`` (default True): the body runs inside ``transaction.atomic()`` and commits only
+    while the lock is held, so a lost lock rolls its writes back. ``atomic=False`` is for
+    lock-only jobs that manage their own transactions or do long work outside the database
+    (a transaction held open that long blocks SQLite writers and may hit PostgreSQL's
+    ``idle_in_transaction_session_timeout``); their writes are not rolled back when the lock is
+    lost, so fence them. A job with an ``idempotency_key`` is always atomic.
     """
     if on_conflict not in CONFLICT_POLICIES:
         raise ValueError(
@@ -180,10 +269,22 @@ def locked_job(
         conf.MAX_WAIT_RANGE.check("@locked_job: max_wait", max_wait)
     if lock is None and idempotency_key is None:
         raise ValueError("@locked_job needs a lock resource, an idempotency_key, or both")
+    if not isinstance(atomic, bool):
+        raise ValueError(f"@locked_job: atomic must be True or False, got {atomic!r}")
+    if not atomic and idempotency_key is not None:
+        raise ValueError(
+            "@locked_job: atomic=False is only for jobs without an idempotency_key (the "
+            "record of success commits in the same transaction as the effect)"
+        )
 
     def decorate(func: Callable[P, R]) -> LockedJob[P, R]:
         _check_template(func, lock, "lock")
         _check_template(func, idempotency_key, "idempotency_key")
+        if idempotency_key is not None:
+            # The records' scope is the dotted name: too long a name would fail every run.
+            validate_scope(
+                f"{func.__module__}.{func.__qualname__}", what=f"@locked_job {func.__qualname__}"
+            )
         spec: JobSpec[P, R] = JobSpec(
             func=func,
             queue=queue,
@@ -195,6 +296,7 @@ def locked_job(
             max_wait=max_wait,
             on_lost=on_lost,
             rq_options=dict(rq_options),
+            atomic=atomic,
         )
 
         @functools.wraps(func)
@@ -216,11 +318,14 @@ def locked_job(
                     "idempotency_key": spec.key(arguments),
                 }
             }
+            queue = get_queue(spec.queue)  # an unknown queue name fails here, loudly
             options = {**spec.rq_options, **rq_options}
             options["meta"] = {**options.get("meta", {}), **meta}
+            if "job_timeout" in rq_options:
+                _warn_per_call(spec, job_timeout(rq_options["job_timeout"], queue))
             # args=/kwargs= keep RQ from mistaking a job argument named like an RQ option
             # (``description``, ``timeout``...) for one.
-            return get_queue(spec.queue).enqueue(wrapper, args=args, kwargs=kwargs, **options)
+            return queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
 
         def delay(*args: P.args, **kwargs: P.kwargs) -> Any:
             return enqueue(args, kwargs)
@@ -233,3 +338,16 @@ def locked_job(
         return cast(LockedJob[P, R], locked)
 
     return decorate
+
+
+def _warn_per_call(spec: JobSpec[Any, Any], timeout: float) -> None:
+    # The system check saw only the decoration-time options; a per-call job_timeout is seen
+    # here, once per enqueue. A warning, like the check: the call goes ahead.
+    for finding in timeout_findings(spec, timeout):
+        logger.warning(
+            "[django_joblock.%s] %s %s",
+            finding.id,
+            finding.message,
+            finding.hint,
+            extra={"outcome": "enqueued", "reason": f"django_joblock.{finding.id}"},
+        )

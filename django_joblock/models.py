@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
 
@@ -48,7 +49,9 @@ class IdempotencyRecord(models.Model):
         "refused.",
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING)
-    result = models.JSONField(null=True, blank=True)
+    # The encoder the claim checks results with: Decimal, datetime, UUID... are stored (and
+    # replayed) as strings.
+    result = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     error = models.TextField(blank=True, default="")
     owner = models.CharField(
         max_length=64,

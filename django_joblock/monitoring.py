@@ -7,6 +7,7 @@ metrics from the per-minute bucket hashes of :mod:`django_joblock.metrics`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,8 @@ def _client() -> Any:
     return connection(conf.get().REDIS_ALIAS)
 
 
-def _text(value: Any) -> str:
+def decode(value: Any) -> str:
+    """A Redis reply (bytes or str) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -43,7 +45,7 @@ class Series:
 
     def add(self, raw: dict[Any, Any]) -> None:
         for raw_field, raw_value in raw.items():
-            name, family, func = _text(raw_field).split("|", 2)
+            name, family, func = decode(raw_field).split("|", 2)
             value = int(raw_value)
             metric, _, part = name.partition(":")
             label = (family, func)
@@ -146,13 +148,30 @@ class ActiveLock:
     pttl_ms: int
     held_for: float
     token_hash: str
+    # The lock server's clock (Unix ms, ``TIME``) when this row was read: acquired / renewed
+    # times are compared with it, never with this machine's clock.
+    read_ms: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+_FAMILY_RE = re.compile(r"[A-Za-z0-9_.@/-]{1,200}\Z")
+
+
+def validate_family(name: object) -> str:
+    """``name`` if it can be a family (a resource's part before its first ``:``)."""
+    if not isinstance(name, str) or not _FAMILY_RE.match(name):
+        shown = repr(name)[:80]
+        raise ValueError(
+            f"Invalid family {shown}: 1 to 200 characters from A-Z a-z 0-9 _ . @ / - "
+            "(the part of a resource before its first ':')."
+        )
+    return name
+
+
 def families() -> list[str]:
-    return sorted(_text(f) for f in _client().smembers(families_key(conf.get().KEY_PREFIX)))
+    return sorted(decode(f) for f in _client().smembers(families_key(conf.get().KEY_PREFIX)))
 
 
 def active_counts() -> dict[str, int]:
@@ -191,21 +210,22 @@ def active_locks(
         pipe.zremrangebyscore(active_index_key(prefix, fam), "-inf", now_ms)
         pipe.zrange(active_index_key(prefix, fam), 0, limit - 1)
     replies = pipe.execute()
-    members = [(fam, _text(m)) for i, fam in enumerate(names) for m in replies[2 * i + 1]]
+    members = [(fam, decode(m)) for i, fam in enumerate(names) for m in replies[2 * i + 1]]
     if not members:
         return []
     pipe = client.pipeline(transaction=False)
+    pipe.time()
     for _fam, member in members:
         resource, _owner = parse_index_member(member)
         key = LockKeys(prefix, resource).lock
         pipe.hgetall(key)
         pipe.pttl(key)
-    details = pipe.execute()
-    server_ms = int(time.time() * 1000)
+    clock, *details = pipe.execute()
+    server_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
     found, stale = [], []
     for index, (fam, member) in enumerate(members):
         resource, owner = parse_index_member(member)
-        raw = {_text(k): _text(v) for k, v in details[2 * index].items()}
+        raw = {decode(k): decode(v) for k, v in details[2 * index].items()}
         token = raw.get("token", "")
         if not token or owner_hash(token) != owner:
             stale.append((fam, member))
@@ -229,6 +249,7 @@ def active_locks(
                 pttl_ms=int(details[2 * index + 1]),
                 held_for=max(0.0, (server_ms - acquired) / 1000) if acquired else 0.0,
                 token_hash=owner,
+                read_ms=server_ms,
             )
         )
     if stale:
@@ -264,25 +285,39 @@ def active_samples(since: float) -> list[tuple[float, int]]:
     raw = _client().zrangebyscore(key, since, "+inf")
     out = []
     for member in raw:
-        at, _, count = _text(member).partition(":")
+        at, _, count = decode(member).partition(":")
         out.append((float(at), int(count)))
     return out
 
 
 # -- scheduler -------------------------------------------------------------------------------
-def queues_without_scheduler() -> list[str]:
-    """Queues used by requeueing ``@locked_job`` functions that no RQ scheduler serves."""
-    from rq.scheduler import RQScheduler
-
-    from .checks import _job_specs
+def requeueing_queues() -> dict[str, Any]:
+    """Name -> queue of every queue a requeueing ``@locked_job`` uses. A queue whose name
+    cannot be resolved is left out (system check E006 reports it)."""
+    from .exceptions import JoblockConfigError
+    from .jobs import registered_jobs
     from .queues import get_queue, queue_name
 
-    missing, seen = [], set()
-    for spec in _job_specs():
+    found: dict[str, Any] = {}
+    for spec in registered_jobs():
         name = queue_name(spec.queue)
-        if spec.on_conflict != "requeue" or name in seen:
+        if spec.on_conflict != "requeue" or name in found:
             continue
-        seen.add(name)
-        if not get_queue(spec.queue).connection.exists(RQScheduler.get_locking_key(name)):
-            missing.append(name)
-    return missing
+        try:
+            found[name] = get_queue(spec.queue)
+        except (JoblockConfigError, ValueError):
+            continue
+    return found
+
+
+def has_scheduler(queue: Any, client: Any = None) -> bool:
+    """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, on the queue's connection
+    or ``client``, a client on the same server.)"""
+    from rq.scheduler import RQScheduler
+
+    return bool((client or queue.connection).exists(RQScheduler.get_locking_key(queue.name)))
+
+
+def queues_without_scheduler() -> list[str]:
+    """Queues used by requeueing ``@locked_job`` functions that no RQ scheduler serves."""
+    return [name for name, queue in requeueing_queues().items() if not has_scheduler(queue)]

@@ -2,8 +2,11 @@
 
 1. acquire the lock on the *resource* (not the job id) -> the renewal thread heartbeats it;
 2. claim the idempotency key -> if an earlier run succeeded, return its stored result;
-3. run the function and record success **in the same database transaction** as its effect
-   (and only if the lock is still held at commit time);
+3. run the function inside ``transaction.atomic()`` and record success **in that same
+   transaction** as its effect, committing only if the lock is still held (``ensure_held()``).
+   A job with a lock and no idempotency key runs the same way, so a lost lock rolls its
+   writes back too (unless declared ``atomic=False``); the transaction is on the database the
+   idempotency records use;
 4. return (RQ acknowledges the job), release the lock if still ours.
 
 A busy lock (or a claim still running elsewhere) is a *conflict*, handled by ``on_conflict``:
@@ -23,25 +26,39 @@ A busy lock (or a claim still running elsewhere) is a *conflict*, handled by ``o
 
 Called inline (not by a worker running this job), ``"requeue"`` cannot requeue: it waits up to
 ``ACQUIRE_WAIT`` seconds like ``lock()`` and then raises :class:`LockNotAcquired`.
+
+Every run by a worker ends with ``job.meta["joblock"]["outcome"]`` set to one of
+:class:`JobOutcome` (``ran``, ``replayed``, ``requeued``, ``skipped``, ``failed``, ``gave_up``,
+``aborted``) and, except for ``ran`` / ``replayed``, a ``reason``. RQ never saves ``meta`` when
+it finishes a job, so this is one ``HSET`` on the queue's connection per job; it is written
+after the job's transaction committed and outside the abort window, and a failure to write it
+is logged, never turned into a job failure.
+
+A job aborted because an operator released its lock (admin force release, ``joblock_release``,
+``joblock_reap``) raises ``LockLost`` saying so, with the audit id (see
+:mod:`django_joblock.tombstones`), instead of "expired".
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import time
 from typing import Any
 
-from django.db import transaction
+from django.db import router, transaction
 from rq import Retry, get_current_job
 
-from . import conf, metrics
+from . import conf, metrics, tombstones
 from .abort import Abort
+from .backend import REDIS_ERRORS, connection, renewal_client
 from .backoff import full_jitter
 from .exceptions import (
     IdempotencyInProgress,
     LockBackendUnavailable,
     LockContentionTimeout,
+    LockLost,
     LockNotAcquired,
 )
 from .idempotency import fingerprint_of, idempotent
@@ -54,6 +71,24 @@ from .signals import job_requeued
 # RQ fails a job that returned Retry more than ``max`` times; we give up by time instead.
 _RETRY_MAX = 10**6
 _MAX_DELAYS_KEPT = 50
+# Reading the operator's note on the loss path: never wait long for a Redis that may be gone.
+_NOTE_TIMEOUT = 1.0
+_AUDIT_ID_WAIT = 2.0
+
+
+class JobOutcome(enum.StrEnum):
+    """``job.meta["joblock"]["outcome"]`` after a run by a worker."""
+
+    RAN = "ran"  # the function ran and its effect committed
+    REPLAYED = "replayed"  # an earlier run succeeded: its stored result was returned
+    REQUEUED = "requeued"  # busy: RQ runs the same job again after a delay
+    SKIPPED = "skipped"  # busy, on_conflict="skip": finished without running
+    FAILED = "failed"  # raised: on_conflict="fail", or the function (or RQ's timeout) raised
+    GAVE_UP = "gave_up"  # busy for longer than max_wait: LockContentionTimeout
+    ABORTED = "aborted"  # the lock was lost while running: LockLost, effect rolled back
+
+
+Ending = tuple[JobOutcome, Any, dict[str, Any]]
 
 
 def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -62,6 +97,32 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     resource = spec.resource(arguments)
     key = spec.key(arguments)
     job = _own_job(spec)
+    try:
+        outcome, result, extra = _flow(spec, resource, key, arguments, args, kwargs, job)
+    except Exception as exc:
+        _mark(job, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
+        raise
+    _mark(job, outcome, **extra)
+    return result
+
+
+def _failure(exc: BaseException) -> JobOutcome:
+    if isinstance(exc, LockContentionTimeout):
+        return JobOutcome.GAVE_UP
+    if isinstance(exc, LockLost):
+        return JobOutcome.ABORTED
+    return JobOutcome.FAILED
+
+
+def _flow(
+    spec: JobSpec[Any, Any],
+    resource: str | None,
+    key: str | None,
+    arguments: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    job: Any,
+) -> Ending:
     if resource is None:
         try:
             return _claim_and_run(spec, key, arguments, args, kwargs, None, job)
@@ -79,8 +140,19 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     token = set_current_lock(held)
     try:
         armed = abort if conf.get().ON_LOCK_LOST == "abort" else contextlib.nullcontext()
-        with armed:
-            return _claim_and_run(spec, key, arguments, args, kwargs, held, job)
+        try:
+            with armed:
+                return _claim_and_run(spec, key, arguments, args, kwargs, held, job)
+        except LockLost as exc:
+            note = _operator_note(held)
+            if note is None:
+                raise
+            raise LockLost(
+                f"Job aborted: its lock was {note.describe()}",
+                resource=held.resource,
+                key=held.key,
+                owner=held.owner,
+            ) from exc
     except IdempotencyInProgress as exc:
         return _conflict(spec, job, held, exc)
     finally:
@@ -107,11 +179,41 @@ def _lost(spec: JobSpec[Any, Any], abort: Abort, held: Lock, reason: str) -> Non
         spec.on_lost(held, reason)
 
 
+def _operator_note(held: Lock) -> tombstones.OperatorRelease | None:
+    """Did an operator release this holding? Read in the job's thread, on the loss path only.
+
+    One GET normally. A note still without its audit id (the operator's process writes the
+    audit row right after the release, and on SQLite it waits for this job's transaction to
+    end) is read again for up to ``_AUDIT_ID_WAIT`` seconds: the job is failing anyway.
+    """
+    client = None
+    try:
+        client = renewal_client(connection(held.alias), _NOTE_TIMEOUT)
+        prefix = conf.get().KEY_PREFIX
+        note = tombstones.read(client, prefix, held.resource, held.owner)
+        deadline = time.monotonic() + _AUDIT_ID_WAIT
+        while note is not None and note.audit is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            note = tombstones.read(client, prefix, held.resource, held.owner) or note
+        return note
+    except REDIS_ERRORS:
+        return None  # Redis is gone too: the plain loss reason stands
+    finally:
+        if client is not None:
+            client.connection_pool.disconnect()
+
+
 def _fingerprint(arguments: dict[str, Any]) -> str:
     try:
         return fingerprint_of(arguments)
     except TypeError:  # arguments RQ can pickle but JSON cannot: fall back to their repr
         return fingerprint_of(repr(sorted(arguments.items())))
+
+
+def _database() -> str:
+    from .models import IdempotencyRecord
+
+    return str(router.db_for_write(IdempotencyRecord))
 
 
 def _claim_and_run(
@@ -122,14 +224,18 @@ def _claim_and_run(
     kwargs: dict[str, Any],
     held: Lock | None,
     job: Any,
-) -> Any:
+) -> Ending:
+    if key is None and not spec.atomic:
+        return JobOutcome.RAN, spec.func(*args, **kwargs), {}  # its own transactions: fenced
     if key is None:
-        result = spec.func(*args, **kwargs)
-        _ran(job)
-        return result
-    with idempotent(key, scope=spec.name, fingerprint=_fingerprint(arguments)) as claim:
+        # A lock-only job: same transaction rule as the others, so a lost lock rolls back.
+        with transaction.atomic(using=_database()):
+            result = spec.func(*args, **kwargs)
+            if held is not None:
+                held.ensure_held()  # never commit the effect of a job that lost its lock
+        return JobOutcome.RAN, result, {}
+    with idempotent(key, scope=spec.scope, fingerprint=_fingerprint(arguments)) as claim:
         if claim.done:
-            _mark(job, "replayed")
             logger.info(
                 "duplicate blocked: %s already done",
                 key,
@@ -139,35 +245,39 @@ def _claim_and_run(
                     "reason": f"idempotency key {key!r} succeeded before",
                 },
             )
-            return claim.result
+            return JobOutcome.REPLAYED, claim.result, {}
         with transaction.atomic(using=claim.using):
             result = spec.func(*args, **kwargs)
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
             claim.succeed(result)
-        _ran(job)
-        return result
+        return JobOutcome.RAN, result, {}
 
 
-def _ran(job: Any) -> None:
-    # Only a job that was marked before (requeued) needs the update: no extra round trip for
-    # the common case.
-    if job is not None and job.meta.get("joblock", {}).get("outcome") not in (None, "ran"):
-        _mark(job, "ran")
-
-
-def _mark(job: Any, outcome: str, **extra: Any) -> None:
+def _mark(job: Any, outcome: JobOutcome, **extra: Any) -> None:
+    """Write ``outcome`` (and ``extra``) to ``job.meta["joblock"]``: one HSET, best effort."""
     if job is None:
         return
     state = job.meta.setdefault("joblock", {})
-    state["outcome"] = outcome
+    state["outcome"] = outcome.value
+    if "reason" not in extra:
+        state.pop("reason", None)  # a reason from an earlier requeue no longer applies
     state.update(extra)
-    job.save_meta()
+    try:
+        job.save_meta()
+    except REDIS_ERRORS:
+        logger.warning(
+            "could not record outcome %s in the meta of job %s",
+            outcome.value,
+            job.id,
+            exc_info=True,
+            extra={"job_id": job.id, "outcome": outcome.value},
+        )
 
 
 def _conflict(
     spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
-) -> Any:
+) -> Ending:
     try:
         return _handle_conflict(spec, job, held, in_progress)
     finally:
@@ -183,18 +293,17 @@ def _family(held: Lock | None, in_progress: IdempotencyInProgress | None) -> str
 
 def _handle_conflict(
     spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
-) -> Any:
+) -> Ending:
     what = f"lock {held.resource!r} is busy" if held is not None else str(in_progress)
     if spec.on_conflict == "skip":
         metrics.count("skipped", _family(held, in_progress), spec.name)
-        _mark(job, "skipped", reason=what)
         logger.info(
             "skipped %s: %s",
             spec.name,
             what,
             extra={"job_id": getattr(job, "id", None), "outcome": "skipped", "reason": what},
         )
-        return None
+        return JobOutcome.SKIPPED, None, {"reason": what}
     if spec.on_conflict == "fail" or job is None:
         if in_progress is not None:
             raise in_progress
@@ -206,7 +315,7 @@ def _handle_conflict(
     return _requeue(spec, job, held, what, _family(held, in_progress))
 
 
-def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fam: str) -> Retry:
+def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fam: str) -> Ending:
     settings = conf.get()
     state = job.meta.setdefault("joblock", {})
     now = time.time()
@@ -218,7 +327,6 @@ def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fa
     key = held.key if held is not None else None
     if waited >= limit:
         metrics.count("given_up", fam, spec.name)
-        _mark(job, "gave_up", reason=what)
         raise LockContentionTimeout(
             f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
             f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s",
@@ -231,7 +339,6 @@ def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fa
     seconds = min(max(1, math.ceil(delay)), max(1, math.ceil(limit - waited)))
     delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
     metrics.count("requeued", fam, spec.name)
-    _mark(job, "requeued", requeues=attempt + 1, delays=delays, reason=what)
     job_requeued.send(sender=JobSpec, job=job, lock=held, delay=seconds)
     if held is not None:
         log_lock(
@@ -249,4 +356,5 @@ def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fa
             what,
             extra={"job_id": job.id, "outcome": "requeued", "reason": what},
         )
-    return Retry(max=_RETRY_MAX, interval=[seconds])
+    extra = {"requeues": attempt + 1, "delays": delays, "reason": what}
+    return JobOutcome.REQUEUED, Retry(max=_RETRY_MAX, interval=[seconds]), extra

@@ -75,7 +75,10 @@ def _wait_for_flag(label: str, limit: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail")
+# atomic=False: these two show what the fence alone does for a job without the job
+# transaction (which would roll a stale write back anyway, and on SQLite would hold the database
+# lock while the test pauses the horse).
+@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail", atomic=False)
 def paused_write(name: str, label: str, value: int) -> int:
     """Waits for its go flag (a test pauses it meanwhile), then writes through the fence."""
     _wait_for_flag(label)
@@ -86,7 +89,7 @@ def paused_write(name: str, label: str, value: int) -> int:
     return value
 
 
-@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail")
+@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail", atomic=False)
 def unfenced_write(name: str, label: str, value: int) -> int:
     """The same without fencing: a negative control."""
     _wait_for_flag(label)

@@ -197,6 +197,7 @@ def test_joblock_locks_json_lists_documented_fields(rconn):
         "pttl_ms",
         "held_for",
         "health",
+        "why",
     }
     assert set(rows[0]) == expected
     assert rows[0]["owner"] == held.owner and rows[0]["health"] == "healthy"

@@ -85,7 +85,9 @@ def test_w001_heartbeat_more_than_half_ttl():
     assert conf.get().HEARTBEAT_INTERVAL == 6  # a warning does not stop the app
 
 
-@override_settings(JOBLOCK={"IDEMPOTENCY_TTL": 60, "REQUEUE_MAX_WAIT": 3600})
+@override_settings(
+    JOBLOCK={"IDEMPOTENCY_TTL": 60, "IDEMPOTENCY_LEASE": 30, "REQUEUE_MAX_WAIT": 3600}
+)
 def test_w003_idempotency_ttl_shorter_than_requeue_window():
     assert ids(check_settings()) == ["django_joblock.W003"]
 
@@ -132,10 +134,13 @@ def test_check_ids_are_unique_and_documented():
         "E003",
         "E004",
         "E005",
+        "E006",
         "W001",
         "W002",
         "W003",
         "W004",
+        "W005",
+        "W006",
         "W010",
         "W011",
         "W012",

@@ -9,6 +9,7 @@ from rq import Queue
 from django_joblock import (
     IdempotencyRecord,
     InvalidResource,
+    JoblockConfigError,
     LockNotAcquired,
     current_lock,
     lock,
@@ -120,12 +121,17 @@ def test_callable_templates(scratch_registry, rconn):
 
 def test_queue_resolution(settings):
     assert get_queue("default").__class__.__module__.startswith("django_rq")
-    plain = get_queue("not-in-rq-queues")
-    assert type(plain) is Queue and plain.name == "not-in-rq-queues"
-    mine = Queue("mine", connection=plain.connection)
+    with pytest.raises(
+        JoblockConfigError, match=r"'not-in-rq-queues' is not in settings\.RQ_QUEUES"
+    ):
+        get_queue("not-in-rq-queues")
+    mine = Queue("mine", connection=get_queue("default").connection)
     assert get_queue(mine) is mine
     with pytest.raises(ValueError, match="queue"):
         get_queue("")
+    settings.INSTALLED_APPS = [app for app in settings.INSTALLED_APPS if app != "django_rq"]
+    plain = get_queue("not-in-rq-queues")
+    assert type(plain) is Queue and plain.name == "not-in-rq-queues", "without django-rq"
 
 
 def test_w002_ttl_shorter_than_job_timeout_without_heartbeat(scratch_registry):

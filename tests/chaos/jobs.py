@@ -38,7 +38,9 @@ def apply(resource: str, logical_id: str, delta: int) -> int:
     return delta
 
 
-@locked_job("chaos", lock="acct:{resource}", ttl=TTL)
+# atomic=False: the negative control keeps its own transaction, committed whether or not the
+# lock is still held (the job transaction's ensure_held() would otherwise hide some damage).
+@locked_job("chaos", lock="acct:{resource}", ttl=TTL, atomic=False)
 def apply_unsafe(resource: str, logical_id: str, delta: int) -> int:
     _started()
     with transaction.atomic():

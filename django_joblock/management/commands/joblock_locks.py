@@ -2,8 +2,9 @@
 
 JSON output: a list of objects with ``resource``, ``family``, ``owner`` (token hash),
 ``fence``, ``host``, ``pid``, ``job_id``, ``job_func``, ``worker``, ``acquired_ms``,
-``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds) and ``health``
-(``healthy`` / ``holder dead`` / ``overdue``).
+``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds), ``health``
+(``healthy`` / ``holder dead`` / ``overdue``) and ``why`` (the evidence behind ``holder dead``
+or ``overdue``; empty when healthy).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_joblock.health import HEALTHY, lock_health
-from django_joblock.monitoring import active_locks
+from django_joblock.health import HEALTHY, LockHealth, lock_health
+from django_joblock.monitoring import active_locks, validate_family
 
 
 class Command(BaseCommand):
@@ -31,13 +32,24 @@ class Command(BaseCommand):
         parser.add_argument("--limit", type=int, default=1000, help="At most this many per family.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["limit"] < 1:
+            raise CommandError(f"--limit must be >= 1, got {options['limit']}.")
+        if options["family"] is not None:
+            try:
+                validate_family(options["family"])
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
         locks = active_locks(family=options["family"], limit=options["limit"])
         health = lock_health(locks)
-        rows = [{**held.as_dict(), "health": health.get(held.resource, HEALTHY)} for held in locks]
+        rows = []
+        for held in locks:
+            state = health.get(held.resource, LockHealth(HEALTHY))
+            row = {**held.as_dict(), "health": state.state.value, "why": state.why}
+            for internal in ("token_hash", "read_ms"):
+                row.pop(internal, None)
+            rows.append(row)
         if options["stuck"]:
-            rows = [row for row in rows if row["health"] != HEALTHY]
-        for row in rows:
-            row.pop("token_hash", None)
+            rows = [row for row in rows if row["health"] != HEALTHY.value]
         if options["json"]:
             self.stdout.write(json.dumps(rows, indent=2))
             return
@@ -50,4 +62,5 @@ class Command(BaseCommand):
                 f"held={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
                 f"holder={row['host']}:{row['pid']} job={row['job_id'] or '-'} "
                 f"worker={row['worker'] or '-'} owner={row['owner']}"
+                + (f" why={row['why']}" if row["why"] else "")
             )

@@ -1,18 +1,22 @@
 """``manage.py joblock_reap [--dry-run]``: release locks whose holder is dead.
 
 A holder is dead when the lock has not been renewed for half its TTL *and* its RQ job is gone
-or no longer started, its RQ worker has vanished, or its process is gone on this host. Live
-holders, including orphaned work horses that still heartbeat, are left alone. Each release is
-a compare-and-delete recorded in the lock audit log.
+or no longer started, its RQ worker has vanished, or its process is gone on this host (RQ's
+state is read on each job's queue connection, see :mod:`django_joblock.health`). Live holders,
+including orphaned work horses that still heartbeat, are left alone; a lock renewed after it
+was judged dead is refused. Each release is a compare-and-delete recorded in the lock audit
+log with the evidence as its reason.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_joblock.backend import REDIS_ERRORS
 from django_joblock.control import reap
+from django_joblock.exceptions import LockBackendUnavailable
 
 
 class Command(BaseCommand):
@@ -22,7 +26,12 @@ class Command(BaseCommand):
         parser.add_argument("--dry-run", action="store_true", help="Only list what would go.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        done = reap(dry_run=options["dry_run"])
+        try:
+            done = reap(dry_run=options["dry_run"])
+        except LockBackendUnavailable as exc:
+            raise CommandError(str(exc)) from exc
+        except REDIS_ERRORS as exc:
+            raise CommandError(f"Redis did not answer: {type(exc).__name__}: {exc}") from exc
         for resource, outcome in done:
             self.stdout.write(f"{resource}: {outcome}")
         self.stdout.write(f"{len(done)} lock(s) with a dead holder.")

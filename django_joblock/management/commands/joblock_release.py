@@ -3,7 +3,8 @@
 ``--token`` is the owner to release (its 12-character hash as shown by ``joblock_locks`` or the
 dashboard, or the token itself); without it, whoever holds the lock right now. Either way it is
 a compare-and-delete, never a blind DEL, and it is written to the lock audit log.
-Exit status 1 when nothing was released.
+Exit status 1 when nothing was released; a Redis that does not answer is a ``CommandError``
+saying whether the release may have happened.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.control import force_release
+from django_joblock.exceptions import LockBackendUnavailable
 
 
 class Command(BaseCommand):
@@ -37,7 +39,7 @@ class Command(BaseCommand):
                 owner=options["token"],
                 actor=f"joblock_release ({getpass.getuser()})",
             )
-        except ValueError as exc:
+        except (ValueError, LockBackendUnavailable) as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(f"{options['resource']}: {result.outcome}")
         if not result.released:

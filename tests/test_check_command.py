@@ -1,0 +1,204 @@
+"""Every system check id end to end, through ``manage.py check`` (and ``check --deploy``).
+
+A finding must come out as the documented ``django_joblock.E0xx`` / ``W0xx`` message: errors
+stop the command with ``SystemCheckError``, warnings are printed and the command goes on.
+Nothing may crash the check framework itself (issue 13, item 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
+
+from django_joblock import locked_job
+from django_joblock.jobs import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def scratch_registry() -> Iterator[None]:
+    """Only the jobs a test declares are registered while it runs."""
+    before = dict(registry)
+    registry.clear()
+    yield
+    registry.clear()
+    registry.update(before)
+
+
+def check(*, deploy: bool = False) -> tuple[str, str | None]:
+    """Run ``manage.py check``: (everything printed, the SystemCheckError text or None)."""
+    out, err = StringIO(), StringIO()
+    try:
+        call_command("check", deploy=deploy, stdout=out, stderr=err)
+    except SystemCheckError as exc:
+        return out.getvalue() + err.getvalue(), str(exc)
+    return out.getvalue() + err.getvalue(), None
+
+
+def assert_error(check_id: str, text: str, *, deploy: bool = False) -> None:
+    printed, error = check(deploy=deploy)
+    assert error is not None, f"{check_id} must stop the command; printed: {printed}"
+    assert f"django_joblock.{check_id}" in error and text in error, error
+
+
+def assert_warning(check_id: str, text: str, *, deploy: bool = False) -> None:
+    printed, error = check(deploy=deploy)
+    assert error is None, f"{check_id} is a warning and must not stop the command: {error}"
+    assert f"django_joblock.{check_id}" in printed and text in printed, printed
+
+
+@pytest.mark.parametrize(
+    ("joblock", "check_id", "text"),
+    [
+        (["not", "a", "dict"], "E001", "JOBLOCK must be a dict"),
+        ({"LOCK_TLL": 30}, "E002", "LOCK_TLL"),
+        ({"REQUEUE_BACKOFF": {"bsae": 1}}, "E002", "bsae"),
+        ({"LOCK_TTL": -1}, "E003", "LOCK_TTL"),
+        ({"ON_LOCK_LOST": "explode"}, "E003", "ON_LOCK_LOST"),
+        ({"LOCK_TTL": 10, "HEARTBEAT_INTERVAL": 10}, "E004", "HEARTBEAT_INTERVAL"),
+        ({"REDIS_ALIAS": "locmem"}, "E005", "locmem"),
+        ({"REDIS_ALIAS": "nope"}, "E005", "nope"),
+    ],
+)
+def test_setting_errors_stop_manage_py_check(settings, joblock, check_id, text):
+    settings.JOBLOCK = joblock
+    assert_error(check_id, text)
+
+
+@pytest.mark.parametrize(
+    ("joblock", "check_id", "text"),
+    [
+        ({"LOCK_TTL": 10, "HEARTBEAT_INTERVAL": 6}, "W001", "more than half"),
+        ({"IDEMPOTENCY_TTL": 60, "REQUEUE_MAX_WAIT": 3600}, "W003", "REQUEUE_MAX_WAIT"),
+        (
+            {"IDEMPOTENCY_TTL": 60, "IDEMPOTENCY_LEASE": 300, "REQUEUE_MAX_WAIT": 10},
+            "W005",
+            "IDEMPOTENCY_LEASE",
+        ),
+    ],
+)
+def test_setting_warnings_are_printed_not_raised(settings, joblock, check_id, text):
+    settings.JOBLOCK = joblock
+    assert_warning(check_id, text)
+
+
+def test_unknown_queue_of_a_decorated_job_is_e006(scratch_registry):
+    @locked_job("low", lock="x:{a}")
+    def job_on_low(a: int) -> None: ...
+
+    printed, error = check()
+    assert error is not None and "django_joblock.E006" in error, printed
+    assert "'low'" in error and "default" in error and "other" in error, error
+
+
+def test_w002_heartbeat_off_ttl_shorter_than_job_timeout(scratch_registry):
+    @locked_job("default", lock="x:{a}", ttl=30, heartbeat=False, job_timeout=600)
+    def slow(a: int) -> None: ...
+
+    assert_warning("W002", "slow")
+
+
+def test_w004_requeue_window_longer_than_records_live(scratch_registry, settings):
+    settings.JOBLOCK = {"IDEMPOTENCY_TTL": 3600, "REQUEUE_MAX_WAIT": 60}
+
+    @locked_job("default", lock="x:{a}", idempotency_key="k:{a}", max_wait=7200)
+    def late(a: int) -> None: ...
+
+    assert_warning("W004", "late")
+
+
+def test_w006_idempotency_only_job_may_outlive_its_lease(scratch_registry):
+    @locked_job("default", idempotency_key="k:{a}", job_timeout=600)
+    def long_claim(a: int) -> None: ...
+
+    assert_warning("W006", "long_claim")
+    registry.clear()
+
+    @locked_job("default", idempotency_key="k:{a}", job_timeout=60)
+    def short_claim(a: int) -> None: ...
+
+    printed, error = check()
+    assert error is None and "W006" not in printed, "negative control: 60 s < 300 s lease"
+
+
+def test_w010_redis_unreachable_on_deploy(settings):
+    settings.JOBLOCK = {"REDIS_ALIAS": "down"}
+    printed, _ = check()
+    assert "W010" not in printed, "W010 is a deploy-only check"
+    assert_warning("W010", "does not answer", deploy=True)
+
+
+def test_w011_eviction_policy_on_deploy(server, rconn):
+    rconn.config_set("maxmemory", 512 * 1024 * 1024)
+    rconn.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        assert_warning("W011", "allkeys-lru", deploy=True)
+    finally:
+        rconn.config_set("maxmemory-policy", "noeviction")
+    printed, _ = check(deploy=True)
+    assert "W011" not in printed, "negative control: noeviction is fine"
+
+
+def test_w012_no_scheduler_on_deploy(scratch_registry, rconn):
+    @locked_job("default", lock="x:{a}")
+    def requeues(a: int) -> None: ...
+
+    assert_warning("W012", "'default'", deploy=True)
+
+
+def test_clean_settings_give_no_joblock_finding(scratch_registry):
+    printed, error = check(deploy=True)
+    assert error is None and "django_joblock." not in printed, printed
+
+
+def test_a_warning_does_not_break_joblock_commands():
+    """A real ``manage.py`` process runs the checks before the command, as users do."""
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="tests.settings",
+        JOBLOCK_TEST_SETTINGS=json.dumps({"LOCK_TTL": 10, "HEARTBEAT_INTERVAL": 6}),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "django", "joblock_locks"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "django_joblock.W001" in proc.stderr and "No active locks." in proc.stdout
+
+
+def test_w010_for_a_queue_redis_that_does_not_answer(scratch_registry, settings):
+    from tests import harness
+
+    settings.RQ_QUEUES = {"default": {"URL": harness.dead_url()}}
+
+    @locked_job("default", lock="x:{a}")
+    def requeues(a: int) -> None: ...
+
+    assert_warning("W010", "Redis of RQ queue 'default' does not answer", deploy=True)
+
+
+def test_command_arguments_are_checked():
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--limit must be >= 1"):
+        call_command("joblock_locks", "--limit", "0")
+    with pytest.raises(CommandError, match="Invalid family"):
+        call_command("joblock_locks", "--family", "<b>")
+    with pytest.raises(CommandError, match="--max-jobs must be >= 1"):
+        call_command("joblock_worker", "default", "--max-jobs", "0")
