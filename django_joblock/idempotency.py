@@ -208,14 +208,14 @@ class idempotent:
     ) -> None:
         validate_key(key)
         validate_scope(scope)
-        if lease is not None and (
-            isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0
-        ):
-            raise ValueError(f"idempotent(): lease must be > 0 seconds, got {lease!r}.")
         self.key = key
         self.scope = scope
         self.fingerprint = "" if fingerprint is None else fingerprint_of(fingerprint)
-        self.lease = float(lease) if lease is not None else conf.get().IDEMPOTENCY_LEASE
+        self.lease = (
+            conf.LEASE_RANGE.check("idempotent(): lease", lease)
+            if lease is not None
+            else conf.get().IDEMPOTENCY_LEASE
+        )
         self.using = using or router.db_for_write(_model())
         self.claim: Claim | None = None
 

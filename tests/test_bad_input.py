@@ -83,3 +83,13 @@ def test_acquiring_twice_is_an_error(rconn):
     with pytest.raises(Exception, match="already holds"):
         held.acquire()
     held.release()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("lease", [float("nan"), float("inf"), 1e300, 0, -1, "300", True])
+def test_idempotent_lease_must_be_finite_and_in_range(lease):
+    from django_joblock import IdempotencyRecord, idempotent
+
+    with pytest.raises(ValueError, match=r"idempotent\(\): lease"):
+        idempotent("receipt:1", lease=lease)
+    assert not IdempotencyRecord.objects.exists()
