@@ -23,6 +23,8 @@ import re
 import time
 from typing import Any
 
+import django
+from django.apps import apps
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
@@ -33,19 +35,52 @@ from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, path
+from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from . import control, dashboard
 from .backend import REDIS_ERRORS
 from .exceptions import LockBackendUnavailable
-from .health import Health
+from .health import Health, job_queue
 from .keys import validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 from .monitoring import validate_family
 
 OWNER_RE = re.compile(r"[0-9a-f]{12}\Z|[0-9a-f]{32}\Z")
+
+
+# Where the operations runbook lives (a pip install carries no docs/ folder).
+DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"
+
+
+def rq_job_url(queue_name: str, job_id: str) -> str:
+    """django-rq's page of an RQ job when django-rq is installed and routed, else ``""``.
+
+    django-rq >= 4 serves it inside the admin (``admin:django_rq_job_detail``), older
+    releases from ``include("django_rq.urls")`` (``rq_job_detail``); both address a queue by
+    its index in django-rq's queue list.
+    """
+    if not queue_name or not job_id or not apps.is_installed("django_rq"):
+        return ""
+    try:
+        from django_rq import settings as rq_settings  # type: ignore[import-not-found,unused-ignore]
+
+        queues_map = getattr(rq_settings, "get_queues_map", None)  # django-rq >= 4
+        index = (queues_map() if queues_map else rq_settings.QUEUES_MAP)[queue_name]
+    except (ImportError, AttributeError, KeyError):
+        return ""
+    for name in ("admin:django_rq_job_detail", "rq_job_detail"):
+        try:
+            return reverse(name, args=(index, job_id))
+        except NoReverseMatch:
+            continue
+    return ""
+
+
+def _queue_of(job_func: str) -> str:
+    queue = job_queue(job_func) if job_func else None
+    return str(queue.name) if queue is not None else ""
 
 
 def bad_request(message: str) -> HttpResponse:
@@ -160,11 +195,25 @@ class DashboardAdmin(ReadOnlyAdmin):
             path("", wrap(self.changelist_view), name="django_joblock_dashboard_changelist"),
         ]
 
-    def _unavailable(self, request: HttpRequest, title: str, error: str) -> HttpResponse:
-        context = {
+    def _page(self, request: HttpRequest, title: str, *crumbs: tuple[str, str]) -> dict[str, Any]:
+        """The context every page of ours starts from: the admin's, a title, breadcrumbs."""
+        return {
             **self.admin_site.each_context(request),
             "title": title,
             "opts": self.model._meta,
+            "crumbs": crumbs,
+            "jl_ol_breadcrumbs": django.VERSION >= (6, 1),
+            "docs_url": DOCS_URL,
+        }
+
+    def _dashboard_url(self) -> str:
+        return reverse(
+            "admin:django_joblock_dashboard_changelist", current_app=self.admin_site.name
+        )
+
+    def _unavailable(self, request: HttpRequest, title: str, error: str) -> HttpResponse:
+        context = {
+            **self._page(request, title, ("Job locks", self._dashboard_url()), (title, "")),
             "error": error,
         }
         response = TemplateResponse(
@@ -201,11 +250,13 @@ class DashboardAdmin(ReadOnlyAdmin):
                 f"Redis did not answer ({type(exc).__name__}: {exc}). The dashboard reads "
                 "locks, metrics and RQ state from Redis; nothing was changed.",
             )
+        for row in data["rows"]:
+            row["job_url"] = rq_job_url(_queue_of(row["lock"].job_func), row["lock"].job_id)
+        for job in data["stuck_jobs"]:
+            job.url = rq_job_url(job.queue, job.job_id)
         context = {
-            **self.admin_site.each_context(request),
+            **self._page(request, "Job locks", ("Job locks", "")),
             **data,
-            "title": "Job locks",
-            "opts": self.model._meta,
             "can_release": request.user.has_perm("django_joblock.force_release_lock"),
         }
         response = TemplateResponse(request, "admin/django_joblock/dashboard.html", context)
@@ -272,9 +323,12 @@ class DashboardAdmin(ReadOnlyAdmin):
                 f"{exc}. Nothing was changed.",
             )
         context = {
-            **self.admin_site.each_context(request),
-            "title": f"Force-release {resource}?",
-            "opts": self.model._meta,
+            **self._page(
+                request,
+                f"Force-release {resource}?",
+                ("Job locks", self._dashboard_url()),
+                ("Force release", ""),
+            ),
             "resource": resource,
             "owner": owner,
             "lock": current,

@@ -7,7 +7,8 @@ from django.apps import AppConfig
 
 class JoblockConfig(AppConfig):
     name = "django_joblock"
-    verbose_name = "Job locks"
+    # The app section; its entries are "Job locks" (the dashboard), the records and the log.
+    verbose_name = "django-joblock"
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:

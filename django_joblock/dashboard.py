@@ -10,85 +10,14 @@ idempotency claims, and RQ's started registries read without cleanup. No ``SCAN`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import alerts, monitoring
+from .charts import bar_chart, minute_chart
 from .health import DEAD, HEALTHY, Health, lock_health, stuck_claims, stuck_jobs
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
-
-
-@dataclass
-class Bar:
-    label: str
-    value: float
-    text: str
-    x: float = 0.0
-    y: float = 0.0
-    width: float = 0.0
-    height: float = 0.0
-
-
-@dataclass
-class Chart:
-    title: str
-    bars: list[Bar]
-    kind: str = "h"  # "h": one bar per label; "t": one column per minute
-    width: int = 420
-    height: int = 0
-    empty: str = "no data yet"
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _hbar_chart(title: str, items: list[tuple[str, float, str]], note: str = "") -> Chart:
-    top = max((value for _l, value, _t in items), default=0) or 1
-    bars = []
-    for index, (label, value, text) in enumerate(items):
-        bars.append(
-            Bar(
-                label,
-                value,
-                text,
-                x=110,
-                y=index * 22 + 4,
-                width=round(170 * value / top, 1),
-                height=16,
-            )
-        )
-    return Chart(title, bars, "h", width=460, height=len(items) * 22 + 8, note=note)
-
-
-def _time_chart(title: str, series: list[tuple[int, int]], note: str = "") -> Chart:
-    top = max((value for _s, value in series), default=0) or 1
-    step = 420 / max(1, len(series))
-    bars = []
-    for index, (start, value) in enumerate(series):
-        height = round(90 * value / top, 1)
-        bars.append(
-            Bar(
-                time.strftime("%H:%M", time.localtime(start)),
-                value,
-                str(value),
-                x=round(index * step, 1),
-                y=100 - height,
-                width=max(1.0, step - 1),
-                height=height,
-            )
-        )
-    return Chart(
-        title,
-        bars,
-        "t",
-        height=110,
-        note=note,
-        extra={
-            "total": sum(v for _s, v in series),
-            "peak": max((v for _s, v in series), default=0),
-        },
-    )
 
 
 def build(
@@ -103,6 +32,7 @@ def build(
     started = time.perf_counter()
     hour = monitoring.window(3600)
     counts = monitoring.active_counts()
+    active_total = sum(counts.values())
     attempts = hour.total("acquire_attempts")
     contended = hour.total("contended")
     fams = sorted(set(counts) | hour.families())
@@ -122,26 +52,32 @@ def build(
         if p95 is not None and p99 is not None:
             holds.append((fam, p99, f"p95 ≤ {p95:g}s, p99 ≤ {p99:g}s"))
     charts = [
-        _hbar_chart(
+        bar_chart(
             "Contention per family (last hour)",
             [(f, v, f"{v:.0f}% ({t})") for f, v, t in contention],
-            "busy acquires / acquire attempts",
+            axis="% of acquires that found the lock busy",
         ),
-        _time_chart(
-            "Requeues for contention per minute", monitoring.per_minute("requeued", CHART_MINUTES)
+        minute_chart(
+            "Requeues for contention per minute",
+            monitoring.per_minute("requeued", CHART_MINUTES),
+            axis="requeues",
         ),
-        _hbar_chart(
+        bar_chart(
             "Hold time p95 / p99 per family (last hour)",
             holds,
-            "bar = p99 bucket bound; accurate to one histogram bucket",
+            axis="seconds (p99 bucket bound)",
+            note="accurate to one histogram bucket",
         ),
-        _hbar_chart(
+        bar_chart(
             "Active locks per family",
             [(f, c, str(c)) for f, c in sorted(counts.items(), key=lambda item: -item[1])],
+            axis="locks held now",
+            empty="no active locks",
         ),
-        _time_chart(
+        minute_chart(
             "Duplicates blocked by idempotency per minute",
             monitoring.per_minute("duplicates_blocked", CHART_MINUTES),
+            axis="duplicates",
         ),
     ]
     locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
@@ -161,8 +97,8 @@ def build(
         )
     fired = alerts.evaluate()
     cards = [
-        ("Active locks", sum(counts.values())),
-        ("Families", len(counts)),
+        ("Active locks", active_total),
+        ("Families (now or 1 h)", len(fams)),
         ("Contention (1 h)", f"{contended / attempts * 100:.0f}%" if attempts else "-"),
         ("Requeues (1 h)", hour.total("requeued")),
         ("Duplicates blocked (1 h)", hour.total("duplicates_blocked")),
@@ -174,10 +110,12 @@ def build(
         "cards": cards,
         "charts": charts,
         "rows": rows,
-        "families": sorted(counts),
+        "families": sorted(set(counts) | ({family} if family else set())),
         "family": family or "",
         "health_filter": health_filter or "",
         "health_choices": [choice.value for choice in Health],
+        "shown": len(rows),
+        "shown_of": counts.get(family, 0) if family else active_total,
         "shown_limit": LOCK_ROWS,
         "stuck_jobs": stuck_jobs(),
         "dead_locks": [row for row in rows if row["health"] == DEAD.value],

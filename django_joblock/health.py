@@ -237,6 +237,7 @@ class StuckJob:
     timeout: float | None
     running_for: float
     reason: str
+    url: str = ""  # django-rq's page of the job, filled in by the admin when it has one
 
 
 def _server_now(client: Any) -> datetime:

@@ -175,16 +175,28 @@ def families() -> list[str]:
 
 
 def active_counts() -> dict[str, int]:
-    """Active locks per family (index entries not yet expired), pruning expired ones."""
+    """Families holding locks now -> their active locks (index entries not yet expired).
+
+    Prunes expired index entries, and forgets families left with none: the families set
+    lists where to look, so a family whose last lock ended leaves it (and the dashboard, the
+    Prometheus gauge) instead of staying forever. A renewal batch adds a family back with its
+    index entry, so a family pruned in the instant its first entry was written is missing for
+    at most one heartbeat interval.
+    """
     prefix = conf.get().KEY_PREFIX
     names = families()
     now_ms = int(time.time() * 1000)
-    pipe = _client().pipeline(transaction=False)
+    client = _client()
+    pipe = client.pipeline(transaction=False)
     for fam in names:
         pipe.zremrangebyscore(active_index_key(prefix, fam), "-inf", now_ms)
         pipe.zcard(active_index_key(prefix, fam))
     replies = pipe.execute()
-    return {fam: int(replies[2 * i + 1]) for i, fam in enumerate(names)}
+    counts = {fam: int(replies[2 * i + 1]) for i, fam in enumerate(names)}
+    idle = [fam for fam, count in counts.items() if not count]
+    if idle:
+        client.srem(families_key(prefix), *idle)
+    return {fam: count for fam, count in counts.items() if count}
 
 
 def active_locks(

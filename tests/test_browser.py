@@ -8,6 +8,7 @@ Screenshots go to ``artifacts/`` (git-ignored). Never downloads a browser: it ne
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -39,6 +40,93 @@ def _stuck_job(rconn, workers: Workers):  # type: ignore[no-untyped-def]
     return job
 
 
+# Relative luminance and contrast ratio (WCAG 2.x) of CSS colours as the browser computed them.
+CONTRAST_JS = """
+([selector, backgroundOf]) => {
+  const parse = (c) => c.match(/[\\d.]+/g).map(Number);
+  const lum = ([r, g, b]) => {
+    const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const el = document.querySelector(selector);
+  let bg = el, color;
+  while (bg) {
+    color = getComputedStyle(bg).backgroundColor;
+    const parts = parse(color);
+    if (parts.length < 4 || parts[3] > 0) break;
+    bg = bg.parentElement;
+  }
+  const fg = lum(parse(getComputedStyle(el).color));
+  const back = lum(parse(bg ? color : "rgb(255, 255, 255)"));
+  return (Math.max(fg, back) + 0.05) / (Math.min(fg, back) + 0.05);
+}
+"""
+
+
+def _check_polish(page, base_url: str, stuck_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Breadcrumbs styled like the admin's own, charts with axes or a "no data" note, the
+    row count said plainly, the runbook linked online, RQ job ids linked to django-rq."""
+    from django_joblock.admin import rq_job_url
+
+    crumbs = page.eval_on_selector(
+        ".breadcrumbs", "e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).padding]"
+    )
+    assert "Job locks" in page.inner_text(".breadcrumbs")
+    assert "django-joblock" in page.inner_text(".breadcrumbs"), "app section named apart"
+    charts = page.inner_text("#jl-charts")
+    assert "no data in the last 60 minutes" in charts  # requeues: none happened
+    contention = page.locator("figure.jl-chart", has_text="Contention per family")
+    ticks = contention.locator("text.jl-tick").all_text_contents()
+    assert "0" in ticks and any("busy" in tick for tick in ticks), ticks
+    duplicates = page.locator("figure.jl-chart", has_text="Duplicates blocked")
+    ticks = duplicates.locator("text.jl-tick").all_text_contents()
+    assert "3" in ticks and any(tick.startswith("time (") for tick in ticks), ticks
+    assert any(re.fullmatch(r"\d\d:\d\d", tick) for tick in ticks), ticks
+    assert page.inner_text("#jl-shown").startswith("showing 1 of 1 active lock,")
+    footer = page.get_attribute("#jl-footer a", "href")
+    assert footer and footer.startswith("https://"), footer
+    expected = rq_job_url("default", stuck_id)
+    links = page.locator(f"#jl-stuck a.jl-job:has-text('{stuck_id}')")
+    if expected:
+        assert links.get_attribute("href") == expected
+    else:
+        assert links.count() == 0, "no django-rq page to link to on this django-rq"
+    page.goto(f"{base_url}/admin/django_joblock/idempotencyrecord/")
+    theirs = page.eval_on_selector(
+        ".breadcrumbs", "e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).padding]"
+    )
+    assert crumbs == theirs, f"breadcrumbs styled unlike the admin's own: {crumbs} vs {theirs}"
+    if expected:
+        page.goto(f"{base_url}{expected}")
+        assert stuck_id in page.content(), "the linked django-rq page shows the job"
+    page.goto(f"{base_url}/admin/django_joblock/dashboard/")
+    page.wait_for_selector("#joblock-dashboard")
+
+
+def _check_dark_and_narrow(page) -> None:  # type: ignore[no-untyped-def]
+    """Status colours readable in light and dark themes; nothing wider than a phone."""
+    for scheme in ("light", "dark"):
+        page.emulate_media(color_scheme=scheme)
+        page.reload()
+        page.wait_for_selector("#joblock-dashboard")
+        ratio = page.evaluate(CONTRAST_JS, ["#jl-locks tr.jl-health-healthy .jl-health", None])
+        assert ratio >= 4.5, f"{scheme}: healthy status contrast {ratio:.2f} < 4.5"
+        ratio = page.evaluate(CONTRAST_JS, ["#jl-alerts .jl-alert", None])
+        assert ratio >= 4.5, f"{scheme}: alert contrast {ratio:.2f} < 4.5"
+        if scheme == "dark":
+            page.screenshot(path=str(ARTIFACTS / "1b-dashboard-dark.png"), full_page=True)
+    page.emulate_media(color_scheme="light")
+    page.set_viewport_size({"width": 420, "height": 900})
+    page.reload()
+    page.wait_for_selector("#joblock-dashboard")
+    page.screenshot(path=str(ARTIFACTS / "1c-dashboard-narrow.png"), full_page=True)
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 420, f"the page is {width}px wide at a 420px viewport"
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.reload()
+    page.wait_for_selector("#joblock-dashboard")
+
+
 def test_dashboard_in_a_real_browser(live_server, rconn, settings):
     if not shutil.which(CHROMIUM):
         raise RuntimeError(f"{CHROMIUM} not found: apt-get install chromium (see .ci/run)")
@@ -53,6 +141,7 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
         assert held.acquire()
         for _ in range(25):  # contention on the held lock
             assert not lock("order:777").acquire()
+        metrics.count("duplicates_blocked", "refund", "tests.jobs.credit", 3)
         metrics.flush_now()
         assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3)
         with sync_playwright() as pw:
@@ -81,6 +170,8 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
             assert "contention" in page.inner_text("#jl-alerts")
             stuck_table = page.inner_text("#jl-stuck")
             assert stuck.id in stuck_table and "past its timeout" in stuck_table
+            _check_polish(page, live_server.url, stuck.id)
+            _check_dark_and_narrow(page)
             page.click("#jl-locks tr:has-text('order:777') a.jl-release")
             page.wait_for_selector("#jl-release")
             page.screenshot(path=str(ARTIFACTS / "2-confirm.png"), full_page=True)

@@ -384,12 +384,14 @@ def own_sigusr2() -> Iterator[list[int]]:
         signal.signal(signal.SIGUSR2, previous)
 
 
+@pytest.mark.django_db  # the job body runs in a transaction
 def test_an_inline_locked_job_restores_the_sigusr2_handler(own_sigusr2):
     seen = _inline_job(1)
     assert seen is not signal.getsignal(signal.SIGUSR2), "negative control: the job armed it"
     assert not own_sigusr2
 
 
+@pytest.mark.django_db  # the job body runs in a transaction
 def test_the_sigusr2_handler_is_restored_after_an_abort(own_sigusr2):
     with pytest.raises(LockLost, match="aborted"):
         _inline_job(2, expire=True)
