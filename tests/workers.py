@@ -46,6 +46,8 @@ class Workers:
             args.append(
                 "--simple" if command == "joblock_worker" else "--worker-class=rq.SimpleWorker"
             )
+        elif command == "rqworker":  # the django-rq way docs/jobs.md gives
+            args.append("--worker-class=django_joblock.worker.JoblockWorker")
         if scheduler:
             args.append("--with-scheduler")
         if burst:

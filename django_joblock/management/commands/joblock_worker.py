@@ -1,4 +1,4 @@
-"""``manage.py joblock_worker [queues] [--burst] [--with-scheduler] [--simple]``.
+"""``manage.py joblock_worker [queues] [--burst] [--with-scheduler] [--simple] [...]``.
 
 Runs an RQ worker with Django set up, on the queues ``@locked_job`` uses (django-rq's
 ``RQ_QUEUES`` when installed, else the ``JOBLOCK["REDIS_ALIAS"]`` connection). Use
@@ -10,6 +10,11 @@ known names (as django-rq's ``rqworker`` refuses it), never a silent queue on an
 Queues on different Redis connections cannot share one worker (RQ reads them all through one
 connection): that is an error too; start one worker per connection.
 
+It takes the common options of django-rq's ``rqworker`` under the same names
+(``--worker-class``, ``--job-class``, ``--serializer``, ``--worker-ttl``, ``--max-jobs``,
+``--max-idle-time``, ``--pid``, ``--name``, ``--burst``, ``--with-scheduler``); with django-rq
+installed, ``rqworker --worker-class django_joblock.worker.JoblockWorker`` is the equivalent.
+
 The system checks run at start without database probes (``databases=[]``): a worker must start
 while a job elsewhere holds a long transaction (on SQLite that transaction holds the database
 lock, which Django's JSON-support probe would wait for); ``manage.py check`` and ``migrate``
@@ -18,9 +23,13 @@ still probe the databases.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils.module_loading import import_string
+from rq.worker import BaseWorker
 
 from django_joblock.exceptions import JoblockConfigError
 from django_joblock.queues import get_queue, server_of
@@ -55,6 +64,26 @@ class Command(BaseCommand):
         parser.add_argument("--name", default=None, help="Worker name.")
         parser.add_argument("--max-jobs", type=int, default=None, help="Exit after this many jobs.")
         parser.add_argument(
+            "--worker-class",
+            default=None,
+            help="Dotted path of an RQ Worker class (default: "
+            "django_joblock.worker.JoblockWorker, or JoblockSimpleWorker with --simple).",
+        )
+        parser.add_argument("--job-class", default=None, help="Dotted path of an RQ Job class.")
+        parser.add_argument(
+            "--serializer", default=None, help="Dotted path of an RQ serializer (as enqueued)."
+        )
+        parser.add_argument(
+            "--worker-ttl", type=int, default=None, help="Seconds the worker's heartbeat lives."
+        )
+        parser.add_argument(
+            "--max-idle-time",
+            type=int,
+            default=None,
+            help="Exit after this many seconds without a job.",
+        )
+        parser.add_argument("--pid", default=None, help="Write the worker's pid to this file.")
+        parser.add_argument(
             "--maintenance-interval",
             type=int,
             default=None,
@@ -76,20 +105,49 @@ class Command(BaseCommand):
                 f"worker: {', '.join(f'{n} -> {s}' for n, s in servers.items())}. Start one "
                 "worker per connection."
             )
-        for option in ("max_jobs", "maintenance_interval"):
+        for option in ("max_jobs", "maintenance_interval", "worker_ttl", "max_idle_time"):
             if options[option] is not None and options[option] < 1:
                 raise CommandError(
                     f"--{option.replace('_', '-')} must be >= 1, got {options[option]}."
                 )
-        worker_class = JoblockSimpleWorker if options["simple"] else JoblockWorker
-        extra = {}
-        if options["maintenance_interval"] is not None:
-            extra["maintenance_interval"] = options["maintenance_interval"]
-        worker = worker_class(
-            queues, connection=queues[0].connection, name=options["name"], **extra
-        )
+        worker_class = self._worker_class(options["worker_class"], simple=options["simple"])
+        extra: dict[str, Any] = {
+            key: options[key]
+            for key in ("maintenance_interval", "worker_ttl", "job_class", "serializer")
+            if options[key] is not None
+        }
+        try:
+            worker = worker_class(
+                queues, connection=queues[0].connection, name=options["name"], **extra
+            )
+        except (ImportError, ValueError, TypeError) as exc:  # a bad --job-class/--serializer
+            raise CommandError(f"Cannot start the worker: {exc}") from exc
+        if options["pid"]:
+            with open(options["pid"], "w") as pid_file:
+                pid_file.write(str(os.getpid()))
         worker.work(
             burst=options["burst"],
             with_scheduler=options["with_scheduler"],
             max_jobs=options["max_jobs"],
+            max_idle_time=options["max_idle_time"],
         )
+
+    def _worker_class(self, dotted: str | None, *, simple: bool) -> Any:
+        if dotted is None:
+            return JoblockSimpleWorker if simple else JoblockWorker
+        if simple:
+            raise CommandError("--simple and --worker-class exclude each other.")
+        try:
+            found = import_string(dotted)
+        except ImportError as exc:
+            raise CommandError(f"--worker-class {dotted!r} cannot be imported: {exc}") from exc
+        if not isinstance(found, type) or not issubclass(found, BaseWorker):
+            raise CommandError(f"--worker-class {dotted!r} is not an RQ worker class (rq.worker.BaseWorker).")
+        if not issubclass(found, (JoblockWorker, JoblockSimpleWorker)):
+            # Still allowed (the user may close connections their own way), but say it.
+            sys.stderr.write(
+                f"Warning: {dotted} does not derive from django_joblock.worker.JoblockWorker: "
+                "database connections are not closed before each fork, so a work horse may "
+                "share its parent's connection.\n"
+            )
+        return found

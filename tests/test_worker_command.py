@@ -1,0 +1,95 @@
+"""``joblock_worker`` takes rqworker's common options (real worker processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from rq.job import JobStatus
+
+from tests import jobs
+from tests.workers import ROOT, Workers, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--worker-class", "no.such.Worker"], "cannot be imported"),
+        (["--worker-class", "django_joblock.conf.Range"], "not an RQ worker class"),
+        (["--worker-class", "rq.SimpleWorker", "--simple"], "exclude each other"),
+        (["--max-idle-time", "0"], "--max-idle-time must be >= 1"),
+        (["--worker-ttl", "-5"], "--worker-ttl must be >= 1"),
+    ],
+)
+def test_bad_worker_options_are_named(args, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("joblock_worker", "default", *args)
+
+
+def test_rqworker_options_run_a_real_worker(tmp_path, rconn):
+    crew = Workers()
+    try:
+        job = jobs.hold_resource.delay(5, "opts", 0.0)
+        pid_file = tmp_path / "worker.pid"
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "django",
+                "joblock_worker",
+                "default",
+                "--burst",
+                "--worker-class",
+                "django_joblock.worker.JoblockSimpleWorker",
+                "--worker-ttl",
+                "30",
+                "--max-idle-time",
+                "5",
+                "--max-jobs",
+                "1",
+                "--name",
+                "opts-worker",
+                "--pid",
+                str(pid_file),
+            ],
+            cwd=ROOT,
+            env=crew.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert wait_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 5) is JobStatus.FINISHED
+        assert job.get_meta(refresh=True)["joblock"]["outcome"] == "ran"
+        assert "Worker opts-worker" in done.stdout + done.stderr  # --name reached RQ
+        assert int(pid_file.read_text()) > 0
+        assert "does not derive" not in done.stderr
+        # A worker class of RQ's own runs too, with a warning about database connections.
+        second = jobs.hold_resource.delay(6, "plain-class", 0.0)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "django",
+                "joblock_worker",
+                "default",
+                "--burst",
+                "--worker-class",
+                "rq.SimpleWorker",
+            ],
+            cwd=ROOT,
+            env=crew.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "does not derive from django_joblock.worker.JoblockWorker" in done.stderr
+        assert second.get_status(refresh=True) is JobStatus.FINISHED
+    finally:
+        crew.stop()
