@@ -142,7 +142,9 @@ class Command(BaseCommand):
         except ImportError as exc:
             raise CommandError(f"--worker-class {dotted!r} cannot be imported: {exc}") from exc
         if not isinstance(found, type) or not issubclass(found, BaseWorker):
-            raise CommandError(f"--worker-class {dotted!r} is not an RQ worker class (rq.worker.BaseWorker).")
+            raise CommandError(
+                f"--worker-class {dotted!r} is not an RQ worker class (rq.worker.BaseWorker)."
+            )
         if not issubclass(found, (JoblockWorker, JoblockSimpleWorker)):
             # Still allowed (the user may close connections their own way), but say it.
             sys.stderr.write(
