@@ -1,4 +1,6 @@
-"""``manage.py joblock_purge [--dry-run] [--batch-size N]``: delete expired idempotency records.
+"""``manage.py joblock_purge [--dry-run] [--batch-size N] [--redis [--force]]``.
+
+Without ``--redis``: delete expired idempotency records.
 
 A record is deleted once its ``expires_at`` has passed, *except* a ``running`` claim whose
 lease is still live: deleting it would let a duplicate claim the key afresh and run alongside
@@ -7,6 +9,10 @@ the claim that is still working. It goes once its lease ends (or it finishes and
 Deletes in batches of primary keys, each in its own short transaction, so a large backlog never
 becomes one giant transaction or a long table lock. The condition is repeated in each
 ``DELETE``, so a record claimed between the read and the delete is kept.
+
+With ``--redis`` (uninstall): remove every key django-joblock wrote to Redis, under
+``JOBLOCK["KEY_PREFIX"]`` only (see :mod:`django_joblock.cleanup`). It refuses while locks are
+held (stop the workers first), unless ``--force``; ``--dry-run`` counts them by kind.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Q
 from django.utils import timezone
 
+from django_joblock import cleanup, conf
+from django_joblock.backend import REDIS_ERRORS
 from django_joblock.models import IdempotencyRecord
 
 
@@ -41,8 +49,24 @@ class Command(BaseCommand):
             help="Records deleted per statement (default 1000).",
         )
         parser.add_argument("--database", default="default")
+        parser.add_argument(
+            "--redis",
+            action="store_true",
+            help="Uninstall: remove every key django-joblock wrote to Redis (under KEY_PREFIX) "
+            "instead of idempotency records.",
+        )
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="With --redis: remove the keys even while locks are held.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["redis"]:
+            self._purge_redis(dry_run=options["dry_run"], force=options["force"])
+            return
+        if options["force"]:
+            raise CommandError("--force only goes with --redis.")
         batch = options["batch_size"]
         if batch < 1:
             raise CommandError(f"--batch-size must be >= 1, got {batch}.")
@@ -64,3 +88,21 @@ class Command(BaseCommand):
             total += deleted
             batches += 1
         self.stdout.write(f"Deleted {total} expired idempotency record(s) in {batches} batch(es).")
+
+    def _purge_redis(self, *, dry_run: bool, force: bool) -> None:
+        prefix = conf.get().KEY_PREFIX
+        try:
+            held = cleanup.held_locks()
+            if held and not force and not dry_run:
+                raise CommandError(
+                    f"{held} lock(s) are held right now (manage.py joblock_locks lists them): "
+                    "stop the workers first, or pass --force to remove their keys anyway."
+                )
+            found = cleanup.purge_redis(dry_run=dry_run)
+        except REDIS_ERRORS as exc:
+            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(found.kinds.items())) or "none"
+        if dry_run:
+            self.stdout.write(f"{found.found} key(s) under {prefix!r}: ({kinds}) would be removed.")
+        else:
+            self.stdout.write(f"Removed {found.removed} key(s) under {prefix!r}: ({kinds}).")

@@ -1,0 +1,59 @@
+"""Uninstall: ``joblock_purge --redis`` removes every key django-joblock wrote, and only those."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from django_joblock import cleanup, lock, metrics
+from django_joblock.control import force_release
+from tests.harness import wait_for
+
+pytestmark = pytest.mark.django_db
+
+
+def _ours(rconn) -> set[str]:  # type: ignore[no-untyped-def]
+    return {key.decode() for key in rconn.scan_iter(match="joblock:*")}
+
+
+def test_purge_redis_removes_every_key_of_the_app_and_nothing_else(rconn, capsys):
+    rconn.set("joblockx:not-ours", 1)  # same start, another namespace
+    rconn.set("cache:page", 1)
+    with lock("order:1", ttl=30):
+        pass  # leaves the fence counter
+    held = lock("order:2", ttl=30)
+    assert held.acquire()
+    assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3), "indexed after 0.5 s"
+    force_release("order:2", reason="uninstall test", actor="test")  # leaves an operator note
+    other = lock("tenant:7", ttl=30)
+    assert other.acquire()
+    assert wait_for(lambda: rconn.zcard("joblock:active:tenant"), 3)
+    metrics.count("duplicates_blocked", "refund", "x")
+    metrics.flush_now()
+    before = _ours(rconn)
+    assert {"joblock:{order:1}:fence", "joblock:families", "joblock:{metrics}:total"} <= before
+    assert any(key.endswith(":lock") for key in before)
+
+    with pytest.raises(CommandError, match=r"1 lock\(s\) are held right now"):
+        call_command("joblock_purge", "--redis")
+    assert _ours(rconn) == before, "refused: nothing removed"
+
+    call_command("joblock_purge", "--redis", "--dry-run")
+    assert "would be removed" in capsys.readouterr().out
+    assert _ours(rconn) == before
+
+    assert other.release()
+    assert cleanup.held_locks() == 0  # the index and families set go with the last lock
+    left = _ours(rconn)
+    assert "joblock:{metrics}:total" in left and "joblock:{order:1}:fence" in left
+    call_command("joblock_purge", "--redis")
+    out = capsys.readouterr().out
+    assert f"Removed {len(left)} key(s)" in out and "fence" in out and "metrics" in out
+    assert _ours(rconn) == set()
+    assert rconn.exists("joblockx:not-ours") and rconn.exists("cache:page")
+
+
+def test_force_only_goes_with_redis():
+    with pytest.raises(CommandError, match="--force only goes with --redis"):
+        call_command("joblock_purge", "--force")
