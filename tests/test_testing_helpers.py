@@ -1,0 +1,56 @@
+"""``django_joblock.testing``: in-process job runs with the real flow, and the held-lock check."""
+
+from __future__ import annotations
+
+import pytest
+from rq.job import JobStatus
+
+from django_joblock import lock
+from django_joblock.testing import assert_no_locks_held, no_locks_held, run_jobs
+from tests import jobs
+from tests.testapp.models import Account
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_run_jobs_applies_the_real_flow_and_replays_a_duplicate(rconn):
+    Account.objects.create(name="acct", balance=0)
+    first = jobs.credit.delay("acct", "T-1", 10)
+    again = jobs.credit.delay("acct", "T-1", 10)  # a duplicate delivery
+    with no_locks_held():
+        run = run_jobs("default")
+    assert run.statuses() == {first.id: JobStatus.FINISHED, again.id: JobStatus.FINISHED}
+    assert run.outcomes() == {first.id: "ran", again.id: "replayed"}
+    assert Account.objects.get(name="acct").balance == 10
+    assert int(rconn.get("test:effects:T-1")) == 1
+
+
+def test_a_contended_job_is_requeued_by_rq_and_run_once_the_lock_is_free(rconn):
+    outside = lock("res:1", ttl=30)
+    assert outside.acquire()
+    job = jobs.hold_resource.delay(1, "waits", 0.0)
+    run = run_jobs("default", max_rounds=3)
+    assert run.rounds == 3 and run.fast_forwarded >= 2, "requeued by RQ, fast-forwarded"
+    assert [waiting.id for waiting in run.pending] == [job.id]
+    assert run.outcomes()[job.id] == "requeued"
+    assert job.get_meta(refresh=True)["joblock"]["requeues"] >= 3
+    assert not rconn.lrange("test:started", 0, -1), "never ran while the lock was held"
+    assert outside.release()
+    run = run_jobs("default")
+    assert run.statuses() == {job.id: JobStatus.FINISHED}
+    assert run.outcomes() == {job.id: "ran"}
+    assert run.pending == []
+
+
+def test_a_lock_left_held_is_named():
+    with pytest.raises(AssertionError, match=r"1 lock\(s\) left held: forgotten:1 \(owner "):
+        with no_locks_held():
+            held = lock("forgotten:1", ttl=30)
+            held.acquire()
+    held.release()
+    assert_no_locks_held()
+
+
+def test_max_rounds_is_checked():
+    with pytest.raises(ValueError, match="max_rounds must be an int >= 1"):
+        run_jobs("default", max_rounds=0)
