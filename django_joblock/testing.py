@@ -22,7 +22,6 @@ from typing import Any
 
 from rq import SimpleWorker
 from rq.job import Job, JobStatus
-from rq.registry import ScheduledJobRegistry
 
 from .queues import get_queue
 from .renewal import renewer
@@ -66,13 +65,13 @@ class Run:
 
 
 def _waiting_ids(queue: Any) -> list[str]:
-    scheduled = ScheduledJobRegistry(queue=queue).get_job_ids()
+    scheduled = queue.scheduled_job_registry.get_job_ids()
     return [*queue.get_job_ids(), *scheduled]
 
 
 def _fast_forward(queue: Any) -> int:
     """Move the queue's scheduled jobs (requeue delays) onto the queue now."""
-    registry = ScheduledJobRegistry(queue=queue)
+    registry = queue.scheduled_job_registry
     moved = 0
     for job_id in registry.get_job_ids():
         try:
