@@ -59,13 +59,15 @@ def parse(path: Path) -> list[Block]:
     blocks: list[Block] = []
     index = 0
     while index < len(lines):
-        opening = _FENCE.match(lines[index])
+        stripped = lines[index].lstrip()
+        indent = len(lines[index]) - len(stripped)  # a block inside a list item
+        opening = _FENCE.match(stripped)
         if not opening:
             index += 1
             continue
         fence, info = opening.group(1), opening.group(2).lower()
         end = index + 1
-        while end < len(lines) and not lines[end].startswith(fence):
+        while end < len(lines) and not lines[end].lstrip().startswith(fence):
             end += 1
         language = LANGUAGES.get(info)
         if language is not None:
@@ -82,11 +84,8 @@ def parse(path: Path) -> list[Block]:
                 raise DirectiveError(f"{where}: 'docs: {action}' needs an argument")
             if action == "file" and language != "python":
                 raise DirectiveError(f"{where}: only python blocks can be files")
-            blocks.append(
-                Block(
-                    path, index + 1, language, action, argument, "\n".join(lines[index + 1 : end])
-                )
-            )
+            code = "\n".join(line[indent:] for line in lines[index + 1 : end])
+            blocks.append(Block(path, index + 1, language, action, argument, code))
         index = end + 1
     return blocks
 

@@ -39,6 +39,9 @@ def test_a_block_without_a_directive_is_refused(tmp_path):
     doc.write_text("Text.\n<!-- docs: skip an illustration -->\n```python\nprint('hi')\n```\n")
     (block,) = docblocks.parse(doc)
     assert (block.action, block.argument, block.code) == ("skip", "an illustration", "print('hi')")
+    doc.write_text("1. Step:\n\n   <!-- docs: run -->\n   ```bash\n   echo  a\n   ```\n")
+    (block,) = docblocks.parse(doc)  # inside a list item: indented, dedented for running
+    assert (block.action, block.language, block.code) == ("run", "bash", "echo  a")
 
 
 def _environment(site: Path, venv_bin: Path) -> dict[str, str]:
