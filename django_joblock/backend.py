@@ -6,9 +6,8 @@ The connection is django-redis' ``get_redis_connection(alias, write=True)`` (nev
 pool, so a capped pool is never starved; stale connections replaced before sending; one retry
 of a call whose connection failed. The renewal thread gets its *own* client on the same server
 with short socket timeouts and no client-side retries, because redis-py's defaults can block
-for about a minute on a black-holed server, far past the lock's TTL. A waiting acquire blocks
-(``BLPOP``, :func:`blocking_pop`) on a connection of its own for the length of one block, never
-on one of the pool's.
+for about a minute on a black-holed server, far past the lock's TTL. (A waiting acquire's
+``BLPOP`` has connections of its own too: see :mod:`django_joblock.waiting`.)
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import inspect
 import os
 import threading
 import weakref
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import redis
 from redis import exceptions as redis_exceptions
@@ -101,11 +101,6 @@ _NO_COMMAND_NAME = _takes_no_command_name()
 
 # Connections the lean path keeps per process and pool, besides the pool's own (see _Lean).
 LEAN_CONNECTIONS = 4
-# Longest single BLPOP of a waiting acquire (s); its connection's socket timeout is this plus
-# the pool's own socket timeout, so a block never reads as a dead server.
-MAX_BLOCK = 1.0
-# Idle blocking connections kept per process and pool for the next waiter (see _Blocking).
-IDLE_BLOCKING_CONNECTIONS = 2
 
 
 def pack(args: tuple[Any, ...] | list[Any]) -> bytes:
@@ -180,7 +175,7 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
         conn, own = lean.take(pool)
         try:
             if own and conn._sock is not None:
-                _drop_if_stale(conn)
+                drop_if_stale(conn)
             conn.send_packed_command([packed], check_health=False)
             replies = Replies()
             for _ in range(count):
@@ -203,7 +198,7 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _drop_if_stale(conn: Any) -> None:
+def drop_if_stale(conn: Any) -> None:
     """Close ``conn`` if the server closed it or it has unread bytes (it reconnects on send)."""
     try:
         stale = conn.can_read()
@@ -224,7 +219,7 @@ class _Lean:
     takes one for a single call, LIFO so a busy thread keeps a warm one). When all are busy
     it checks one out of the pool for that call, like any redis-py command.
 
-    It lives on the pool object itself (see :func:`_per_pool`), so it goes when the pool goes
+    It lives on the pool object itself (see :func:`per_pool`), so it goes when the pool goes
     (a renewal client replaced by one with a shorter timeout, say), and a new one replaces it
     after a fork: a child must never use its parent's sockets.
     """
@@ -266,94 +261,34 @@ class _Lean:
                 pass
 
 
-class _Blocking:
-    """Connections for blocking pops (``BLPOP``) to one pool's server, in this process.
+class Stash(Protocol):
+    """Connections kept per process and pool (see :func:`per_pool`)."""
 
-    A blocked ``BLPOP`` holds its connection for the whole block, so a waiting acquire never
-    uses one of the pool's connections (a few waiters would starve a capped pool and with it
-    the Django cache) nor one of the lean path's (shared by every thread's acquire and
-    release). Each blocking call takes a connection of its own, made like the pool's but with
-    a socket timeout that covers the block; up to :data:`IDLE_BLOCKING_CONNECTIONS` are kept
-    for the next waiter, the others closed. N threads waiting at once use N of them.
-    """
-
-    __slots__ = ("__weakref__", "idle", "pid")
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.idle: list[Any] = []
-
-    def take(self, pool: Any) -> Any:
-        try:
-            return self.idle.pop()
-        except IndexError:
-            kwargs = dict(pool.connection_kwargs)
-            slack = kwargs.get("socket_timeout") or 5.0
-            kwargs["socket_timeout"] = MAX_BLOCK + slack
-            return pool.connection_class(**kwargs)
-
-    def give(self, conn: Any) -> None:
-        if len(self.idle) < IDLE_BLOCKING_CONNECTIONS:
-            self.idle.append(conn)
-        else:
-            conn.disconnect()
+    pid: int
 
     def close(self) -> None:
-        for conn in list(self.idle):
-            try:
-                conn.disconnect()
-            except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
-                pass
+        """Close the idle connections' sockets."""
 
 
-def blocking_pop(client: Any, key: str, timeout: float) -> Any:
-    """``BLPOP key`` for up to ``timeout`` seconds (at most :data:`MAX_BLOCK`; at least 1 ms,
-    since 0 would block forever). The element popped, or None on timeout.
-
-    Runs on a connection of its own (see :class:`_Blocking`), never on one of the pool's. An
-    idle connection the server closed is replaced before sending; a failure raises redis-py's
-    ``ConnectionError`` / ``TimeoutError`` and the connection is closed, never reused half-read
-    (an interrupted block, e.g. by a signal handler that raises, likewise). Clients without a
-    plain connection pool (e.g. Redis Cluster) use their own ``blpop``.
-    """
-    seconds = b"%.3f" % min(max(timeout, 0.001), MAX_BLOCK)
-    pool = getattr(client, "connection_pool", None)
-    if not hasattr(pool, "connection_kwargs"):
-        popped = client.blpop([key], timeout=float(seconds))
-        return None if popped is None else popped[1]
-    blocking = _per_pool(pool, _BLOCKING_ATTRIBUTE, _Blocking)
-    conn = blocking.take(pool)
-    try:
-        if conn._sock is not None:
-            _drop_if_stale(conn)
-        conn.send_packed_command([pack(("BLPOP", key, seconds))], check_health=False)
-        reply = conn.read_response()
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        blocking.give(conn)
-    return None if reply is None else reply[1]
-
-
+_S = TypeVar("_S", bound=Stash)
 _LEAN_ATTRIBUTE = "_django_joblock_lean"
-_BLOCKING_ATTRIBUTE = "_django_joblock_blocking"
-# Every _Lean and _Blocking, to close their sockets on a settings change.
-_stashes: weakref.WeakSet[_Lean | _Blocking] = weakref.WeakSet()
+# Every stash made by per_pool, to close their sockets on a settings change.
+_stashes: weakref.WeakSet[Stash] = weakref.WeakSet()
 _stashes_guard = threading.Lock()
 
 
 def _lean(pool: Any) -> _Lean:
     """The :class:`_Lean` of ``pool`` in this process."""
-    return _per_pool(pool, _LEAN_ATTRIBUTE, _Lean)
+    return per_pool(pool, _LEAN_ATTRIBUTE, _Lean)
 
 
-_Stash = TypeVar("_Stash", _Lean, _Blocking)
+def per_pool(pool: Any, attribute: str, make: Callable[[], _S]) -> _S:
+    """The ``make()`` object stored on ``pool`` under ``attribute`` for this process.
 
-
-def _per_pool(pool: Any, attribute: str, make: type[_Stash]) -> _Stash:
-    """The ``make`` object stored on ``pool`` for this process (a new one after a fork)."""
-    found: _Stash | None = getattr(pool, attribute, None)
+    Stored on the pool, it goes when the pool goes; a new one replaces it after a fork (a
+    child must never use its parent's sockets); :func:`forget_connections` closes it.
+    """
+    found: _S | None = getattr(pool, attribute, None)
     if found is None or found.pid != os.getpid():
         with _stashes_guard:
             found = getattr(pool, attribute, None)

@@ -14,9 +14,9 @@ touches its parent's lock in Redis); leaving a ``with`` block releases the lock 
 ``contextvars`` context, and raises :class:`LockLost` if the lock had been lost and the block
 raised nothing; a ``Lock`` nobody references any more is not renewed and expires.
 
-Waiting (``wait`` > 0): a busy lock is waited for in line, in arrival order, woken by the
-release rather than by polling (see :mod:`django_joblock.waiting`); the first try costs one
-round trip as before, so an uncontended acquire (or ``wait=0``) is one round trip.
+Waiting (``wait`` > 0): a busy lock is waited for in line, in arrival order, and handed over
+by the release rather than polled for (see :mod:`django_joblock.waiting`). An uncontended
+acquire, a ``wait=0`` try and a release nobody waits for are one round trip each.
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
 (never "busy"); so does a reply that arrives after the lock's validity already ran out. A
@@ -70,10 +70,10 @@ class Lock(Holding):
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
     waits in line for a busy lock (default ``JOBLOCK["ACQUIRE_WAIT"]``, 0 = one try). With
-    ``heartbeat``
-    the process's renewal thread renews the lock every ``HEARTBEAT_INTERVAL`` (default ttl/3);
-    ``max_hold`` (s) stops renewing after that long. ``on_lost(lock, reason)`` is called (from
-    the renewal thread) when the lock is found lost. ``using`` names the django-redis cache.
+    ``heartbeat`` the process's renewal thread renews the lock every ``HEARTBEAT_INTERVAL``
+    (default ttl/3); ``max_hold`` (s) stops renewing after that long. ``on_lost(lock, reason)``
+    is called (from the renewal thread) when the lock is found lost. ``using`` names the
+    django-redis cache.
     """
 
     def __init__(
@@ -186,9 +186,9 @@ class Lock(Holding):
         """Take the lock; if it is busy, wait in line for up to ``wait`` seconds.
 
         ``wait`` defaults to this lock's wait (0: one try, one round trip). Waiters are served
-        in arrival order and woken by the release (see :mod:`django_joblock.waiting`); while
-        some wait, a free lock is theirs and a newcomer is refused. Returns False if it was
-        still busy (or reserved for earlier waiters) after ``wait`` seconds.
+        in arrival order and handed the lock by the release (see :mod:`django_joblock.waiting`);
+        while some wait, a free lock is theirs and a newcomer is refused. Returns False if it
+        was still busy (or reserved for earlier waiters) after ``wait`` seconds.
 
         Raises :class:`LockBackendUnavailable` if Redis cannot be asked, or answered only after
         the lock's validity had run out (then the lock is given back at once),
@@ -242,8 +242,9 @@ class Lock(Holding):
             if now - sent >= valid_for - drift(valid_for):
                 raise self._too_late(client, now - sent)
             self._next_ticket = turn.next_ticket
-            metrics.record_acquire(self.family, self.job_func, now - started, acquired=True)
-            self._on_acquired(reply, sent, waited=now - started, valid_for=turn.valid_for)
+            waited = now - started if wait > 0 else 0.0  # one try waits for nothing
+            metrics.record_acquire(self.family, self.job_func, waited, acquired=True)
+            self._on_acquired(reply, sent, waited=waited, valid_for=turn.valid_for)
             return True
         waited = time.monotonic() - started
         metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
