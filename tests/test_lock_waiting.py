@@ -23,7 +23,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from redis.exceptions import ResponseError
 
-from django_joblock import JoblockConfigError, lock, lua
+from django_joblock import JoblockConfigError, LockBackendUnavailable, lock, lua
 from django_joblock.keys import LockKeys
 from tests import harness
 from tests.counting import CommandCounter
@@ -225,6 +225,38 @@ def test_a_waiter_that_gives_up_or_is_interrupted_leaves_the_line(rconn):
         signal.signal(signal.SIGALRM, previous)
     assert rconn.exists(keys.queue, keys.tickets) == 0
     assert holder.release()
+
+
+def test_a_waiter_whose_redis_goes_away_raises_and_can_wait_again(server, rconn):
+    keys = _keys("restart:1")
+    holder = lock("restart:1", ttl=30)
+    assert holder.acquire()
+    waiter = lock("restart:1", ttl=30, wait=60)
+    outcome: list[object] = []
+
+    def wait_for_it() -> None:
+        try:
+            outcome.append(waiter.acquire())
+        except LockBackendUnavailable as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    assert _in_line(rconn, keys.queue, 1)
+    server.kill()
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], LockBackendUnavailable), (
+        "Redis gone while waiting is 'unavailable', never 'busy'",
+        outcome,
+    )
+    server.start()
+    # The restart (no persistence) forgot the holder's lock and the line: waiting again works.
+    assert waiter.acquire(wait=10)
+    assert waiter.fence is not None and holder.fence is not None
+    assert waiter.fence > holder.fence, "the fence still increases across the restart"
+    assert waiter.release()
+    assert not holder.release()
+    assert holder.lost
 
 
 # -- round trips and connections ---------------------------------------------------------------
