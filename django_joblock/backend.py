@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import select
 import threading
 import weakref
 from collections.abc import Callable
@@ -107,11 +108,15 @@ def pack(args: tuple[Any, ...] | list[Any]) -> bytes:
     """RESP-encode one command of str / bytes / int arguments (UTF-8 for str)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        if isinstance(arg, str):
+        # Exact-class checks first: this runs for every argument of every lock command.
+        if arg.__class__ is str:
             arg = arg.encode()
-        elif isinstance(arg, int):
-            arg = b"%d" % arg
-        parts += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+        elif arg.__class__ is not bytes:
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif isinstance(arg, int):
+                arg = b"%d" % arg
+        parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
     return b"".join(parts)
 
 
@@ -201,11 +206,35 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
 def drop_if_stale(conn: Any) -> None:
     """Close ``conn`` if the server closed it or it has unread bytes (it reconnects on send)."""
     try:
-        stale = conn.can_read()
+        stale = _readable(conn)
     except (RedisConnectionError, RedisTimeoutError, OSError):
         stale = True  # "Connection closed by server.": the command was never sent
     if stale:
         conn.disconnect()
+
+
+_POLL_ATTRIBUTE = "_django_joblock_poll"
+
+
+def _readable(conn: Any) -> bool:
+    """True when an idle connection has something to read: bytes the server sent unasked, or
+    its end of the connection (a restart, ``CLIENT KILL``, an idle timeout).
+
+    One ``poll(0)`` on the socket, with the poll object kept on the connection for as long as
+    its socket lasts: this runs before every lock command, and redis-py's ``can_read()`` costs
+    several system calls. The lean path always reads whole replies, so nothing can wait in the
+    parser's buffer; ``can_read()`` stays the fallback where ``poll`` does not exist.
+    """
+    sock = conn._sock
+    if not hasattr(select, "poll"):  # pragma: no cover - not on Linux / macOS
+        return bool(conn.can_read())
+    cached: tuple[Any, Any] | None = getattr(conn, _POLL_ATTRIBUTE, None)
+    if cached is None or cached[0] is not sock:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        cached = (sock, poller)
+        setattr(conn, _POLL_ATTRIBUTE, cached)
+    return bool(cached[1].poll(0))
 
 
 class _Lean:
