@@ -46,9 +46,10 @@ DEFAULTS: dict[str, Any] = {
     "HEARTBEAT_INTERVAL": None,  # None = LOCK_TTL / 3
     "MAX_HOLD": None,
     "ACQUIRE_WAIT": 0.0,
-    # How long a waiting acquire keeps its place in line without a sign of life: a waiter that
-    # dies (or stops) delays the line by at most this long. Waiters refresh their ticket every
-    # quarter of it (at most every second).
+    # How long a waiting acquire keeps its place in line without a sign of life, and how long a
+    # lock handed to a waiter lives until that waiter renews it: a waiter that dies (or stops)
+    # delays the line by at most this long. Waiters refresh their ticket every quarter of it
+    # (at most every second).
     "WAITER_TTL": 2.0,
     "ON_LOCK_LOST": "abort",
     "REQUEUE_BACKOFF": DEFAULT_BACKOFF,
