@@ -425,7 +425,7 @@ def main() -> int:
     parser.add_argument("--hot-procs", type=int, default=4)
     parser.add_argument("--hot-cycles", type=int, default=50)
     parser.add_argument("--hot-hold", type=float, default=0.010)
-    parser.add_argument("--hot-rounds", type=int, default=3)
+    parser.add_argument("--hot-rounds", type=int, default=5)
     parser.add_argument("--hot-child", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
