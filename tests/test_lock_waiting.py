@@ -198,6 +198,46 @@ def test_a_release_hands_the_lock_to_the_first_in_line(settings, rconn, heartbea
     assert rconn.exists(keys.lock, keys.queue, keys.tickets) == 0
 
 
+@pytest.mark.parametrize(
+    "pool_options",
+    [{"protocol": 3}, {"decode_responses": True}],
+    ids=["resp3", "decoded-replies"],
+)
+def test_waiting_works_whatever_the_reply_format(settings, rconn, pool_options):
+    """Replies come as RESP3 types, or as str instead of bytes, when the cache asks for it."""
+    settings.CACHES = {
+        **settings.CACHES,
+        "shaped": _cache(
+            # A URL of its own, so that django-redis gives this cache a pool of its own.
+            f"{harness.redis_url()}?client_name=shaped-{sorted(pool_options)[0]}",
+            CONNECTION_POOL_KWARGS=pool_options,
+        ),
+    }
+    keys = _keys("shaped:1")
+    holder = lock("shaped:1", ttl=30, using="shaped")
+    assert holder.acquire()
+    waiters = [lock("shaped:1", ttl=30, wait=60, using="shaped") for _ in range(2)]
+    got: list[int] = []
+
+    def wait(index: int) -> None:
+        if waiters[index].acquire():
+            got.append(index)
+            waiters[index].release()
+
+    threads = [threading.Thread(target=wait, args=(index,)) for index in range(2)]
+    try:
+        for index, thread in enumerate(threads):
+            thread.start()
+            assert _in_line(rconn, keys.queue, index + 1)
+        assert not lock("shaped:1", ttl=5, using="shaped").acquire()
+        assert holder.release()
+    finally:
+        for thread in threads:
+            thread.join(60)
+    assert got == [0, 1]
+    assert rconn.exists(keys.lock, keys.queue, keys.tickets) == 0
+
+
 def test_a_waiter_that_gives_up_or_is_interrupted_leaves_the_line(rconn):
     keys = _keys("leave:1")
     holder = lock("leave:1", ttl=30)
