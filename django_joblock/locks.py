@@ -224,7 +224,6 @@ class Lock(Holding):
                     self.owner,
                     args,
                     started + wait,
-                    ttl=self.ttl,
                     confirm=not self.heartbeat,
                 )
             else:

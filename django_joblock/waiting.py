@@ -1,7 +1,7 @@
 """Waiting for a busy lock: a line of tickets in arrival order, handed the lock on release.
 
 A blocking acquire (``lock(..., wait=S)``) takes the lock if it is free and nobody waits;
-otherwise it takes a *ticket* (the WAIT script of :mod:`django_joblock.lua`) and sleeps in
+otherwise it takes a *ticket* (the WAIT script of :mod:`django_joblock.scripts`) and sleeps in
 ``BLPOP`` on its own wake list until it is its turn:
 
 - **Arrival order.** The lock goes to the oldest live ticket. While tickets are in line a free
@@ -16,9 +16,9 @@ otherwise it takes a *ticket* (the WAIT script of :mod:`django_joblock.lua`) and
   script changes nothing and says who, and the release runs again with that waiter's list
   (:func:`release`); an uncontended release stays one round trip.
 - **Every block is bounded**: by the remaining wait; by a quarter of ``WAITER_TTL`` (at most
-  :data:`MAX_BLOCK`), after which the waiter refreshes its ticket; and,
-  for the first in line, by the holder's remaining TTL. A holder that dies (no release, so no
-  hand-over) frees the lock after its TTL and the first in line takes it then.
+  :data:`MAX_BLOCK`), after which the waiter refreshes its ticket; and, for the first in line,
+  by the holder's remaining TTL. A holder that dies (no release, so no hand-over) frees the
+  lock after its TTL and the first in line takes it then.
 - **A waiter never blocks the line for long.** One that gives up (its wait ran out, an
   exception, an interrupt) leaves the line at once. One that dies (SIGKILL) or stops longer than
   ``WAITER_TTL`` stops refreshing its ticket, which is dropped once expired, so it delays the line
@@ -84,18 +84,17 @@ def wait_in_line(
     args: list[Any],
     deadline: float,
     *,
-    ttl: float,
     confirm: bool,
 ) -> Turn:
     """Take the lock of ``keys``, waiting in line until the monotonic ``deadline``.
 
     ``ticket`` names this waiter in line (the lock's owner hash); ``args`` are the ACQUIRE
-    script's arguments (token, ttl in ms, fence ttl, holder details); ``ttl`` the lock's TTL in
-    seconds. A lock handed over with a shorter TTL than ``ttl`` is renewed to ``ttl`` before
-    returning when ``confirm`` (no heartbeat), else the caller's heartbeat must renew it within
-    ``Turn.valid_for``. When the wait runs out, the last try also leaves the line. Redis errors
-    propagate; anything else raised while waiting (a signal handler's exception,
-    ``KeyboardInterrupt``) leaves the line first, giving back a lock handed over meanwhile.
+    script's arguments (token, ttl in ms, fence ttl, holder details). A lock handed over with a
+    shorter TTL than its own is renewed to its TTL before returning when ``confirm`` (no
+    heartbeat), else the caller's heartbeat must renew it within ``Turn.valid_for``. When the
+    wait runs out, the last try also leaves the line. Redis errors propagate; anything else
+    raised while waiting (a signal handler's exception, ``KeyboardInterrupt``) leaves the line
+    first, giving back a lock handed over meanwhile.
     """
     waiter_ttl = conf.get().WAITER_TTL
     waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
