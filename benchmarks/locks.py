@@ -1,6 +1,7 @@
 """Acquire + release throughput and latency of django-joblock against its peers, in one run.
 
     python benchmarks/locks.py [--cycles N] [--rounds R] [--hold-locks N] [--hold-ttl S]
+                               [--hot-procs P] [--hot-cycles N] [--hot-hold S] [--hot-rounds R]
 
 Every contender does the same thing: build a lock object for one resource, acquire it without
 waiting, release it. Contenders run in interleaved rounds (A B C ... A B C ...) so that machine
@@ -8,7 +9,16 @@ noise hits them alike; cycles/s is the median over rounds, latency percentiles a
 cycle. Ratios are against the raw floor (``SET NX PX`` + ``EVALSHA`` compare-and-delete) and
 against python-redis-lock with ``auto_renewal``, measured in this same run.
 
-The second part holds many locks in one process for a few TTL periods and reports the renewal
+The second part is the hot lock: P processes (default 4) each run N cycles (default 50) of
+"acquire one resource waiting up to 60 s (TTL 10 s), work 10 ms, release", all on the same
+resource, started together. The floor is P x N x hold (2.0 s); efficiency = floor / makespan
+(first acquire to last release, one clock for all processes); each acquire's wait is timed.
+Contenders, interleaved over rounds: ours (``lock(wait=60)``: in line, woken on release),
+redis-py ``Lock(blocking_timeout=60)`` (sleep polling, its default 0.1 s sleep) and
+python-redis-lock (``blocking=True``, BLPOP on a signal the release pushes; its ``timeout`` may
+not exceed ``expire`` without auto-renewal, so it waits in TTL-long blocks).
+
+The third part holds many locks in one process for a few TTL periods and reports the renewal
 thread's round trips and CPU per TTL period.
 
 Redis: ``REDIS_URL`` (default redis://127.0.0.1:6379/0); a private redis-server on a free port is
@@ -19,6 +29,7 @@ under ``bench`` and removed afterwards.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -232,6 +243,140 @@ def throughput_table(url: str, cycles: int, rounds: int) -> dict[str, float]:
     return medians
 
 
+HOT = {
+    "ours": "django-joblock lock(wait=60)",
+    "redis-py": "redis-py Lock(blocking_timeout=60)",
+    "prl": "python-redis-lock (blocking)",
+}
+
+
+def hot_child(name: str, url: str, cycles: int, hold: float) -> None:
+    """One process of the hot-lock run: wait for ``go``, then ``cycles`` hot cycles; print JSON."""
+    import redis
+
+    setup_django(url)
+    client = redis.Redis.from_url(url)
+    if name == "ours":
+        from django_joblock import Lock
+
+        def take() -> Any:
+            held = Lock("hot:1", ttl=10, wait=60)
+            if not held.acquire():
+                raise SystemExit("ours: not acquired within 60 s")
+            return held
+
+    elif name == "redis-py":
+
+        def take() -> Any:
+            held = client.lock("bench:hot:redispy", timeout=10, blocking_timeout=60)
+            if not held.acquire():
+                raise SystemExit("redis-py: not acquired within 60 s")
+            return held
+
+    else:
+        import redis_lock
+
+        def take() -> Any:
+            held = redis_lock.Lock(client, "bench:hot:prl", expire=10)
+            if not held.acquire(blocking=True):
+                raise SystemExit("python-redis-lock: not acquired")
+            return held
+
+    take().release()  # warm: scripts loaded, connections open
+    client.incr("bench:hot:ready")
+    while not client.exists("bench:hot:go"):
+        time.sleep(0.001)
+    waits = []
+    first = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+    for _ in range(cycles):
+        t0 = time.monotonic()
+        held = take()
+        waits.append(time.monotonic() - t0)
+        time.sleep(hold)
+        held.release()
+    print(json.dumps({"start": first, "end": time.monotonic(), "waits": waits}))
+
+
+def hot_round(name: str, url: str, procs: int, cycles: int, hold: float) -> tuple[float, list]:
+    """One hot-lock run of contender ``name``: (makespan, every acquire's wait)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.delete("bench:hot:ready", "bench:hot:go")
+    command = [sys.executable, __file__, "--hot-child", name, "--url", url]
+    command += ["--hot-cycles", str(cycles), "--hot-hold", str(hold)]
+    children = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(procs)
+    ]
+    deadline = time.monotonic() + 60
+    while int(client.get("bench:hot:ready") or 0) < procs:
+        if time.monotonic() > deadline or any(child.poll() is not None for child in children):
+            for child in children:
+                child.kill()
+            raise SystemExit(f"{name}: a child did not start: {children[0].communicate()[1]}")
+        time.sleep(0.01)
+    client.set("bench:hot:go", 1)
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        if child.returncode != 0:
+            raise SystemExit(f"{name}: child failed: {err[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    makespan = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return makespan, [wait for r in results for wait in r["waits"]]
+
+
+def hot_table(url: str, procs: int, cycles: int, hold: float, rounds: int) -> None:
+    names = ["ours", "redis-py"]
+    try:
+        import redis_lock  # noqa: F401
+
+        names.append("prl")
+    except ImportError:
+        print("(python-redis-lock not installed: pip install --group bench)")
+    floor = procs * cycles * hold
+    efficiencies: dict[str, list[float]] = {name: [] for name in names}
+    makespans: dict[str, list[float]] = {name: [] for name in names}
+    waits: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            makespan, round_waits = hot_round(name, url, procs, cycles, hold)
+            makespans[name].append(makespan)
+            efficiencies[name].append(floor / makespan)
+            waits[name].extend(round_waits)
+    print(
+        f"\nhot lock: {procs} processes x {cycles} cycles of acquire(ttl=10, wait=60) + "
+        f"{hold * 1000:g} ms work + release, one resource; floor {floor:.2f} s; "
+        f"{rounds} interleaved rounds (medians of makespan and efficiency; waits over all)\n"
+    )
+    header = (
+        f"{'contender':38} {'makespan':>9} {'efficiency':>10} {'p50 wait':>9} "
+        f"{'p99 wait':>9} {'max wait':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        print(
+            f"{HOT[name]:38} {statistics.median(makespans[name]):8.2f}s "
+            f"{statistics.median(efficiencies[name]):10.3f} {pct(waits[name], 50) * 1000:7.1f}ms "
+            f"{pct(waits[name], 99) * 1000:7.1f}ms {max(waits[name]) * 1000:7.1f}ms"
+        )
+    bound = 1.5 * (procs - 1) * hold + 0.020
+    ours_p99 = pct(waits["ours"], 99)
+    print(
+        f"\nours p99 wait {ours_p99 * 1000:.1f} ms; target <= 1.5 x (P-1) x hold + 20 ms = "
+        f"{bound * 1000:.0f} ms: {'met' if ours_p99 <= bound else 'NOT met'}"
+    )
+    if "prl" in names:
+        ours_eff = statistics.median(efficiencies["ours"])
+        prl_eff = statistics.median(efficiencies["prl"])
+        print(
+            f"ours efficiency {ours_eff:.3f} vs python-redis-lock {prl_eff:.3f} (target >=): "
+            f"{'met' if ours_eff >= prl_eff else 'NOT met'}"
+        )
+
+
 def hold_many(count: int, ttl: float) -> None:
     from django_joblock import Lock
     from django_joblock.renewal import renewer
@@ -277,7 +422,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--hold-locks", type=int, default=10_000)
     parser.add_argument("--hold-ttl", type=float, default=10.0)
+    parser.add_argument("--hot-procs", type=int, default=4)
+    parser.add_argument("--hot-cycles", type=int, default=50)
+    parser.add_argument("--hot-hold", type=float, default=0.010)
+    parser.add_argument("--hot-rounds", type=int, default=5)
+    parser.add_argument("--hot-child", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hot_child:
+        hot_child(args.hot_child, args.url, args.hot_cycles, args.hot_hold)
+        return 0
     url, proc = private_redis()
     try:
         setup_django(url)
@@ -287,7 +441,10 @@ def main() -> int:
             f"Redis {redis.Redis.from_url(url).info('server')['redis_version']} at {url}; "
             f"Python {sys.version.split()[0]}; redis-py {redis.__version__}"
         )
-        throughput_table(url, args.cycles, args.rounds)
+        if args.cycles and args.rounds:
+            throughput_table(url, args.cycles, args.rounds)
+        if args.hot_rounds:
+            hot_table(url, args.hot_procs, args.hot_cycles, args.hot_hold, args.hot_rounds)
         if args.hold_locks:
             hold_many(args.hold_locks, args.hold_ttl)
     finally:

@@ -6,16 +6,19 @@ The connection is django-redis' ``get_redis_connection(alias, write=True)`` (nev
 pool, so a capped pool is never starved; stale connections replaced before sending; one retry
 of a call whose connection failed. The renewal thread gets its *own* client on the same server
 with short socket timeouts and no client-side retries, because redis-py's defaults can block
-for about a minute on a black-holed server, far past the lock's TTL.
+for about a minute on a black-holed server, far past the lock's TTL. (A waiting acquire's
+``BLPOP`` has connections of its own too: see :mod:`django_joblock.waiting`.)
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import select
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import redis
 from redis import exceptions as redis_exceptions
@@ -105,11 +108,15 @@ def pack(args: tuple[Any, ...] | list[Any]) -> bytes:
     """RESP-encode one command of str / bytes / int arguments (UTF-8 for str)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        if isinstance(arg, str):
+        # Exact-class checks first: this runs for every argument of every lock command.
+        if arg.__class__ is str:
             arg = arg.encode()
-        elif isinstance(arg, int):
-            arg = b"%d" % arg
-        parts += (b"$%d\r\n" % len(arg), arg, b"\r\n")
+        elif arg.__class__ is not bytes:
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif isinstance(arg, int):
+                arg = b"%d" % arg
+        parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
     return b"".join(parts)
 
 
@@ -173,7 +180,7 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
         conn, own = lean.take(pool)
         try:
             if own and conn._sock is not None:
-                _drop_if_stale(conn)
+                drop_if_stale(conn)
             conn.send_packed_command([packed], check_health=False)
             replies = Replies()
             for _ in range(count):
@@ -196,14 +203,38 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _drop_if_stale(conn: Any) -> None:
+def drop_if_stale(conn: Any) -> None:
     """Close ``conn`` if the server closed it or it has unread bytes (it reconnects on send)."""
     try:
-        stale = conn.can_read()
+        stale = _readable(conn)
     except (RedisConnectionError, RedisTimeoutError, OSError):
         stale = True  # "Connection closed by server.": the command was never sent
     if stale:
         conn.disconnect()
+
+
+_POLL_ATTRIBUTE = "_django_joblock_poll"
+
+
+def _readable(conn: Any) -> bool:
+    """True when an idle connection has something to read: bytes the server sent unasked, or
+    its end of the connection (a restart, ``CLIENT KILL``, an idle timeout).
+
+    One ``poll(0)`` on the socket, with the poll object kept on the connection for as long as
+    its socket lasts: this runs before every lock command, and redis-py's ``can_read()`` costs
+    several system calls. The lean path always reads whole replies, so nothing can wait in the
+    parser's buffer; ``can_read()`` stays the fallback where ``poll`` does not exist.
+    """
+    sock = conn._sock
+    if not hasattr(select, "poll"):  # pragma: no cover - not on Linux / macOS
+        return bool(conn.can_read())
+    cached: tuple[Any, Any] | None = getattr(conn, _POLL_ATTRIBUTE, None)
+    if cached is None or cached[0] is not sock:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        cached = (sock, poller)
+        setattr(conn, _POLL_ATTRIBUTE, cached)
+    return bool(cached[1].poll(0))
 
 
 class _Lean:
@@ -217,9 +248,9 @@ class _Lean:
     takes one for a single call, LIFO so a busy thread keeps a warm one). When all are busy
     it checks one out of the pool for that call, like any redis-py command.
 
-    It lives on the pool object itself, so it goes when the pool goes (a renewal client
-    replaced by one with a shorter timeout, say), and a new one replaces it after a fork: a
-    child must never use its parent's sockets.
+    It lives on the pool object itself (see :func:`per_pool`), so it goes when the pool goes
+    (a renewal client replaced by one with a shorter timeout, say), and a new one replaces it
+    after a fork: a child must never use its parent's sockets.
     """
 
     __slots__ = ("__weakref__", "guard", "idle", "made", "pid")
@@ -259,30 +290,50 @@ class _Lean:
                 pass
 
 
+class Stash(Protocol):
+    """Connections kept per process and pool (see :func:`per_pool`)."""
+
+    pid: int
+
+    def close(self) -> None:
+        """Close the idle connections' sockets."""
+
+
+_S = TypeVar("_S", bound=Stash)
 _LEAN_ATTRIBUTE = "_django_joblock_lean"
-_leans: weakref.WeakSet[_Lean] = weakref.WeakSet()  # to close them on a settings change
-_leans_guard = threading.Lock()
+# Every stash made by per_pool, to close their sockets on a settings change.
+_stashes: weakref.WeakSet[Stash] = weakref.WeakSet()
+_stashes_guard = threading.Lock()
 
 
 def _lean(pool: Any) -> _Lean:
     """The :class:`_Lean` of ``pool`` in this process."""
-    found: _Lean | None = getattr(pool, _LEAN_ATTRIBUTE, None)
+    return per_pool(pool, _LEAN_ATTRIBUTE, _Lean)
+
+
+def per_pool(pool: Any, attribute: str, make: Callable[[], _S]) -> _S:
+    """The ``make()`` object stored on ``pool`` under ``attribute`` for this process.
+
+    Stored on the pool, it goes when the pool goes; a new one replaces it after a fork (a
+    child must never use its parent's sockets); :func:`forget_connections` closes it.
+    """
+    found: _S | None = getattr(pool, attribute, None)
     if found is None or found.pid != os.getpid():
-        with _leans_guard:
-            found = getattr(pool, _LEAN_ATTRIBUTE, None)
+        with _stashes_guard:
+            found = getattr(pool, attribute, None)
             if found is None or found.pid != os.getpid():
-                found = _Lean()
-                setattr(pool, _LEAN_ATTRIBUTE, found)
-                _leans.add(found)
+                found = make()
+                setattr(pool, attribute, found)
+                _stashes.add(found)
     return found
 
 
 def _forget_lean_connections() -> None:
-    with _leans_guard:
-        leans = list(_leans)
-    for lean in leans:
-        if lean.pid == os.getpid():
-            lean.close()
+    with _stashes_guard:
+        stashes = list(_stashes)
+    for stash in stashes:
+        if stash.pid == os.getpid():
+            stash.close()
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -46,6 +46,11 @@ DEFAULTS: dict[str, Any] = {
     "HEARTBEAT_INTERVAL": None,  # None = LOCK_TTL / 3
     "MAX_HOLD": None,
     "ACQUIRE_WAIT": 0.0,
+    # How long a waiting acquire keeps its place in line without a sign of life, and how long a
+    # lock handed to a waiter lives until that waiter renews it: a waiter that dies (or stops)
+    # delays the line by at most this long. Waiters refresh their ticket every quarter of it
+    # (at most every second).
+    "WAITER_TTL": 2.0,
     "ON_LOCK_LOST": "abort",
     "REQUEUE_BACKOFF": DEFAULT_BACKOFF,
     "REQUEUE_MAX_WAIT": 3600.0,
@@ -111,6 +116,7 @@ WAIT_RANGE = Range(0.0, MAX_DURATION)
 HOLD_RANGE = Range(0.0, MAX_DURATION, open_low=True)
 MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
 LEASE_RANGE = Range(0.01, MAX_TTL)
+WAITER_TTL_RANGE = Range(0.1, 3600.0)
 
 # Top-level numbers; None is also allowed for the keys in _OPTIONAL.
 _NUMBERS: dict[str, Range] = {
@@ -118,6 +124,7 @@ _NUMBERS: dict[str, Range] = {
     "HEARTBEAT_INTERVAL": Range(0.001, MAX_TTL),
     "MAX_HOLD": HOLD_RANGE,
     "ACQUIRE_WAIT": WAIT_RANGE,
+    "WAITER_TTL": WAITER_TTL_RANGE,
     "REQUEUE_MAX_WAIT": WAIT_RANGE,
     "IDEMPOTENCY_TTL": Range(1.0, 10 * 365 * DAY),
     "IDEMPOTENCY_LEASE": LEASE_RANGE,
@@ -162,6 +169,7 @@ class JoblockSettings:
     HEARTBEAT_INTERVAL: float | None
     MAX_HOLD: float | None
     ACQUIRE_WAIT: float
+    WAITER_TTL: float
     ON_LOCK_LOST: str
     REQUEUE_BACKOFF: dict[str, float]
     REQUEUE_MAX_WAIT: float

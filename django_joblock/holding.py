@@ -66,12 +66,17 @@ class Holding:
         self._hold_until = math.inf
         self._owner = ("", "")
 
-    def _begin(self, fence: int, sent: float) -> None:
-        """Record an acquisition confirmed by Redis, sent at monotonic time ``sent``."""
+    def _begin(self, fence: int, sent: float, *, valid_for: float | None = None) -> None:
+        """Record an acquisition confirmed by Redis, sent at monotonic time ``sent``.
+
+        ``valid_for``: seconds the lock was set for, when not its TTL (a lock handed over by
+        a release lives a shorter hand-over TTL until its first renewal).
+        """
+        valid_for = self.ttl if valid_for is None else valid_for
         self.fence = fence
         self.acquired_at = sent
         self.pid = os.getpid()
-        self._valid_until = sent + self.ttl - drift(self.ttl)
+        self._valid_until = sent + valid_for - drift(valid_for)
         self._hold_until = math.inf if self.max_hold is None else sent + self.max_hold
         self.lost_reason = ""
         self.state = LockState.HELD

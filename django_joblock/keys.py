@@ -9,11 +9,16 @@ Key layout (``P`` = ``JOBLOCK["KEY_PREFIX"]``)::
 
     P:{order:123}:lock      HASH   the lock: token, fence, holder details (TTL = lock TTL)
     P:{order:123}:fence     STRING last fence issued for the resource (expires after a day)
+    P:{order:123}:queue     ZSET   tickets of waiting acquires, score = arrival order
+    P:{order:123}:tickets   HASH   ticket -> its expiry (server ms) and the lock's details,
+                                   packed (MessagePack), for a release to hand the lock over
+    P:{order:123}:wake:T    LIST   "fence next": pushed when the lock is handed to ticket T,
+                                   whose waiter blocks on it (BLPOP)
     P:active:order          ZSET   active-lock index of a family: member "resource#owner",
                                    score = expiry in Unix ms (a hint; readers prune and verify)
     P:families              SET    families that ever held a lock
 
-The braces are a Redis Cluster hash tag: both keys a script touches hash to the same slot.
+The braces are a Redis Cluster hash tag: every key a script touches hashes to the same slot.
 Resources cannot contain braces, so a resource can never break out of its tag.
 """
 
@@ -72,6 +77,18 @@ class LockKeys:
     @property
     def fence(self) -> str:
         return f"{self.prefix}:{{{self.resource}}}:fence"
+
+    @property
+    def queue(self) -> str:
+        return f"{self.prefix}:{{{self.resource}}}:queue"
+
+    @property
+    def tickets(self) -> str:
+        return f"{self.prefix}:{{{self.resource}}}:tickets"
+
+    def wake(self, ticket: str) -> str:
+        """The list the waiter holding ``ticket`` blocks on (pushed when handed the lock)."""
+        return f"{self.prefix}:{{{self.resource}}}:wake:{ticket}"
 
     @property
     def family(self) -> str:

@@ -14,6 +14,10 @@ touches its parent's lock in Redis); leaving a ``with`` block releases the lock 
 ``contextvars`` context, and raises :class:`LockLost` if the lock had been lost and the block
 raised nothing; a ``Lock`` nobody references any more is not renewed and expires.
 
+Waiting (``wait`` > 0): a busy lock is waited for in line, in arrival order, and handed over
+by the release rather than polled for (see :mod:`django_joblock.waiting`). An uncontended
+acquire, a ``wait=0`` try and a release nobody waits for are one round trip each.
+
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
 (never "busy"); so does a reply that arrives after the lock's validity already ran out. A
 connection that fails mid-call is retried once: the acquire script recognises its own token,
@@ -23,6 +27,7 @@ so an acquire whose first reply was lost gets the same lock and fence back.
 from __future__ import annotations
 
 import contextvars
+import math
 import os
 import secrets
 import time
@@ -30,9 +35,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from . import conf, lua, metrics
+from . import conf, lua, metrics, waiting
 from .backend import REDIS_ERRORS, connection, execute, unavailable
-from .backoff import full_jitter
 from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from .holders import holder_details, job_context
 from .holding import Holding, LockState, drift
@@ -40,8 +44,6 @@ from .keys import LockKeys, index_member, validate_resource
 from .logs import log_lock, logger
 from .signals import lock_acquired, lock_contended, lock_released
 
-# Blocking acquire: first retry after <= 5 ms, doubling, never more than 0.5 s between tries.
-ACQUIRE_BACKOFF = {"base": 0.005, "factor": 2.0, "cap": 0.5}
 # Constant script argument, encoded once (redis-py passes bytes through untouched).
 _FENCE_TTL = str(lua.FENCE_COUNTER_TTL_MS).encode()
 # Kept under its old name for the modules that record the running job with their writes.
@@ -67,10 +69,11 @@ class Lock(Holding):
     """A lock on one resource. Use as a context manager or call acquire/release yourself.
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
-    retries a busy lock (default ``JOBLOCK["ACQUIRE_WAIT"]``, 0 = one try). With ``heartbeat``
-    the process's renewal thread renews the lock every ``HEARTBEAT_INTERVAL`` (default ttl/3);
-    ``max_hold`` (s) stops renewing after that long. ``on_lost(lock, reason)`` is called (from
-    the renewal thread) when the lock is found lost. ``using`` names the django-redis cache.
+    waits in line for a busy lock (default ``JOBLOCK["ACQUIRE_WAIT"]``, 0 = one try). With
+    ``heartbeat`` the process's renewal thread renews the lock every ``HEARTBEAT_INTERVAL``
+    (default ttl/3); ``max_hold`` (s) stops renewing after that long. ``on_lost(lock, reason)``
+    is called (from the renewal thread) when the lock is found lost. ``using`` names the
+    django-redis cache.
     """
 
     def __init__(
@@ -101,7 +104,12 @@ class Lock(Holding):
         self.heartbeat_interval: float = settings.heartbeat_interval(self.ttl)
         self.on_lost: OnLost | None = on_lost
         self.alias: str = using or settings.REDIS_ALIAS
-        keys = LockKeys(settings.KEY_PREFIX, self.resource)
+        keys = self._keys = LockKeys(settings.KEY_PREFIX, self.resource)
+        # ACQUIRE's keys, built once: a newcomer's one try respects the waiters in line.
+        self._acquire_keys = waiting.release_keys(keys)  # the same four keys
+        # The ticket first in line behind this holder when it got the lock: its release hands
+        # the lock to it in one round trip (see waiting.release).
+        self._next_ticket = ""
         self.key: str = keys.lock
         self.fence_key: str = keys.fence
         self.family: str = keys.family
@@ -175,14 +183,18 @@ class Lock(Holding):
         return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
 
     def acquire(self, wait: float | None = None) -> bool:
-        """Take the lock, retrying a busy lock with exponential backoff + full jitter.
+        """Take the lock; if it is busy, wait in line for up to ``wait`` seconds.
 
-        Returns False if it was still busy after ``wait`` seconds (default: this lock's wait).
+        ``wait`` defaults to this lock's wait (0: one try, one round trip). Waiters are served
+        in arrival order and handed the lock by the release (see :mod:`django_joblock.waiting`);
+        while some wait, a free lock is theirs and a newcomer is refused. Returns False if it
+        was still busy (or reserved for earlier waiters) after ``wait`` seconds.
+
         Raises :class:`LockBackendUnavailable` if Redis cannot be asked, or answered only after
         the lock's validity had run out (then the lock is given back at once),
         :class:`LockError` if this object already holds the lock. A failed call can simply be
-        repeated: the same object keeps its token until it acquires, and the script hands an
-        acquisition whose reply was lost back to its own token.
+        repeated: the same object keeps its token (and its place in line) until it acquires,
+        and the scripts hand an acquisition whose reply was lost back to its own token.
         """
         if self.state in (LockState.HELD, LockState.SUSPECT) and not self._foreign():
             raise LockError(
@@ -204,43 +216,46 @@ class Lock(Holding):
         args = [self.token, self.ttl_ms, _FENCE_TTL, *details]
         client = self._client()
         started = time.monotonic()
-        deadline = started + wait
-        attempt = 0
-        while True:
-            sent = time.monotonic()
-            try:
-                reply = lua.run(client, lua.ACQUIRE_SHA, [self.key, self.fence_key], args)
-            except REDIS_ERRORS as exc:
-                metrics.count("acquire_attempts", self.family, self.job_func)
-                metrics.count("acquire_errors", self.family, self.job_func)
-                raise self._unavailable(exc, "acquire the lock") from exc
-            if reply > 0:
-                late = time.monotonic() - sent
-                if late >= self.ttl - drift(self.ttl):
-                    raise self._too_late(client, late)
-                metrics.record_acquire(self.family, self.job_func, sent - started, acquired=True)
-                self._on_acquired(reply, sent, waited=sent - started)
-                return True
-            now = time.monotonic()
-            if now >= deadline:
-                metrics.record_acquire(self.family, self.job_func, now - started, acquired=False)
-                lock_contended.send(sender=Lock, lock=self, waited=now - started)
-                log_lock(
-                    20,
-                    "contended",
-                    self,
-                    "lock busy",
-                    reason=f"held, pttl={lua.busy_pttl_ms(reply)}ms",
+        try:
+            if wait > 0:
+                turn = waiting.wait_in_line(
+                    client,
+                    self._keys,
+                    self.owner,
+                    args,
+                    started + wait,
+                    confirm=not self.heartbeat,
                 )
-                return False
-            delay = full_jitter(
-                attempt,
-                base=ACQUIRE_BACKOFF["base"],
-                factor=ACQUIRE_BACKOFF["factor"],
-                cap=ACQUIRE_BACKOFF["cap"],
-            )
-            time.sleep(min(delay, deadline - now))
-            attempt += 1
+            else:
+                turn = waiting.Turn(
+                    lua.run(client, lua.ACQUIRE_SHA, self._acquire_keys, args), started, None, ""
+                )
+        except REDIS_ERRORS as exc:
+            metrics.count("acquire_attempts", self.family, self.job_func)
+            metrics.count("acquire_errors", self.family, self.job_func)
+            raise self._unavailable(exc, "acquire the lock") from exc
+        reply, sent = turn.reply, turn.sent
+        if reply > 0:
+            now = time.monotonic()
+            valid_for = self.ttl if turn.valid_for is None else turn.valid_for
+            if now - sent >= valid_for - drift(valid_for):
+                raise self._too_late(client, now - sent)
+            self._next_ticket = turn.next_ticket
+            waited = now - started if wait > 0 else 0.0  # one try waits for nothing
+            metrics.record_acquire(self.family, self.job_func, waited, acquired=True)
+            self._on_acquired(reply, sent, waited=waited, valid_for=turn.valid_for)
+            return True
+        waited = time.monotonic() - started
+        metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
+        lock_contended.send(sender=Lock, lock=self, waited=waited)
+        log_lock(
+            20,
+            "contended",
+            self,
+            "lock busy",
+            reason=f"held, pttl={lua.busy_pttl_ms(reply)}ms",
+        )
+        return False
 
     def _too_late(self, client: Any, took: float) -> LockBackendUnavailable:
         """The error for an acquire whose reply came after the lock's validity ran out.
@@ -251,7 +266,7 @@ class Lock(Holding):
         metrics.count("acquire_attempts", self.family, self.job_func)
         metrics.count("acquire_errors", self.family, self.job_func)
         try:
-            lua.run(client, lua.RELEASE_SHA, [self.key], [self.token])
+            waiting.release(client, self._keys, self.token, "", [])
         except REDIS_ERRORS:
             pass  # it expires on its own within moments
         return LockBackendUnavailable(
@@ -262,11 +277,13 @@ class Lock(Holding):
             owner=self.owner,
         )
 
-    def _on_acquired(self, fence: int, sent: float, *, waited: float) -> None:
+    def _on_acquired(
+        self, fence: int, sent: float, *, waited: float, valid_for: float | None
+    ) -> None:
         from .renewal import renewer
 
-        self._begin(fence, sent)
-        renewer().add(self)
+        self._begin(fence, sent, valid_for=valid_for)
+        renewer().add(self, renew_within=math.inf if valid_for is None else valid_for / 3)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
         log_lock(10, "acquired", self, "lock acquired")
 
@@ -330,15 +347,18 @@ class Lock(Holding):
         if pending:
             also.append(metrics.recorder().command(pending))
         try:
-            code, retried = lua.release(self._client(), self.key, self.token, also)
+            code, retried = waiting.release(
+                self._client(), self._keys, self.token, self._next_ticket, also, self._acquire_keys
+            )
         except REDIS_ERRORS as exc:
             self.state = LockState.RELEASED
             if pending:
                 metrics.recorder().restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        # A release sent twice (its connection failed after sending) finds the lock gone when
-        # the first one ran; that is our own release if the lock was still valid when sent.
-        released = code is lua.Outcome.OK or (code is lua.Outcome.GONE and retried and valid)
+        # A release sent twice (its connection failed after sending) finds the lock gone, or
+        # handed to a waiter, when the first one ran; that is our own release if the lock was
+        # still valid when sent.
+        released = code is lua.Outcome.OK or (retried and valid)
         if not released and self.state is not LockState.LOST:
             keeper.declare_lost(self, code.reason)
         self.state = LockState.RELEASED

@@ -78,8 +78,10 @@ class Renewer:
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
-    def add(self, held: Lock) -> None:
-        """Start keeping ``held`` (just acquired)."""
+    def add(self, held: Lock, *, renew_within: float = math.inf) -> None:
+        """Start keeping ``held`` (just acquired); renew it first within ``renew_within``
+        seconds if that is sooner than its interval (a lock handed over by a release is valid
+        for less than its TTL until renewed)."""
         now = time.monotonic()
         interval = held.heartbeat_interval
         entry: _Entry = Entry(
@@ -91,7 +93,7 @@ class Renewer:
             index_key=held.index_key,
             ttl_ms=held.ttl_ms,
             interval=interval,
-            renew_due=now + interval if held.heartbeat else math.inf,
+            renew_due=now + min(interval, renew_within) if held.heartbeat else math.inf,
             index_due=now + INDEX_DELAY,
         )
         with self._cond:

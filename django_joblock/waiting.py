@@ -1,0 +1,273 @@
+"""Waiting for a busy lock: a line of tickets in arrival order, handed the lock on release.
+
+A blocking acquire (``lock(..., wait=S)``) takes the lock if it is free and nobody waits;
+otherwise it takes a *ticket* (the WAIT script of :mod:`django_joblock.scripts`) and sleeps in
+``BLPOP`` on its own wake list until it is its turn:
+
+- **Arrival order.** The lock goes to the oldest live ticket. While tickets are in line a free
+  lock is theirs: a newcomer, even with ``wait=0``, is refused and joins the end of the line.
+  A waiter's wait is therefore bounded by the work of those ahead of it.
+- **Handed over, not polled for.** The release script gives the lock straight to the first
+  live ticket (written with that waiter's token and details, with a fresh fence) and pushes
+  "fence, next ticket" to that waiter's wake list: the waiter wakes holding the lock, with no
+  round trip of its own, and a release wakes exactly one waiter. A release names the wake list
+  in its KEYS, so the releaser must know who is first: the ticket behind it when it got the
+  lock (returned by WAIT and by the hand-over). When someone else is first by then, the release
+  script changes nothing and says who, and the release runs again with that waiter's list
+  (:func:`release`); an uncontended release stays one round trip.
+- **Every block is bounded**: by the remaining wait; by a quarter of ``WAITER_TTL`` (at most
+  :data:`MAX_BLOCK`), after which the waiter refreshes its ticket; and, for the first in line,
+  by the holder's remaining TTL. A holder that dies (no release, so no hand-over) frees the
+  lock after its TTL and the first in line takes it then.
+- **A waiter never blocks the line for long.** One that gives up (its wait ran out, an
+  exception, an interrupt) leaves the line at once. One that dies (SIGKILL) or stops longer than
+  ``WAITER_TTL`` stops refreshing its ticket, which is dropped once expired, so it delays the line
+  by at most ``WAITER_TTL``. If the lock was handed to it meanwhile, it was handed over with a
+  TTL of at most ``WAITER_TTL`` (``hand_ttl``), so the same bound holds; a waiter that is alive
+  renews it to its full TTL (the renewal thread, soon after; without heartbeat, before
+  ``acquire()`` returns).
+
+The validity of a lock handed over counts, conservatively, from the send time of the waiter's
+last WAIT call: WAIT empties the wake list, so whatever is popped after it was pushed by a
+hand-over that ran after it.
+
+Failure modes: Redis unavailable raises (redis-py's errors, mapped by the caller). The ticket
+then stays until it expires, and the same ``Lock`` calling ``acquire()`` again keeps its place
+(its ticket is its owner hash, stable until it acquires) or finds the lock already handed to
+it. A wake-up cannot be lost to a releaser that dies: the hand-over is done by the release
+script itself, atomically with the release.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, NamedTuple
+
+from . import conf, lua
+from .backend import REDIS_ERRORS, drop_if_stale, pack, per_pool
+from .keys import LockKeys
+
+# Longest single BLPOP of a waiting acquire (s); its connection's socket timeout is this plus
+# the pool's own socket timeout, so a block never reads as a dead server.
+MAX_BLOCK = 1.0
+# Idle blocking connections kept per process and pool for the next waiter (see _Blocking).
+IDLE_BLOCKING_CONNECTIONS = 2
+_BLOCKING_ATTRIBUTE = "_django_joblock_blocking"
+# Encoded once: the WAIT script's last argument.
+_LAST, _NOT_LAST = b"1", b"0"
+# A release finding someone unexpected first in line asks again at most this many times (each
+# time the line changed under it), then releases without handing over: the first in line
+# then notices within a quarter of WAITER_TTL.
+HAND_OVER_TRIES = 3
+
+
+class Turn(NamedTuple):
+    """What :func:`wait_in_line` ended with.
+
+    ``reply``: the fence (> 0) when acquired, else ACQUIRE's "busy" code (-1 - holder's PTTL in
+    ms). ``sent``: monotonic send time of the call from which the lock's validity counts.
+    ``valid_for``: seconds of validity from ``sent`` (the hand-over TTL), or None for the
+    lock's full TTL. ``next_ticket``: who was first in line behind this holder ("" if nobody).
+    """
+
+    reply: int
+    sent: float
+    valid_for: float | None
+    next_ticket: str
+
+
+def wait_in_line(
+    client: Any,
+    keys: LockKeys,
+    ticket: str,
+    args: list[Any],
+    deadline: float,
+    *,
+    confirm: bool,
+) -> Turn:
+    """Take the lock of ``keys``, waiting in line until the monotonic ``deadline``.
+
+    ``ticket`` names this waiter in line (the lock's owner hash); ``args`` are the ACQUIRE
+    script's arguments (token, ttl in ms, fence ttl, holder details). A lock handed over with a
+    shorter TTL than its own is renewed to its TTL before returning when ``confirm`` (no
+    heartbeat), else the caller's heartbeat must renew it within ``Turn.valid_for``. When the
+    wait runs out, the last try also leaves the line. Redis errors propagate; anything else
+    raised while waiting (a signal handler's exception, ``KeyboardInterrupt``) leaves the line
+    first, giving back a lock handed over meanwhile.
+    """
+    waiter_ttl = conf.get().WAITER_TTL
+    waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
+    hand_ttl_ms = min(int(args[1]), waiter_ttl_ms)
+    refresh = min(waiter_ttl / 4, MAX_BLOCK)
+    wake = keys.wake(ticket)
+    script_keys = [keys.lock, keys.fence, keys.queue, keys.tickets, wake]
+    script_args = [*args, ticket, waiter_ttl_ms, hand_ttl_ms]
+    failed_blocks = 0
+    try:
+        while True:
+            sent = time.monotonic()
+            last = sent >= deadline
+            fence, pttl_ms, place = lua.run(
+                client, lua.WAIT_SHA, script_keys, [*script_args, _LAST if last else _NOT_LAST]
+            )
+            if fence > 0:
+                return Turn(int(fence), sent, None, _text(place))
+            if last:
+                return Turn(-1 - int(pttl_ms), sent, None, "")
+            now = time.monotonic()
+            if now >= deadline:
+                continue  # one last try, which also leaves the line
+            block = min(deadline - now, refresh)
+            if place == 0:  # first in line: the holder's TTL may run out before a hand-over
+                block = min(block, int(pttl_ms) / 1000 + 0.001)
+            try:
+                element = blocking_pop(client, wake, block)
+                failed_blocks = 0
+            except REDIS_ERRORS:
+                # The connection failed while blocked (a restart, say): the next WAIT tells
+                # whether Redis is back (and finds a lock handed over meanwhile). Twice in a
+                # row while WAIT works: give up.
+                failed_blocks += 1
+                if failed_blocks > 1:
+                    raise
+                continue
+            if element is None:
+                continue
+            fence_s, _, after = _text(element).partition(" ")
+            short = hand_ttl_ms < int(args[1])
+            valid_for = hand_ttl_ms / 1000
+            # Renew it here when no heartbeat will, or when this process woke so late that
+            # half the hand-over's validity is gone (then it would not be safe to use as is).
+            if (short and confirm) or time.monotonic() - sent >= valid_for / 2:
+                renewed = time.monotonic()
+                code = lua.run(client, lua.RENEW_SHA, [keys.lock], [args[0], args[1]])
+                if code != lua.Outcome.OK:
+                    continue  # it ran out before we could renew it: wait on
+                return Turn(int(fence_s), renewed, None, after)
+            return Turn(int(fence_s), sent, valid_for if short else None, after)
+    except REDIS_ERRORS:
+        raise  # the ticket expires on its own; a retry by the same Lock keeps the place
+    except BaseException:
+        _leave(client, keys, ticket, args[0])
+        raise
+
+
+def _leave(client: Any, keys: LockKeys, ticket: str, token: str) -> None:
+    """Leave the line now (best effort: a ticket left behind expires after ``WAITER_TTL``)."""
+    try:
+        lua.run(
+            client,
+            lua.LEAVE_SHA,
+            [keys.lock, keys.queue, keys.tickets, keys.wake(ticket)],
+            [token, ticket],
+        )
+    except REDIS_ERRORS:
+        pass  # Redis gone: the ticket expires on its own
+
+
+def release_keys(keys: LockKeys) -> list[str]:
+    """The keys of every release of ``keys``' lock (before the wake list): build them once."""
+    return [keys.lock, keys.fence, keys.queue, keys.tickets]
+
+
+def release(
+    client: Any,
+    keys: LockKeys,
+    token: str,
+    expected: str,
+    also: list[list[Any]],
+    base: list[str] | None = None,
+) -> tuple[lua.Outcome, bool]:
+    """Release the lock held with ``token``, handing it to the first live ticket in line.
+
+    ``expected`` is the ticket the holder believes first in line ("" if none known); ``also``
+    are commands sent in the first round trip; ``base`` is :func:`release_keys`, if kept.
+    Returns the outcome and whether its round trip was sent twice (see
+    :func:`django_joblock.lua.release`). One round trip when nobody waits or ``expected`` is
+    right; one more each time the line changed under it.
+    """
+    base = release_keys(keys) if base is None else base
+    for _ in range(HAND_OVER_TRIES):
+        wake = [keys.wake(expected)] if expected else []
+        reply, retried = lua.release(client, base + wake, [token, expected], also)
+        also = []
+        if not isinstance(reply, (bytes, str)):
+            return lua.Outcome(reply), retried
+        expected = _text(reply)
+    reply, retried = lua.release(client, [keys.lock], [token], [])
+    return lua.Outcome(reply), retried
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _Blocking:
+    """Connections for blocking pops (``BLPOP``) to one pool's server, in this process.
+
+    A blocked ``BLPOP`` holds its connection for the whole block, so a waiting acquire never
+    uses one of the pool's connections (a few waiters would starve a capped pool and with it
+    the Django cache) nor one of the lean path's (shared by every thread's acquire and
+    release). Each blocking call takes a connection of its own, made like the pool's but with
+    a socket timeout that covers the block; up to :data:`IDLE_BLOCKING_CONNECTIONS` are kept
+    for the next waiter, the others closed. N threads waiting at once use N of them.
+    """
+
+    __slots__ = ("__weakref__", "idle", "pid")
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.idle: list[Any] = []
+
+    def take(self, pool: Any) -> Any:
+        try:
+            return self.idle.pop()
+        except IndexError:
+            kwargs = dict(pool.connection_kwargs)
+            slack = kwargs.get("socket_timeout") or 5.0
+            kwargs["socket_timeout"] = MAX_BLOCK + slack
+            return pool.connection_class(**kwargs)
+
+    def give(self, conn: Any) -> None:
+        if len(self.idle) < IDLE_BLOCKING_CONNECTIONS:
+            self.idle.append(conn)
+        else:
+            conn.disconnect()
+
+    def close(self) -> None:
+        for conn in list(self.idle):
+            try:
+                conn.disconnect()
+            except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
+                pass
+
+
+def blocking_pop(client: Any, key: str, timeout: float) -> Any:
+    """``BLPOP key`` for up to ``timeout`` seconds (at most :data:`MAX_BLOCK`; at least 1 ms,
+    since 0 would block forever). The element popped, or None on timeout.
+
+    Runs on a connection of its own (see :class:`_Blocking`), never on one of the pool's. An
+    idle connection the server closed is replaced before sending; a failure raises redis-py's
+    ``ConnectionError`` / ``TimeoutError`` and the connection is closed, never reused half-read
+    (an interrupted block, e.g. by a signal handler that raises, likewise). Clients without a
+    plain connection pool (e.g. Redis Cluster) use their own ``blpop``.
+    """
+    seconds = b"%.3f" % min(max(timeout, 0.001), MAX_BLOCK)
+    pool = getattr(client, "connection_pool", None)
+    if not hasattr(pool, "connection_kwargs"):
+        popped = client.blpop([key], timeout=float(seconds))
+        return None if popped is None else popped[1]
+    blocking = per_pool(pool, _BLOCKING_ATTRIBUTE, _Blocking)
+    conn = blocking.take(pool)
+    try:
+        if conn._sock is not None:
+            drop_if_stale(conn)
+        conn.send_packed_command([pack(("BLPOP", key, seconds))], check_health=False)
+        reply = conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        blocking.give(conn)
+    return None if reply is None else reply[1]
