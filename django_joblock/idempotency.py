@@ -41,13 +41,14 @@ and ``IntegrityError`` for step 1 (one more statement).
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from django.db import IntegrityError, connections, router, transaction
+from django.db import DatabaseError, connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -63,10 +64,11 @@ from .idempotency_inputs import (
     MAX_SCOPE_LENGTH,
     check_result,
     fingerprint_of,
+    key_family,
     validate_key,
     validate_scope,
 )
-from .keys import family
+from .idempotency_store import bounded_wait, insert, insert_or_read
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -75,13 +77,16 @@ __all__ = [
     "Claim",
     "check_result",
     "claim",
+    "claim_in_transaction",
     "fingerprint_of",
     "idempotent",
+    "record_failure",
     "validate_key",
     "validate_scope",
 ]
 
 _TAKEOVER_TRIES = 5
+logger = logging.getLogger("django_joblock")
 
 
 def _model() -> Any:
@@ -272,25 +277,9 @@ def claim(spec: idempotent) -> Claim:
         "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
     }
     for _ in range(_TAKEOVER_TRIES):
-        record_id = _insert(model, spec.using, values)
+        record_id, row = insert_or_read(model, spec.using, values)
         if record_id is not None:
             return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
-        row = (
-            model.objects.using(spec.using)
-            .filter(scope=spec.scope, key=spec.key)
-            .values(
-                "id",
-                "status",
-                "fingerprint",
-                "owner",
-                "attempts",
-                "lease_expires_at",
-                "result",
-                "fence",
-                "lock_resource",
-            )
-            .first()
-        )
         if row is None:
             continue  # purged in between: insert again
         if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
@@ -314,7 +303,7 @@ def claim(spec: idempotent) -> Claim:
                 result=row["result"],
             )
             duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
-            metrics.count("duplicates_blocked", family(spec.key), _job_func())
+            metrics.count("duplicates_blocked", key_family(spec.key), _job_func())
             return done
         now = timezone.now()
         lease_until: datetime | None = row["lease_expires_at"]
@@ -375,29 +364,61 @@ def claim(spec: idempotent) -> Claim:
     )
 
 
-def _insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
-    """Insert the row unless (scope, key) exists; its id, or None on conflict."""
-    connection = connections[using]
-    if connection.vendor not in ("postgresql", "sqlite"):
-        try:
-            with transaction.atomic(using=using):
-                return int(model.objects.using(using).create(**values).pk)
-        except IntegrityError:
-            return None
-    meta = model._meta
-    quote = connection.ops.quote_name
-    columns, params = [], []
-    for name, value in values.items():
-        model_field = meta.get_field(name)
-        columns.append(quote(model_field.column))
-        params.append(model_field.get_db_prep_save(value, connection))
-    conflict = ", ".join(quote(meta.get_field(f).column) for f in ("scope", "key"))
-    sql = (
-        f"INSERT INTO {quote(meta.db_table)} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(params))}) "
-        f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {quote(meta.pk.column)}"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
-    return None if row is None else int(row[0])
+def claim_in_transaction(spec: idempotent, wait: float) -> Claim:
+    """Claim ``spec.key`` inside the caller's transaction, for the one-commit flow (§4.9).
+
+    The claim row is inserted (or taken over) by the first statements of the caller's
+    transaction and is not committed on its own: it commits with the effect and the success
+    record, or rolls back with them (a crash leaves no claim to lease out). A concurrent run
+    of the same key (possible only after a lock loss) waits on the record's unique key for at
+    most ``wait`` seconds and then raises :class:`IdempotencyInProgress`; of two runs, at most
+    one commits. Raises :class:`IdempotencyError` outside a transaction on ``spec.using``.
+    """
+    if not connections[spec.using].in_atomic_block:
+        raise IdempotencyError(
+            "claim_in_transaction() must run inside transaction.atomic()",
+            key=spec.key,
+            scope=spec.scope,
+        )
+    with bounded_wait(spec.using, wait, scope=spec.scope, key=spec.key):
+        return claim(spec)
+
+
+def record_failure(spec: idempotent, error: str, wait: float) -> None:
+    """After a one-commit run raised (and its transaction rolled back, claim included), leave a
+    ``failed`` record with the error, as a separate claim does: best effort, in its own short
+    transaction, never over a record another run has meanwhile claimed or finished."""
+    model = _model()
+    now = timezone.now()
+    values = {
+        "scope": spec.scope,
+        "key": spec.key,
+        "fingerprint": spec.fingerprint,
+        "status": "failed",
+        "result": None,
+        "error": error[:10_000],
+        "owner": "",
+        "fence": None,
+        "lock_resource": "",
+        "rq_job_id": _job_id(),
+        "attempts": 1,
+        "lease_expires_at": None,
+        "created_at": now,
+        "updated_at": now,
+        "finished_at": now,
+        "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
+    }
+    try:
+        with transaction.atomic(using=spec.using):
+            with bounded_wait(spec.using, wait, scope=spec.scope, key=spec.key):
+                if insert(model, spec.using, values) is None:
+                    model.objects.using(spec.using).filter(
+                        scope=spec.scope, key=spec.key, status="failed"
+                    ).update(
+                        error=values["error"],
+                        attempts=F("attempts") + 1,
+                        updated_at=now,
+                        finished_at=now,
+                    )
+    except (DatabaseError, IdempotencyInProgress):
+        logger.warning("could not record the failure of key %r", spec.key, exc_info=True)

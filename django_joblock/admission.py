@@ -1,0 +1,161 @@
+"""Admission: a job whose resource is busy waits parked in RQ, not in a requeue loop (§4.8).
+
+On rq >= 3.0, ``@locked_job`` enqueues every job that has a lock with RQ's own
+``RateLimit(key=<the lock key>, concurrency=1)``. RQ then keeps at most one job per resource
+queued or running, across all queues of that Redis connection, and parks the others in the
+rate limit's waiting set (status ``rate_limited``). When the admitted job ends (finished,
+failed, stopped, or scheduled for a retry), RQ pushes the oldest parked job onto its queue at
+once. A parked job uses no worker, no scheduler poll and none of its retry budget.
+
+The lock inside the work horse stays the safety mechanism (TTL, heartbeat, fence, abort on
+loss): admission only decides *when* a job starts, never whether two may hold the resource.
+A job that finds the lock busy anyway (held by a ``lock()`` caller, a job on a queue of another
+Redis, a job enqueued with ``admission=False``, an orphaned horse) requeues with backoff as
+before (:mod:`django_joblock.requeue`).
+
+Two things are added to RQ's ``RateLimit``:
+
+- **FIFO.** RQ scores its waiting set in whole seconds and breaks ties by job id, which is
+  random: two jobs enqueued within the same second would start in random order. A job that is
+  parked after its enqueue gets its enqueue time (``job.created_at``, microseconds) as score
+  (``ZADD XX``, so a job promoted meanwhile is never put back). A job that comes back from a
+  requeue or an RQ retry re-enters at the back, as RQ does it.
+- **Early hand-off.** A work horse that has released its lock gives the slot to the next
+  parked job right away (RQ's own ``release_and_enqueue``), instead of after RQ's bookkeeping
+  of the finished job; RQ releases the slot again itself afterwards, which is then a no-op.
+  Only for outcomes after which the job does not run again (ran, replayed, skipped).
+
+What frees a slot, and the bound on a waiting job when the holder's process dies (no wake-up
+is lost, RQ recovers the slot):
+
+- the job ends in its work horse: the horse releases the slot (before RQ's bookkeeping);
+- the work horse is killed (SIGKILL, OOM, RQ's job timeout): the worker parent marks the job
+  failed (or retried) and releases the slot at once;
+- the whole worker process dies (a ``SimpleWorker``, or a parent together with its horse): the
+  job's RQ execution expires ``min(job_timeout, 30) + 60`` s after the worker's last heartbeat
+  (RQ's ``job_monitoring_interval`` + 60), and the next RQ maintenance of any worker on the
+  queue marks it failed and frees the slot: bound = that expiry + ``--maintenance-interval``
+  (``joblock_worker`` default 60 s, RQ's 600 s; :mod:`django_joblock.worker` makes idle
+  workers wake up for it);
+- a Redis restart keeps the waiting set and the slot (with an append-only file, as RQ needs);
+  a job whose bookkeeping failed with the restart is recovered by the same maintenance.
+
+Not applied (``job.meta["joblock"]["admission"]`` says why; the job then requeues on
+contention): rq < 3.0 (``requeue_only``), ``@locked_job(admission=False)`` (``off``), a
+synchronous queue (``sync``: the job runs inline at enqueue), a caller's own ``rate_limit=``
+(``caller_rate_limit``: theirs applies), RQ's ``unique=True`` (``rq_unique``: RQ refuses both),
+``pipeline=`` (``pipeline``: RQ refuses rate-limited jobs in a caller's pipeline), a queue or
+job class with its own key prefix (``key_prefix``: RQ refuses it).
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+from typing import Any
+
+from . import conf
+from .backend import REDIS_ERRORS
+from .keys import LockKeys
+
+logger = logging.getLogger("django_joblock")
+
+RateLimit: Any = None
+RateLimitRegistry: Any = None
+try:  # rq >= 3.0
+    _rate_limit = importlib.import_module("rq.rate_limit")
+    RateLimit, RateLimitRegistry = _rate_limit.RateLimit, _rate_limit.RateLimitRegistry
+except ImportError:  # rq 2.x: requeue only
+    pass
+
+PARKED = "rate_limited"  # RQ's JobStatus.RATE_LIMITED (rq >= 3.0)
+
+
+class Admission(enum.StrEnum):
+    """How a job waits for a busy resource: ``job.meta["joblock"]["admission"]``."""
+
+    RATE_LIMIT = "rate_limit"  # parked by RQ's RateLimit until the running job ends
+    OFF = "off"  # @locked_job(admission=False): requeue on contention
+    REQUEUE_ONLY = "requeue_only"  # rq < 3.0 has no RateLimit
+    SYNC = "sync"  # a synchronous queue runs the job inline at enqueue
+    CALLER_RATE_LIMIT = "caller_rate_limit"  # the caller passed its own rate_limit=
+    RQ_UNIQUE = "rq_unique"  # RQ's unique=True, which RQ refuses with a rate limit
+    PIPELINE = "pipeline"  # enqueued in the caller's pipeline, which RQ refuses
+    KEY_PREFIX = "key_prefix"  # a queue / job class with its own key prefix
+
+
+def supported() -> bool:
+    """True when the installed rq has ``RateLimit`` (rq >= 3.0)."""
+    return RateLimit is not None
+
+
+def key_for(resource: str) -> str:
+    """The rate-limit key of a resource: its lock key (``joblock:{order:1}:lock``)."""
+    return LockKeys(conf.get().KEY_PREFIX, resource).lock
+
+
+def _custom_prefix(queue: Any) -> bool:
+    from rq.job import Job
+    from rq.queue import Queue
+
+    return bool(
+        queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
+        or queue.redis_queue_namespace_prefix != Queue.redis_queue_namespace_prefix
+    )
+
+
+def plan(queue: Any, resource: str, enabled: bool, options: dict[str, Any]) -> Admission:
+    """Decide how a job on ``resource`` waits, adding ``rate_limit`` to ``options`` if parked.
+
+    ``options`` are the RQ options of the enqueue call (decoration-time and per-call merged).
+    """
+    if not queue.is_async:
+        return Admission.SYNC
+    if not enabled:
+        return Admission.OFF
+    if not supported():
+        return Admission.REQUEUE_ONLY
+    if options.get("rate_limit") is not None:
+        return Admission.CALLER_RATE_LIMIT
+    if options.get("unique"):
+        return Admission.RQ_UNIQUE
+    if options.get("pipeline") is not None:
+        return Admission.PIPELINE
+    if _custom_prefix(queue):
+        return Admission.KEY_PREFIX
+    assert RateLimit is not None
+    options["rate_limit"] = RateLimit(key=key_for(resource), concurrency=1)
+    return Admission.RATE_LIMIT
+
+
+def keep_fifo(job: Any) -> None:
+    """Score a job parked at enqueue by its enqueue time to the microsecond (see module docs).
+
+    One ``ZADD XX`` on the queue's connection, only when the job was parked; a job RQ admitted
+    at once costs nothing.
+    """
+    if RateLimitRegistry is None or job.get_status(refresh=False) != PARKED:
+        return
+    registry = RateLimitRegistry(key=job.rate_limit_key, connection=job.connection)
+    job.connection.zadd(registry.rate_limited_key, {job.id: job.created_at.timestamp()}, xx=True)
+
+
+def admitted(job: Any, resource: str | None) -> bool:
+    """True when ``job`` holds an admission slot of ``resource`` (it was rate limited by us)."""
+    key = getattr(job, "rate_limit_key", None)
+    return resource is not None and key is not None and key == key_for(resource)
+
+
+def hand_off(job: Any) -> None:
+    """Give this job's admission slot to the next parked job now (see module docs).
+
+    Best effort: RQ releases the slot itself after its bookkeeping anyway, and its maintenance
+    recovers a slot nobody released.
+    """
+    if RateLimitRegistry is None:
+        return
+    try:
+        RateLimitRegistry.from_job(job).release_and_enqueue(job.id)
+    except REDIS_ERRORS:
+        logger.debug("early hand-off of job %s failed; RQ releases its slot", job.id)
