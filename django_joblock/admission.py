@@ -155,7 +155,17 @@ def hand_off(job: Any) -> None:
     """
     if RateLimitRegistry is None:
         return
+    registry = RateLimitRegistry.from_job(job)
+    # The job carries its limit's concurrency: spare the round trip that reads it back from
+    # the registry's config hash (a cached property; were it ever a plain property, this
+    # would merely cost that read again).
+    registry.__dict__.setdefault("concurrency", job.rate_limit_concurrency)
     try:
-        RateLimitRegistry.from_job(job).release_and_enqueue(job.id)
+        registry.release_and_enqueue(job.id)
     except REDIS_ERRORS:
         logger.debug("early hand-off of job %s failed; RQ releases its slot", job.id)
+        return
+    # The slot is released: RQ's own release after its bookkeeping would repeat the same two
+    # round trips for nothing (on this in-memory job only; the stored job keeps its limit, so
+    # a repeat or a requeue by RQ is rate limited again).
+    job.rate_limit_key = None
