@@ -20,10 +20,14 @@ Two things are added to RQ's ``RateLimit``:
   parked after its enqueue gets its enqueue time (``job.created_at``, microseconds) as score
   (``ZADD XX``, so a job promoted meanwhile is never put back). A job that comes back from a
   requeue or an RQ retry re-enters at the back, as RQ does it.
-- **Early hand-off.** A work horse that has released its lock gives the slot to the next
-  parked job right away (RQ's own ``release_and_enqueue``), instead of after RQ's bookkeeping
-  of the finished job; RQ releases the slot again itself afterwards, which is then a no-op.
-  Only for outcomes after which the job does not run again (ran, replayed, skipped).
+- **Early hand-off.** A work horse gives the slot to the next parked job (RQ's own
+  ``release_and_enqueue``) as soon as the job's body has returned (or its replay is decided),
+  instead of after its commit, its lock release and RQ's bookkeeping of the finished job. The
+  next job needs a few milliseconds to be dequeued and prepared by RQ, which overlap that
+  tail; an admitted job therefore waits up to ``HANDOFF_WAIT`` for its lock (the job before
+  it is releasing it) before it counts as contended. RQ's own release after its bookkeeping
+  is skipped for that job (nothing left to release). Not for a body that raised: RQ fails or
+  retries that job and releases its slot itself.
 
 What frees a slot, and the bound on a waiting job when the holder's process dies (no wake-up
 is lost, RQ recovers the slot):
@@ -70,6 +74,9 @@ except ImportError:  # rq 2.x: requeue only
     pass
 
 PARKED = "rate_limited"  # RQ's JobStatus.RATE_LIMITED (rq >= 3.0)
+# Longest wait (s) of an admitted job for its lock: the job before it handed off early and is
+# still committing / releasing. A holder outside admission costs a requeue after this long.
+HANDOFF_WAIT = 0.5
 
 
 class Admission(enum.StrEnum):

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import metrics
+from . import admission, metrics
 from .backend import REDIS_ERRORS
 from .idempotency_inputs import key_family
 from .jobspec import JobSpec
@@ -62,6 +62,8 @@ class Run:
     key: str | None
     job: Any
     worker: bool
+    admitted: bool = False  # holds an admission slot of its resource
+    handed_off: bool = False
     holder: str = ""  # who held the resource, when it was busy (for the log line)
     waited: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -72,6 +74,18 @@ class Run:
         if self.resource is not None:
             return family(self.resource)
         return key_family(self.key or "")
+
+    def hand_off(self) -> None:
+        """The job will not run again: give its admission slot to the next parked job now.
+
+        Called as soon as the body has returned (or a replay is decided), before the commit
+        and the lock's release: the next job needs a few milliseconds to be dequeued and
+        prepared by RQ, which overlap them (it waits up to ``admission.HANDOFF_WAIT`` for the
+        lock, see :mod:`django_joblock.admission`).
+        """
+        if self.admitted and not self.handed_off:
+            self.handed_off = True
+            admission.hand_off(self.job)
 
     def started(self) -> None:
         """The run took its lock (or needs none): record the wait since enqueue."""

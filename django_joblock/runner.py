@@ -76,20 +76,23 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     """Run ``spec.func(*args, **kwargs)`` under the safe flow (see the module docs)."""
     arguments = spec.bind(args, kwargs)
     job = _own_job(spec)
+    resource = spec.resource(arguments)
+    worker = job is not None and getattr(job, "worker_name", None) != "sync"
     state = Run(
         spec,
-        spec.resource(arguments),
+        resource,
         spec.key(arguments),
         job,
-        worker=job is not None and getattr(job, "worker_name", None) != "sync",
+        worker=worker,
+        admitted=worker and admission.admitted(job, resource),
     )
     try:
         outcome, result, extra = _flow(state, arguments, args, kwargs)
     except Exception as exc:
         finish(state, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
         raise
-    if outcome in FINAL_SUCCESS and state.worker and admission.admitted(job, state.resource):
-        admission.hand_off(job)  # the lock is released: let the next waiting job start now
+    if outcome in FINAL_SUCCESS:
+        state.hand_off()  # skipped: the next parked job may start (no-op if done already)
     finish(state, outcome, **extra)
     return result
 
@@ -119,7 +122,10 @@ def _flow(
         heartbeat=spec.heartbeat,
         on_lost=lambda lock, reason: _lost(spec, abort, lock, reason),
     )
-    if not held.acquire(wait=0.0 if state.worker else None):
+    # Admitted: the job before it may still be committing and releasing (it hands off
+    # first); a worker otherwise tries once, an inline call waits ACQUIRE_WAIT.
+    wait = (admission.HANDOFF_WAIT if state.admitted else 0.0) if state.worker else None
+    if not held.acquire(wait=wait):
         return conflict(state, held, None)
     state.started()
     token = set_current_lock(held)
@@ -215,6 +221,7 @@ def _claim_and_run(
         # A lock-only job: same transaction rule as the others, so a lost lock rolls back.
         with transaction.atomic(using=_database()):
             result = spec.func(*args, **kwargs)
+            state.hand_off()
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
         return JobOutcome.RAN, result, {}
@@ -243,8 +250,10 @@ def _one_commit(
             claim = claim_in_transaction(claim_spec, CLAIM_WAIT)
             claimed = True
             if claim.done:
+                state.hand_off()
                 return JobOutcome.REPLAYED, claim.result, {}
             result = spec.func(*args, **kwargs)
+            state.hand_off()
             held.ensure_held()  # never commit the effect of a job that lost its lock
             claim.succeed(result)
         return JobOutcome.RAN, result, {}
