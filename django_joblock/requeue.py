@@ -11,12 +11,15 @@ died. Then ``on_conflict`` decides:
   job's own exception-retry budget (``retries_left``) untouched: contention is not a failure.
   The alternative, ``queue.enqueue_in()`` of a copy, would finish the original job as a fake
   success and give the retry a new id, breaking ``job.id`` based tracking and dependents.
-  Delays are exponential with full jitter (``REQUEUE_BACKOFF``), and the first ones are sized
-  from the holder's remaining TTL (read with :func:`~django_joblock.lock_info`, one round trip
-  on this path only): the ceiling of attempt ``n`` is ``min(max, max(base, remaining) *
-  factor**n)``, so a job never polls a resource whose holder has 30 s left every second, while
-  a holder that dies is waited out in about one TTL. Whole seconds, because RQ schedules in
-  seconds, and RQ's scheduler runs them (``joblock_worker --with-scheduler``). An admitted job
+  Delays are exponential with full jitter (``REQUEUE_BACKOFF``), sized by what the holder's
+  lock says (read with :func:`~django_joblock.lock_info`, one round trip on this path only):
+  a holder whose lock has not been renewed for more than half its TTL is not heartbeating
+  (dead, paused, or heartbeat off), so the lock frees by its expiry at the latest and the
+  delay is at least its remaining TTL (a dead holder is waited out in one requeue, not
+  polled); a live holder's remaining TTL says nothing about when it finishes (it renews), so
+  its delays follow the backoff alone (sizing them from a 30 s TTL would make a job wait
+  seconds behind a holder that ends in 50 ms). Whole seconds, because RQ schedules in seconds,
+  and RQ's scheduler runs them (``joblock_worker --with-scheduler``). An admitted job
   that requeues gives its admission slot up (RQ releases it when the job is scheduled) and
   re-enters the waiting line at the back when its delay is over. After ``max_wait`` (default
   ``REQUEUE_MAX_WAIT``) seconds of contention the job raises :class:`LockContentionTimeout`
@@ -55,6 +58,8 @@ from .signals import job_requeued
 # RQ fails a job that returned Retry more than ``max`` times; we give up by time instead.
 RETRY_MAX = 10**6
 _MAX_DELAYS_KEPT = 50
+# Slack (s) on "not renewed for half its TTL": a renewal in flight, clocks of the reads.
+STALE_MARGIN = 0.25
 
 Ending = tuple[JobOutcome, Any, dict[str, Any]]
 
@@ -107,14 +112,21 @@ def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | No
     return _requeue(run, held, what, info)
 
 
-def delay_for(attempt: int, remaining: float, limit_left: float) -> int:
-    """Seconds until the next try of a requeued job (whole, >= 1, never far past the limit).
+def stale(info: LockInfo | None) -> bool:
+    """True when the holder's lock was not renewed for more than half its TTL: no heartbeat
+    runs for it (renewals come every TTL/3, at most TTL/2), so it frees by its expiry."""
+    if info is None or info.ttl <= 0:
+        return False
+    return info.ttl - info.expires_in > info.ttl / 2 + STALE_MARGIN
 
-    ``remaining``: the holder's remaining TTL in seconds (0 when unknown).
-    """
+
+def delay_for(attempt: int, info: LockInfo | None, limit_left: float) -> int:
+    """Seconds until the next try of a requeued job (whole, >= 1, never far past the limit);
+    see the module docs. ``info``: the holder's lock, if known."""
     backoff = conf.get().REQUEUE_BACKOFF
-    base = max(backoff["base"], remaining)
-    delay = full_jitter(attempt, base=base, factor=backoff["factor"], cap=backoff["max"])
+    delay = full_jitter(attempt, base=backoff["base"], factor=backoff["factor"], cap=backoff["max"])
+    if info is not None and stale(info):
+        delay = max(delay, info.expires_in)  # free by then at the latest
     # RQ schedules in whole seconds (>= 1, as 0 would mean "now").
     return int(min(max(1, math.ceil(delay)), max(1, math.ceil(limit_left))))
 
@@ -138,7 +150,7 @@ def _requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> E
             resource=resource,
             key=key,
         )
-    seconds = delay_for(attempt, info.expires_in if info is not None else 0.0, limit - waited)
+    seconds = delay_for(attempt, info, limit - waited)
     delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
     metrics.count("requeued", run.family, spec.name)
     job_requeued.send(sender=JobSpec, job=job, lock=held, delay=seconds)

@@ -11,11 +11,11 @@ from django_joblock import (
     InvalidResource,
     JoblockConfigError,
     LockNotAcquired,
+    admission,
     current_lock,
     lock,
     locked_job,
 )
-from django_joblock import admission
 from django_joblock.checks import check_jobs, check_scheduler
 from django_joblock.jobs import registry
 from django_joblock.queues import get_queue
