@@ -94,9 +94,14 @@ def describe(info: LockInfo | None) -> str:
 
 def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
     spec = run.spec
-    info = _holder(held)
+    # A live claim under our own lock: the lock is ours, the key is someone else's.
+    info = _holder(held) if in_progress is None else None
     run.holder = describe(info)
-    what = f"lock {held.resource!r} is busy" if held is not None else str(in_progress)
+    if in_progress is not None:
+        what = str(in_progress)
+    else:
+        assert held is not None
+        what = f"lock {held.resource!r} is busy"
     if spec.on_conflict == "skip":
         metrics.count("skipped", run.family, spec.name)
         return JobOutcome.SKIPPED, None, {"reason": what}

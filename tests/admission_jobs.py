@@ -106,10 +106,11 @@ def credit_and_wait_without_record(name: str, credit_id: str, amount: int) -> di
 
 
 def _credit_and_wait(name: str, credit_id: str, amount: int) -> None:
+    """The effect is a ledger row per run (``ledger:<credit_id>:<pid>``): committed runs are
+    counted by rows, whatever the isolation level does to a read-modify-write."""
     client = _redis()
     client.rpush(f"test:bodies:{credit_id}", os.getpid())
-    account = Account.objects.get(name=name)
-    Account.objects.filter(pk=account.pk).update(balance=account.balance + amount)
+    Account.objects.create(name=f"ledger:{credit_id}:{os.getpid()}", balance=amount)
     _wait_for(f"test:go:{credit_id}")
 
 
