@@ -9,6 +9,7 @@ import time
 from django.db import transaction
 from django_redis import get_redis_connection
 from redis.exceptions import RedisError
+from rq import Queue
 
 from django_joblock import locked_job
 from tests.testapp.models import Account
@@ -48,9 +49,10 @@ def hot(k: int, label: str, seconds: float) -> str:
     return label
 
 
-@locked_job("default", lock="hot:{k}", ttl=2)
+@locked_job("default", lock="hot:{k}", ttl=2, atomic=False)
 def hot_hold(k: int, label: str) -> str:
-    """Holds the resource until ``test:go:<label>`` is set (or it is killed)."""
+    """Holds the resource until ``test:go:<label>`` is set (or it is killed). No transaction:
+    on SQLite an open one would hold every other job's writes back meanwhile."""
     client = _redis()
     started = time.time()
     client.set(f"test:pid:{label}", os.getpid())
@@ -162,3 +164,23 @@ def plain_hold(label: str) -> str:
 def plain_interval(label: str, seconds: float) -> str:
     _log_interval(label, seconds)
     return label
+
+
+# -- synchronous queues ------------------------------------------------------------------------
+SYNC = Queue("sync", connection=get_redis_connection("default"), is_async=False)
+
+
+@locked_job(SYNC, lock="res:{k}", ttl=2)
+def sync_work(k: int) -> str:
+    return "ran"
+
+
+@locked_job(SYNC, lock="res:{k}", ttl=2, on_conflict="skip")
+def sync_skip(k: int) -> str:
+    return "ran"
+
+
+@locked_job("default", lock="res:{k}", ttl=2)
+def django_rq_work(k: int) -> str:
+    """On django-rq's "default" queue (a test makes it ``ASYNC: False``)."""
+    return "ran"
