@@ -22,6 +22,26 @@ def lock_and_idempotency(i: int, run: str) -> int:
     return i
 
 
+def _update(row: int) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE bench_row SET n = n + 1 WHERE id = %s", [row])
+
+
+def plain_update(row: int) -> int:
+    """One UPDATE, committed on its own (autocommit)."""
+    _update(row)
+    return row
+
+
+@locked_job("bench", lock="bench:{i}", idempotency_key="bench:{run}:{i}")
+def lock_and_idempotency_update(row: int, run: str, i: int) -> int:
+    """The same UPDATE, committed with the claim and the success record."""
+    _update(row)
+    return row
+
+
 # -- benchmarks/hot_key.py: jobs of D ms on a few hot resources -------------------------------
 def _work(ms: float) -> tuple[float, float]:
     started = time.time()

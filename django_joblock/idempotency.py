@@ -68,7 +68,16 @@ from .idempotency_inputs import (
     validate_key,
     validate_scope,
 )
-from .idempotency_store import bounded_wait, insert, insert_or_read
+from .idempotency_store import (
+    EXISTING,
+    GUARDED,
+    INSERTED,
+    in_progress,
+    in_progress_on_busy,
+    insert,
+    insert_or_read,
+    try_guard,
+)
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -247,8 +256,9 @@ class idempotent:
             held.succeed(None)
 
 
-def claim(spec: idempotent) -> Claim:
-    """Claim ``spec.key`` race-free; see the module docs for the protocol."""
+def claim(spec: idempotent, *, guard: bool = False) -> Claim:
+    """Claim ``spec.key`` race-free; see the module docs for the protocol. ``guard``: inside a
+    job's transaction (:func:`claim_in_transaction`)."""
     model = _model()
     token = secrets.token_hex(16)
     now = timezone.now()
@@ -277,11 +287,14 @@ def claim(spec: idempotent) -> Claim:
         "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
     }
     for _ in range(_TAKEOVER_TRIES):
-        record_id, row = insert_or_read(model, spec.using, values)
-        if record_id is not None:
+        found, record_id, row = insert_or_read(model, spec.using, values, guard=guard)
+        if found == INSERTED:
+            assert record_id is not None
             return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
-        if row is None:
-            continue  # purged in between: insert again
+        if found == GUARDED:
+            raise in_progress(spec.scope, spec.key, "its guard is taken")
+        if found != EXISTING or row is None:
+            continue  # purged, or committed just too late for that statement: ask again
         if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
             raise IdempotencyKeyMismatch(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) was used with other "
@@ -364,15 +377,16 @@ def claim(spec: idempotent) -> Claim:
     )
 
 
-def claim_in_transaction(spec: idempotent, wait: float) -> Claim:
+def claim_in_transaction(spec: idempotent) -> Claim:
     """Claim ``spec.key`` inside the caller's transaction, for the one-commit flow (§4.9).
 
-    The claim row is inserted (or taken over) by the first statements of the caller's
+    The claim row is inserted (or taken over) by the first statement of the caller's
     transaction and is not committed on its own: it commits with the effect and the success
     record, or rolls back with them (a crash leaves no claim to lease out). A concurrent run
-    of the same key (possible only after a lock loss) waits on the record's unique key for at
-    most ``wait`` seconds and then raises :class:`IdempotencyInProgress`; of two runs, at most
-    one commits. Raises :class:`IdempotencyError` outside a transaction on ``spec.using``.
+    of the same key (possible only after a lock loss) does not wait for it: on PostgreSQL it
+    finds the key's guard taken, on SQLite it waits at most the busy timeout; either way it
+    raises :class:`IdempotencyInProgress`. Of two runs, at most one commits (the unique key).
+    Raises :class:`IdempotencyError` outside a transaction on ``spec.using``.
     """
     if not connections[spec.using].in_atomic_block:
         raise IdempotencyError(
@@ -380,14 +394,15 @@ def claim_in_transaction(spec: idempotent, wait: float) -> Claim:
             key=spec.key,
             scope=spec.scope,
         )
-    with bounded_wait(spec.using, wait, scope=spec.scope, key=spec.key):
-        return claim(spec)
+    with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
+        return claim(spec, guard=True)
 
 
-def record_failure(spec: idempotent, error: str, wait: float) -> None:
+def record_failure(spec: idempotent, error: str) -> None:
     """After a one-commit run raised (and its transaction rolled back, claim included), leave a
     ``failed`` record with the error, as a separate claim does: best effort, in its own short
-    transaction, never over a record another run has meanwhile claimed or finished."""
+    transaction, never over a record another run has claimed or finished meanwhile (and never
+    waiting for one that is being claimed)."""
     model = _model()
     now = timezone.now()
     values = {
@@ -410,7 +425,9 @@ def record_failure(spec: idempotent, error: str, wait: float) -> None:
     }
     try:
         with transaction.atomic(using=spec.using):
-            with bounded_wait(spec.using, wait, scope=spec.scope, key=spec.key):
+            with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
+                if not try_guard(spec.using, spec.scope, spec.key):
+                    return  # another run is claiming the key: the record is its now
                 if insert(model, spec.using, values) is None:
                     model.objects.using(spec.using).filter(
                         scope=spec.scope, key=spec.key, status="failed"

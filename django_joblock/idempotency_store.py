@@ -1,18 +1,23 @@
-"""The idempotency record's SQL: insert-or-read in one statement, and bounded waits on its key.
+"""The idempotency record's SQL: insert-or-read in one statement, and a key guard for claims
+made inside a job's transaction.
 
 - :func:`insert_or_read`: ``INSERT ... ON CONFLICT (scope, key) DO NOTHING``, and when the key
   exists, the existing row. On PostgreSQL one statement (a data-modifying CTE ``UNION ALL`` a
   read of the row): a first claim and a replay are each **one** query. On SQLite two (SQLite
   has no data-modifying CTEs: ``INSERT ... RETURNING``, then a ``SELECT`` when it inserted
   nothing); other databases use a savepoint and ``IntegrityError``.
-- :func:`bounded_wait`: inside a transaction, an insert of a key that another *uncommitted*
-  transaction inserted waits for that transaction (the unique key is the arbiter). That
-  happens only after a lock loss (a paused holder still inside its transaction), and must not
-  wait forever: on PostgreSQL a transaction-local ``lock_timeout`` for the claim's statements
-  only (set, and set back to the value it had, by two short statements: the job's own
-  statements run with the session's setting); on SQLite the connection's busy
-  timeout (``OPTIONS["timeout"]``, Django's default 5 s) bounds it. Either way the wait ends in
-  :class:`~django_joblock.exceptions.IdempotencyInProgress`.
+- ``guard=True`` (claims inside a job's transaction, §4.9): a claim row inserted by a
+  transaction that has not committed yet makes a second insert of the same key *wait* for that
+  transaction. That happens only after a lock loss (a paused holder still inside its
+  transaction), and must not wait for long. On PostgreSQL the same statement first takes a
+  transaction-scoped advisory lock on the key (``pg_try_advisory_xact_lock`` of a 64-bit hash
+  of scope and key, never waiting): a second transaction on the key finds it taken and is "in
+  progress" at once, without a wait, without an extra statement, and without touching the
+  session's ``lock_timeout``. The unique key stays the arbiter (a hash collision can only make
+  an unrelated key look in progress: a requeue, 1 in 2**64). On SQLite a writer waits for the
+  database's write lock instead, at most the connection's busy timeout
+  (``OPTIONS["timeout"]``, Django's default 5 s); :func:`in_progress_on_busy` turns that
+  timeout into :class:`~django_joblock.exceptions.IdempotencyInProgress`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from django.db import DatabaseError, IntegrityError, OperationalError, connections, transaction
+from django.db import IntegrityError, OperationalError, connections, transaction
 
 from .exceptions import IdempotencyInProgress
 
@@ -36,7 +41,9 @@ ROW_FIELDS = (
     "fence",
     "lock_resource",
 )
-_LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL: lock_timeout expired
+# What insert_or_read found: a new row, an existing one, neither (ask again), or the key's
+# guard taken by another transaction (PostgreSQL, guard=True).
+INSERTED, EXISTING, NOTHING, GUARDED = "inserted", "existing", "nothing", "guarded"
 
 
 def _select_row(model: Any, using: str, scope: str, key: str) -> dict[str, Any] | None:
@@ -47,18 +54,19 @@ def _select_row(model: Any, using: str, scope: str, key: str) -> dict[str, Any] 
 
 
 def insert_or_read(
-    model: Any, using: str, values: dict[str, Any]
-) -> tuple[int | None, dict[str, Any] | None]:
-    """Insert the row unless (scope, key) exists: ``(new id, None)``, ``(None, existing row)``,
-    or ``(None, None)`` when a concurrent insert committed too late for this statement to see
-    it (ask again)."""
+    model: Any, using: str, values: dict[str, Any], *, guard: bool = False
+) -> tuple[str, int | None, dict[str, Any] | None]:
+    """Insert the row unless (scope, key) exists: ``(INSERTED, id, None)``, ``(EXISTING, None,
+    row)``, ``(NOTHING, None, None)`` when a concurrent insert committed too late for this
+    statement to see it (ask again), or ``(GUARDED, None, None)`` (see the module docs)."""
     connection = connections[using]
     if connection.vendor == "postgresql":
-        return _insert_or_read_postgresql(model, connection, values)
+        return _insert_or_read_postgresql(model, connection, values, guard)
     inserted = insert(model, using, values)
     if inserted is not None:
-        return inserted, None
-    return None, _select_row(model, using, values["scope"], values["key"])
+        return INSERTED, inserted, None
+    row = _select_row(model, using, values["scope"], values["key"])
+    return (EXISTING, None, row) if row is not None else (NOTHING, None, None)
 
 
 def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
@@ -70,15 +78,37 @@ def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
                 return int(model.objects.using(using).create(**values).pk)
         except IntegrityError:
             return None
-    sql, params = _insert_sql(model, connection, values)
-    pk = connection.ops.quote_name(model._meta.pk.column)
+    columns, params = _columns(model, connection, values)
+    sql = (
+        f"INSERT INTO {connection.ops.quote_name(model._meta.db_table)} ({columns}) "
+        f"VALUES ({', '.join(['%s'] * len(params))}) {_on_conflict(model, connection)} "
+        f"RETURNING {connection.ops.quote_name(model._meta.pk.column)}"
+    )
     with connection.cursor() as cursor:
-        cursor.execute(f"{sql} RETURNING {pk}", params)
+        cursor.execute(sql, params)
         row = cursor.fetchone()
     return None if row is None else int(row[0])
 
 
-def _insert_sql(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
+def try_guard(using: str, scope: str, key: str) -> bool:
+    """Take the key's transaction-scoped guard on PostgreSQL without waiting (True elsewhere).
+    Must run inside a transaction."""
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_GUARD}", [_guard_name(scope, key)])
+        return bool(cursor.fetchone()[0])
+
+
+_GUARD = "pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
+
+
+def _guard_name(scope: str, key: str) -> str:
+    return f"django_joblock\x1f{scope}\x1f{key}"
+
+
+def _columns(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
     meta = model._meta
     quote = connection.ops.quote_name
     columns, params = [], []
@@ -86,88 +116,75 @@ def _insert_sql(model: Any, connection: Any, values: dict[str, Any]) -> tuple[st
         model_field = meta.get_field(name)
         columns.append(quote(model_field.column))
         params.append(model_field.get_db_prep_save(value, connection))
-    conflict = ", ".join(quote(meta.get_field(f).column) for f in ("scope", "key"))
-    sql = (
-        f"INSERT INTO {quote(meta.db_table)} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(params))}) "
-        f"ON CONFLICT ({conflict}) DO NOTHING"
-    )
-    return sql, params
+    return ", ".join(columns), params
+
+
+def _on_conflict(model: Any, connection: Any) -> str:
+    quote = connection.ops.quote_name
+    conflict = ", ".join(quote(model._meta.get_field(f).column) for f in ("scope", "key"))
+    return f"ON CONFLICT ({conflict}) DO NOTHING"
 
 
 def _insert_or_read_postgresql(
-    model: Any, connection: Any, values: dict[str, Any]
-) -> tuple[int | None, dict[str, Any] | None]:
-    # One statement. The CTE's INSERT and the read of the table share one snapshot: after an
-    # insert the read sees nothing (only the CTE's row comes back, with a NULL status: the
-    # column is NOT NULL, so that marks "inserted"); on a conflict with a row committed before
-    # the statement began, only the existing row comes back.
+    model: Any, connection: Any, values: dict[str, Any], guard: bool
+) -> tuple[str, int | None, dict[str, Any] | None]:
+    # One statement. The guard CTE is evaluated first (the INSERT reads from it); the INSERT
+    # runs only with the guard. The CTE's INSERT and the read of the table share one snapshot:
+    # after an insert the read sees nothing (only the CTE's row comes back, marked 1); on a
+    # conflict with a row committed before the statement began, only the existing row (2); no
+    # guard: only the marker row 3.
     meta = model._meta
     quote = connection.ops.quote_name
-    insert_sql, params = _insert_sql(model, connection, values)
-    pk = quote(meta.pk.column)
-    columns = ", ".join(quote(meta.get_field(name).column) for name in ROW_FIELDS)
+    table = quote(meta.db_table)
+    columns, params = _columns(model, connection, values)
+    placeholders = ", ".join(["%s"] * len(params))
+    fields = ", ".join(quote(meta.get_field(name).column) for name in ROW_FIELDS)
     nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
+    ok = _GUARD if guard else "TRUE"
     sql = (
-        f"WITH ins AS ({insert_sql} RETURNING {pk}) "
-        f"SELECT {pk}, {nulls} FROM ins "
-        f"UNION ALL SELECT {columns} FROM {quote(meta.db_table)} "
-        f"WHERE {quote(meta.get_field('scope').column)} = %s "
-        f"AND {quote(meta.get_field('key').column)} = %s"
+        f"WITH g AS MATERIALIZED (SELECT {ok} AS ok), "
+        f"ins AS (INSERT INTO {table} ({columns}) SELECT {placeholders} FROM g WHERE g.ok "
+        f"{_on_conflict(model, connection)} RETURNING {quote(meta.pk.column)}) "
+        f"SELECT 1, {quote(meta.pk.column)}, {nulls} FROM ins "
+        f"UNION ALL SELECT 2, {fields} FROM {table}, g WHERE g.ok "
+        f"AND {quote(meta.get_field('scope').column)} = %s "
+        f"AND {quote(meta.get_field('key').column)} = %s "
+        f"UNION ALL SELECT 3, NULL, {nulls} FROM g WHERE NOT g.ok"
     )
+    head = [_guard_name(values["scope"], values["key"])] if guard else []
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, values["scope"], values["key"]])
+        cursor.execute(sql, [*head, *params, values["scope"], values["key"]])
         found = cursor.fetchone()
     if found is None:
-        return None, None
-    row = dict(zip(ROW_FIELDS, found, strict=True))
-    if row["status"] is None:
-        return int(row["id"]), None
+        return NOTHING, None, None
+    kind, *rest = found
+    if kind == 3:
+        return GUARDED, None, None
+    row = dict(zip(ROW_FIELDS, rest, strict=True))
+    if kind == 1:
+        return INSERTED, int(row["id"]), None
     result_field = meta.get_field("result")
     row["result"] = result_field.from_db_value(row["result"], None, connection)
-    return None, row
+    return EXISTING, None, row
 
 
-def _is_lock_wait_timeout(exc: DatabaseError, vendor: str) -> bool:
-    if vendor == "postgresql":
-        return getattr(exc.__cause__, "sqlstate", None) == _LOCK_NOT_AVAILABLE
-    if vendor == "sqlite":
-        return isinstance(exc, OperationalError) and "locked" in str(exc)
-    return False
+def in_progress(scope: str, key: str, why: str) -> IdempotencyInProgress:
+    return IdempotencyInProgress(
+        f"Idempotency key {key!r} (scope {scope!r}) is being claimed by another transaction "
+        f"({why}; a run whose lock was lost may still be inside its transaction); treated as "
+        "in progress.",
+        key=key,
+        scope=scope,
+    )
 
 
 @contextlib.contextmanager
-def bounded_wait(using: str, seconds: float, *, scope: str, key: str) -> Iterator[None]:
-    """Bound how long the statements in the block wait for another transaction's lock on the
-    record (see the module docs). Must run inside ``transaction.atomic(using=using)``.
-
-    A wait that runs out raises :class:`IdempotencyInProgress` (the transaction is then
-    unusable on PostgreSQL: let the exception leave the atomic block).
-    """
-    connection = connections[using]
-    postgresql = connection.vendor == "postgresql"
-    previous = ""
-    if postgresql:
-        with connection.cursor() as cursor:
-            # The old value first (left to right), then the bound, local to the transaction.
-            cursor.execute(
-                "SELECT current_setting('lock_timeout'), set_config('lock_timeout', %s, true)",
-                [f"{seconds * 1000:.0f}"],
-            )
-            previous = cursor.fetchone()[0]
+def in_progress_on_busy(using: str, *, scope: str, key: str) -> Iterator[None]:
+    """SQLite: a write that waited out the busy timeout becomes :class:`IdempotencyInProgress`
+    (another transaction holds the database's write lock; see the module docs)."""
     try:
         yield
-    except DatabaseError as exc:
-        if not _is_lock_wait_timeout(exc, connection.vendor):
+    except OperationalError as exc:
+        if connections[using].vendor != "sqlite" or "locked" not in str(exc):
             raise
-        raise IdempotencyInProgress(
-            f"Idempotency key {key!r} (scope {scope!r}) is being written by another "
-            f"transaction that did not end within {seconds:g}s (a run whose lock was lost is "
-            "still inside its transaction); treated as in progress.",
-            key=key,
-            scope=scope,
-        ) from exc
-    if postgresql:
-        with connection.cursor() as cursor:
-            # Back to the previous value for the job's own statements.
-            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
+        raise in_progress(scope, key, f"the database stayed locked: {exc}") from exc

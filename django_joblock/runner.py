@@ -11,10 +11,11 @@
 row is inserted (or taken over) by the transaction's first statements, the effect follows, the
 success record last, and everything commits once. A crash rolls the claim back with the
 effect, so no claim is left behind to lease out; a concurrent run of the same key (possible
-only after a lock loss) waits on the record's unique key for at most ``CLAIM_WAIT`` seconds
-and is then "in progress" (its ``on_conflict`` applies): of two runs, at most one commits. A
-replay is one query. A run that raised leaves a ``failed`` record (written after the rollback,
-in its own transaction). Without a lock, the claim commits on its own first, as before: that
+only after a lock loss) does not wait for it but is "in progress" at once on PostgreSQL (the
+key's transaction-scoped guard, :mod:`django_joblock.idempotency_store`), after at most the
+busy timeout on SQLite; its ``on_conflict`` applies. Of two runs, at most one commits (the
+record's unique key). A replay is one query. A run that raised leaves a ``failed`` record
+(written after the rollback, in its own transaction). Without a lock, the claim commits on its own first, as before: that
 separate claim is what keeps two concurrent duplicates from both running non-database side
 effects. A job with a lock and no idempotency key runs in the same transaction rule (unless
 declared ``atomic=False``), so a lost lock rolls its writes back too. The transaction is on the
@@ -63,13 +64,11 @@ from .logs import logger
 from .outcomes import FINAL_SUCCESS, JobOutcome, Run, finish
 from .requeue import Ending, conflict
 
-__all__ = ["CLAIM_WAIT", "JobOutcome", "run"]
+__all__ = ["JobOutcome", "run"]
 
 # Reading the operator's note on the loss path: never wait long for a Redis that may be gone.
 _NOTE_TIMEOUT = 1.0
 _AUDIT_ID_WAIT = 2.0
-# Longest wait (s) of a one-commit claim on a key another transaction is writing (§4.9).
-CLAIM_WAIT = 2.0
 
 
 def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -247,7 +246,7 @@ def _one_commit(
     claimed = False
     try:
         with transaction.atomic(using=claim_spec.using):
-            claim = claim_in_transaction(claim_spec, CLAIM_WAIT)
+            claim = claim_in_transaction(claim_spec)
             claimed = True
             if claim.done:
                 state.hand_off()
@@ -270,11 +269,11 @@ def _one_commit(
                 scope=claim_spec.scope,
             ) from exc
         if claimed:
-            record_failure(claim_spec, f"{type(exc).__name__}: {exc}", CLAIM_WAIT)
+            record_failure(claim_spec, f"{type(exc).__name__}: {exc}")
         raise
     except LockLost:
         raise  # the lock is someone else's now, and so is the key: leave its record alone
     except BaseException as exc:
         if claimed:
-            record_failure(claim_spec, f"{type(exc).__name__}: {exc}", CLAIM_WAIT)
+            record_failure(claim_spec, f"{type(exc).__name__}: {exc}")
         raise

@@ -43,7 +43,7 @@ class LoggingWorkers(Workers):
 def test_the_documented_logging_snippet_is_the_one_tested():
     docs = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
     block = docs.split("```python\nLOGGING = ", 1)[1].split("```", 1)[0]
-    assert eval(block) == settings_logging.LOGGING  # noqa: S307 - our own docs
+    assert eval(block) == settings_logging.LOGGING  # our own docs
 
 
 def test_the_worker_log_shows_one_line_per_job_outcome(settings, rconn):
