@@ -15,11 +15,11 @@ only after a lock loss) does not wait for it but is "in progress" at once on Pos
 key's transaction-scoped guard, :mod:`django_joblock.idempotency_store`), after at most the
 busy timeout on SQLite; its ``on_conflict`` applies. Of two runs, at most one commits (the
 record's unique key). A replay is one query. A run that raised leaves a ``failed`` record
-(written after the rollback, in its own transaction). Without a lock, the claim commits on its own first, as before: that
-separate claim is what keeps two concurrent duplicates from both running non-database side
-effects. A job with a lock and no idempotency key runs in the same transaction rule (unless
-declared ``atomic=False``), so a lost lock rolls its writes back too. The transaction is on the
-database the idempotency records use.
+(written after the rollback, in its own transaction). Without a lock, the claim commits on
+its own first, as before: that separate claim is what keeps two concurrent duplicates from
+both running non-database side effects. A job with a lock and no idempotency key follows the
+same transaction rule (unless declared ``atomic=False``), so a lost lock rolls its writes back
+too. The transaction is on the database the idempotency records use.
 
 Contention is handled by :mod:`django_joblock.requeue`; outcomes, the one log line per run
 and the wait-to-start metric by :mod:`django_joblock.outcomes`.
