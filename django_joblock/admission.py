@@ -168,7 +168,8 @@ def hand_off(job: Any) -> None:
     # would merely cost that read again).
     registry.__dict__.setdefault("concurrency", job.rate_limit_concurrency)
     try:
-        registry.release_and_enqueue(job.id)
+        if not registry.release_and_enqueue(job.id):
+            _forget_if_idle(registry)
     except REDIS_ERRORS:
         logger.debug("early hand-off of job %s failed; RQ releases its slot", job.id)
         return
@@ -176,3 +177,25 @@ def hand_off(job: Any) -> None:
     # round trips for nothing (on this in-memory job only; the stored job keeps its limit, so
     # a repeat or a requeue by RQ is rate limited again).
     job.rate_limit_key = None
+
+
+def _forget_if_idle(registry: Any) -> None:
+    """Nobody waits on the resource any more: remove its rate limit's keys now (RQ's own
+    clean-up script, which removes nothing while a job holds or waits for a slot).
+
+    Otherwise every resource ever locked would keep its config hash and its entry in RQ's
+    set of rate-limit keys until RQ's maintenance, which then walks all of them (four round
+    trips each): with one resource per order, that set grows by every order of the interval.
+    """
+    from rq.rate_limit import CLEANUP_REGISTRY_SCRIPT
+
+    script = registry.connection.register_script(CLEANUP_REGISTRY_SCRIPT)  # EVALSHA
+    script(
+        keys=[
+            registry.allowed_key,
+            registry.rate_limited_key,
+            registry.config_key,
+            registry.rl_keys_key,
+        ],
+        args=[registry.key],
+    )

@@ -207,6 +207,24 @@ def test_waiting_jobs_run_after_a_redis_restart(server, workers, rconn):
         _persistent(server, server.client(), False)
 
 
+def test_an_idle_resource_leaves_no_rate_limit_keys_behind(workers, rconn):
+    """One RateLimit per resource: without the clean-up at hand-off, every order ever
+    processed would keep its keys until RQ's maintenance walks them all."""
+    workers.start()
+    jobs = [admission_jobs.hot.delay(100 + i, f"idle{i}", 0.0) for i in range(5)]
+    for job in jobs:
+        assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    if not RATE_LIMITED:
+        return
+    assert all(job.rate_limit_key for job in jobs), "negative control: they were rate limited"
+    registry = admission.RateLimitRegistry
+    assert wait_for(lambda: not rconn.smembers(registry.rl_keys_key), 10), rconn.smembers(
+        registry.rl_keys_key
+    )
+    leftovers = [k for k in rconn.scan_iter("rq:rl:*")]  # a test may scan its own Redis
+    assert leftovers == [], leftovers
+
+
 def test_workers_wake_up_for_rq_maintenance_on_time(rconn):
     """Idle workers block in their dequeue call for at most the maintenance interval (RQ's own
     worker blocks for up to 405 s whatever the interval), so a slot left by a dead worker is
