@@ -239,3 +239,29 @@ def test_workers_wake_up_for_rq_maintenance_on_time(rconn):
     from rq import Worker
 
     assert Worker([queue], connection=rconn).dequeue_timeout == 405, "RQ's own default"
+
+
+def test_wait_to_start_is_measured_and_shown(workers, rconn):
+    """meta["joblock"]["waited"], the start_wait_seconds histogram, the dashboard card and
+    chart, and the Prometheus series."""
+    from django_joblock import dashboard, monitoring
+    from django_joblock.prometheus import exposition
+
+    workers.start()
+    holder = admission_jobs.hot_hold.delay(5, "holder")
+    _pid(rconn, "holder")
+    waiter = admission_jobs.hot.delay(5, "waiter", 0.0)
+    time.sleep(1.0)
+    rconn.set("test:go:holder", 1)
+    assert wait_status(waiter, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert wait_status(holder, DONE, 30) is JobStatus.FINISHED
+    waited = waiter.get_meta(refresh=True)["joblock"]["waited"]
+    assert 1.0 <= waited < 30, waited
+    histogram = monitoring.totals().merged_histogram("start_wait_seconds", "hot")
+    assert sum(histogram) == 2, "one observation per job that started"
+    page = dashboard.build()
+    cards = dict(page["cards"])
+    assert cards["Wait to start p50 / p99 (1 h)"].startswith("≤ "), cards
+    chart = next(c for c in page["charts"] if c.title.startswith("Wait from enqueue"))
+    assert [bar.label for bar in chart.bars] == ["hot"]
+    assert b'joblock_start_wait_seconds_count{family="hot"' in exposition()
