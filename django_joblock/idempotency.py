@@ -10,8 +10,8 @@
 Protocol (no read-then-write window):
 
 1. ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``: the first claimer of a key owns it.
-   One statement on the happy path.
-2. Otherwise read the row. ``succeeded``: replay (``claim.done``; the ``duplicate_blocked``
+   One statement on the happy path (:mod:`django_joblock.idempotency_store`).
+2. Otherwise read the row (on PostgreSQL in that same statement: a replay is one query). ``succeeded``: replay (``claim.done``; the ``duplicate_blocked``
    signal is sent). ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it
    was claimed under an older fence of the very lock this claim holds now (that claimer lost
    the lock, so its claim is dead: taken over at once). Another
@@ -41,14 +41,13 @@ and ``IntegrityError`` for step 1 (one more statement).
 
 from __future__ import annotations
 
-import logging
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from django.db import DatabaseError, connections, router, transaction
+from django.db import connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -68,16 +67,7 @@ from .idempotency_inputs import (
     validate_key,
     validate_scope,
 )
-from .idempotency_store import (
-    EXISTING,
-    GUARDED,
-    INSERTED,
-    in_progress,
-    in_progress_on_busy,
-    insert,
-    insert_or_read,
-    try_guard,
-)
+from .idempotency_store import EXISTING, GUARDED, INSERTED, in_progress, insert_or_read
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -86,16 +76,13 @@ __all__ = [
     "Claim",
     "check_result",
     "claim",
-    "claim_in_transaction",
     "fingerprint_of",
     "idempotent",
-    "record_failure",
     "validate_key",
     "validate_scope",
 ]
 
 _TAKEOVER_TRIES = 5
-logger = logging.getLogger("django_joblock")
 
 
 def _model() -> Any:
@@ -375,67 +362,3 @@ def claim(spec: idempotent, *, guard: bool = False) -> Claim:
         key=spec.key,
         scope=spec.scope,
     )
-
-
-def claim_in_transaction(spec: idempotent) -> Claim:
-    """Claim ``spec.key`` inside the caller's transaction, for the one-commit flow (§4.9).
-
-    The claim row is inserted (or taken over) by the first statement of the caller's
-    transaction and is not committed on its own: it commits with the effect and the success
-    record, or rolls back with them (a crash leaves no claim to lease out). A concurrent run
-    of the same key (possible only after a lock loss) does not wait for it: on PostgreSQL it
-    finds the key's guard taken, on SQLite it waits at most the busy timeout; either way it
-    raises :class:`IdempotencyInProgress`. Of two runs, at most one commits (the unique key).
-    Raises :class:`IdempotencyError` outside a transaction on ``spec.using``.
-    """
-    if not connections[spec.using].in_atomic_block:
-        raise IdempotencyError(
-            "claim_in_transaction() must run inside transaction.atomic()",
-            key=spec.key,
-            scope=spec.scope,
-        )
-    with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
-        return claim(spec, guard=True)
-
-
-def record_failure(spec: idempotent, error: str) -> None:
-    """After a one-commit run raised (and its transaction rolled back, claim included), leave a
-    ``failed`` record with the error, as a separate claim does: best effort, in its own short
-    transaction, never over a record another run has claimed or finished meanwhile (and never
-    waiting for one that is being claimed)."""
-    model = _model()
-    now = timezone.now()
-    values = {
-        "scope": spec.scope,
-        "key": spec.key,
-        "fingerprint": spec.fingerprint,
-        "status": "failed",
-        "result": None,
-        "error": error[:10_000],
-        "owner": "",
-        "fence": None,
-        "lock_resource": "",
-        "rq_job_id": _job_id(),
-        "attempts": 1,
-        "lease_expires_at": None,
-        "created_at": now,
-        "updated_at": now,
-        "finished_at": now,
-        "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
-    }
-    try:
-        with transaction.atomic(using=spec.using):
-            with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
-                if not try_guard(spec.using, spec.scope, spec.key):
-                    return  # another run is claiming the key: the record is its now
-                if insert(model, spec.using, values) is None:
-                    model.objects.using(spec.using).filter(
-                        scope=spec.scope, key=spec.key, status="failed"
-                    ).update(
-                        error=values["error"],
-                        attempts=F("attempts") + 1,
-                        updated_at=now,
-                        finished_at=now,
-                    )
-    except (DatabaseError, IdempotencyInProgress):
-        logger.warning("could not record the failure of key %r", spec.key, exc_info=True)

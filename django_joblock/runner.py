@@ -52,15 +52,11 @@ from .exceptions import (
     LockContentionTimeout,
     LockLost,
 )
-from .idempotency import (
-    claim_in_transaction,
-    fingerprint_of,
-    idempotent,
-    record_failure,
-)
+from .idempotency import fingerprint_of, idempotent
 from .jobspec import JobSpec
 from .locks import Lock, reset_current_lock, set_current_lock
 from .logs import logger
+from .one_commit import claim_in_transaction, record_failure
 from .outcomes import FINAL_SUCCESS, JobOutcome, Run, finish
 from .requeue import Ending, conflict
 

@@ -12,8 +12,9 @@ from django.db import connection
 from rq.job import JobStatus
 
 from django_joblock import IdempotencyRecord, lock_info
-from django_joblock.idempotency import claim_in_transaction, idempotent
+from django_joblock.idempotency import idempotent
 from django_joblock.idempotency_store import insert_or_read
+from django_joblock.one_commit import claim_in_transaction
 from tests import admission_jobs
 from tests.harness import expire_now, wait_for
 from tests.testapp.models import Account
