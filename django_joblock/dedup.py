@@ -36,9 +36,12 @@ LIVE = frozenset({"created", "queued", "started", "deferred", "scheduled", "rate
 GUARD_TTL = 10.0  # seconds an enqueuer may hold the guard of one job id
 _POLL = 0.01
 
-# Compare-and-delete of the guard (never a blind DEL: it may have expired and been retaken).
-# KEYS[1] guard key; ARGV[1] our token. Returns 1 deleted, 0 not ours.
 _RELEASE_GUARD = """
+-- Release an enqueue guard we hold (compare-and-delete: it may have expired and been retaken
+-- by another enqueuer, whose guard a blind DEL would remove).
+-- KEYS[1] guard key
+-- ARGV[1] our token
+-- Returns 1 released, 0 not ours (any more).
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
