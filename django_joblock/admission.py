@@ -154,48 +154,51 @@ def admitted(job: Any, resource: str | None) -> bool:
     return resource is not None and key is not None and key == key_for(resource)
 
 
-def hand_off(job: Any) -> None:
+def hand_off(job: Any) -> Any:
     """Give this job's admission slot to the next parked job now (see module docs).
 
+    Returns the resource's rate-limit registry when nobody was waiting (nobody promoted), for
+    :func:`forget_if_idle` to remove its keys together with the job's last write, else None.
     Best effort: RQ releases the slot itself after its bookkeeping anyway, and its maintenance
     recovers a slot nobody released.
     """
     if RateLimitRegistry is None:
-        return
+        return None
     registry = RateLimitRegistry.from_job(job)
     # The job carries its limit's concurrency: spare the round trip that reads it back from
     # the registry's config hash (a cached property; were it ever a plain property, this
     # would merely cost that read again).
     registry.__dict__.setdefault("concurrency", job.rate_limit_concurrency)
     try:
-        if not registry.release_and_enqueue(job.id):
-            _forget_if_idle(registry)
+        promoted = registry.release_and_enqueue(job.id)
     except REDIS_ERRORS:
         logger.debug("early hand-off of job %s failed; RQ releases its slot", job.id)
-        return
+        return None
     # The slot is released: RQ's own release after its bookkeeping would repeat the same two
     # round trips for nothing (on this in-memory job only; the stored job keeps its limit, so
     # a repeat or a requeue by RQ is rate limited again).
     job.rate_limit_key = None
+    return None if promoted else registry
 
 
-def _forget_if_idle(registry: Any) -> None:
-    """Nobody waits on the resource any more: remove its rate limit's keys now (RQ's own
+def forget_if_idle(pipeline: Any, registry: Any) -> None:
+    """Queue on ``pipeline`` the removal of an idle resource's rate-limit keys (RQ's own
     clean-up script, which removes nothing while a job holds or waits for a slot).
 
     Otherwise every resource ever locked would keep its config hash and its entry in RQ's
     set of rate-limit keys until RQ's maintenance, which then walks all of them (four round
     trips each): with one resource per order, that set grows by every order of the interval.
+    ``EVAL`` with the script's text: a pipeline with ``EVALSHA`` would first ask the server
+    whether it knows the script (one more round trip).
     """
     from rq.rate_limit import CLEANUP_REGISTRY_SCRIPT
 
-    script = registry.connection.register_script(CLEANUP_REGISTRY_SCRIPT)  # EVALSHA
-    script(
-        keys=[
-            registry.allowed_key,
-            registry.rate_limited_key,
-            registry.config_key,
-            registry.rl_keys_key,
-        ],
-        args=[registry.key],
+    pipeline.eval(
+        CLEANUP_REGISTRY_SCRIPT,
+        4,
+        registry.allowed_key,
+        registry.rate_limited_key,
+        registry.config_key,
+        registry.rl_keys_key,
+        registry.key,
     )

@@ -11,13 +11,14 @@ Protocol (no read-then-write window):
 
 1. ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``: the first claimer of a key owns it.
    One statement on the happy path (:mod:`django_joblock.idempotency_store`).
-2. Otherwise read the row (on PostgreSQL in that same statement: a replay is one query). ``succeeded``: replay (``claim.done``; the ``duplicate_blocked``
-   signal is sent). ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it
-   was claimed under an older fence of the very lock this claim holds now (that claimer lost
-   the lock, so its claim is dead: taken over at once). Another
-   fingerprint: :class:`IdempotencyKeyMismatch`. ``failed``, or ``running`` with an expired
-   lease (its owner died): take it over with a compare-and-set ``UPDATE`` on the owner,
-   status and attempts just read; ``attempts`` goes up by one. Losing that race reads again.
+2. Otherwise read the row (on PostgreSQL in that same statement: a replay is one query).
+   ``succeeded``: replay (``claim.done``; the ``duplicate_blocked`` signal is sent).
+   ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it was claimed under
+   an older fence of the very lock this claim holds now (that claimer lost the lock, so its
+   claim is dead: taken over at once). Another fingerprint: :class:`IdempotencyKeyMismatch`.
+   ``failed``, or ``running`` with an expired lease (its owner died): take it over with a
+   compare-and-set ``UPDATE`` on the owner, status and attempts just read; ``attempts`` goes
+   up by one. Losing that race reads again.
 3. ``claim.succeed(result)``: ``UPDATE ... WHERE owner = <this claim> AND status = 'running'``,
    one statement, inside the caller's transaction, so a rollback of the business write rolls
    the marker back too. If the lease was taken over meanwhile, it raises
@@ -243,12 +244,20 @@ class idempotent:
             held.succeed(None)
 
 
-def claim(spec: idempotent, *, guard: bool = False) -> Claim:
-    """Claim ``spec.key`` race-free; see the module docs for the protocol. ``guard``: inside a
-    job's transaction (:func:`claim_in_transaction`)."""
+def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> Claim:
+    """Claim ``spec.key`` race-free; see the module docs for the protocol.
+
+    ``guard`` and ``finished`` are for a claim inside a job's transaction
+    (:func:`django_joblock.one_commit.claim_in_transaction`): the key's guard is taken in the
+    same statement, and the row is written as it will be committed (``succeeded``, finished
+    now, no lease), since nobody sees it before the commit and a rollback removes it.
+    """
     model = _model()
     token = secrets.token_hex(16)
     now = timezone.now()
+    status = "succeeded" if finished else "running"
+    lease = None if finished else now + timedelta(seconds=spec.lease)
+    finished_at = now if finished else None
     from .locks import current_lock
 
     held = current_lock()
@@ -259,7 +268,7 @@ def claim(spec: idempotent, *, guard: bool = False) -> Claim:
         "scope": spec.scope,
         "key": spec.key,
         "fingerprint": spec.fingerprint,
-        "status": "running",
+        "status": status,
         "result": None,
         "error": "",
         "owner": token,
@@ -267,10 +276,10 @@ def claim(spec: idempotent, *, guard: bool = False) -> Claim:
         "lock_resource": resource,
         "rq_job_id": job_id,
         "attempts": 1,
-        "lease_expires_at": now + timedelta(seconds=spec.lease),
+        "lease_expires_at": lease,
         "created_at": now,
         "updated_at": now,
-        "finished_at": None,
+        "finished_at": finished_at,
         "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
     }
     for _ in range(_TAKEOVER_TRIES):
@@ -332,15 +341,15 @@ def claim(spec: idempotent, *, guard: bool = False) -> Claim:
             )
             .update(
                 owner=token,
-                status="running",
+                status=status,
                 attempts=F("attempts") + 1,
                 error="",
                 fence=fence,
                 lock_resource=resource,
                 rq_job_id=job_id,
                 updated_at=now,
-                finished_at=None,
-                lease_expires_at=now + timedelta(seconds=spec.lease),
+                finished_at=finished_at if finished else None,
+                lease_expires_at=None if finished else now + timedelta(seconds=spec.lease),
                 # A takeover is a new claim: it lives a full TTL from now, like an insert.
                 expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
                 fingerprint=spec.fingerprint or row["fingerprint"],

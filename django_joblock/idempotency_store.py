@@ -90,6 +90,21 @@ def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
     return None if row is None else int(row[0])
 
 
+def set_result(model: Any, using: str, record_id: int, owner: str, result: Any) -> None:
+    """``UPDATE`` the result of record ``record_id`` (still owned by ``owner``): one statement
+    without the ORM's compilation, on the hot path of every job with a result."""
+    connection = connections[using]
+    meta = model._meta
+    quote = connection.ops.quote_name
+    result_field = meta.get_field("result")
+    sql = (
+        f"UPDATE {quote(meta.db_table)} SET {quote(result_field.column)} = %s "
+        f"WHERE {quote(meta.pk.column)} = %s AND {quote(meta.get_field('owner').column)} = %s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [result_field.get_db_prep_save(result, connection), record_id, owner])
+
+
 def try_guard(using: str, scope: str, key: str) -> bool:
     """Take the key's transaction-scoped guard on PostgreSQL without waiting (True elsewhere).
     Must run inside a transaction."""

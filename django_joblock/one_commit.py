@@ -21,7 +21,8 @@ from . import conf
 from .exceptions import IdempotencyError, IdempotencyInProgress
 from .holders import job_context
 from .idempotency import Claim, claim, idempotent
-from .idempotency_store import in_progress_on_busy, insert, try_guard
+from .idempotency_inputs import check_result
+from .idempotency_store import in_progress_on_busy, insert, set_result, try_guard
 
 logger = logging.getLogger("django_joblock")
 
@@ -36,8 +37,9 @@ def claim_in_transaction(spec: idempotent) -> Claim:
     """Claim ``spec.key`` inside the caller's transaction, for the one-commit flow (§4.9).
 
     The claim row is inserted (or taken over) by the first statement of the caller's
-    transaction and is not committed on its own: it commits with the effect and the success
-    record, or rolls back with them (a crash leaves no claim to lease out). A concurrent run
+    transaction, already as it will be committed (``succeeded``), and is not committed on its
+    own: it commits with the effect and the result (:func:`record_result`), or rolls back with
+    them (a crash leaves no claim to lease out). A concurrent run
     of the same key (possible only after a lock loss) does not wait for it: on PostgreSQL it
     finds the key's guard taken, on SQLite it waits at most the busy timeout; either way it
     raises :class:`IdempotencyInProgress`. Of two runs, at most one commits (the unique key).
@@ -50,7 +52,29 @@ def claim_in_transaction(spec: idempotent) -> Claim:
             scope=spec.scope,
         )
     with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
-        return claim(spec, guard=True)
+        return claim(spec, guard=True, finished=True)
+
+
+def record_result(held: Claim, result: Any) -> None:
+    """Store the job's ``result`` in the record claimed by :func:`claim_in_transaction`, in the
+    same transaction. The row was written ``succeeded`` already: nothing to do for ``None``,
+    else one ``UPDATE`` of the (unindexed) result column.
+
+    Raises :class:`IdempotencyError` for a result that cannot be stored as JSON (the job then
+    fails and its transaction rolls back), as :meth:`Claim.succeed` does.
+    """
+    try:
+        check_result(result)
+    except (TypeError, ValueError) as exc:
+        raise IdempotencyError(
+            f"Result for idempotency key {held.key!r} cannot be stored as JSON "
+            f"(DjangoJSONEncoder, no NaN or infinity): {exc}",
+            key=held.key,
+            scope=held.scope,
+        ) from exc
+    held.result = result
+    if result is not None:
+        set_result(_record_model(), held.using, held.record_id, held.token, result)
 
 
 def record_failure(spec: idempotent, error: str) -> None:

@@ -64,6 +64,7 @@ class Run:
     worker: bool
     admitted: bool = False  # holds an admission slot of its resource
     handed_off: bool = False
+    idle: Any = None  # the resource's rate-limit registry, when nobody waited on it
     holder: str = ""  # who held the resource, when it was busy (for the log line)
     waited: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +86,7 @@ class Run:
         """
         if self.admitted and not self.handed_off:
             self.handed_off = True
-            admission.hand_off(self.job)
+            self.idle = admission.hand_off(self.job)
 
     def started(self) -> None:
         """The run took its lock (or needs none): record the wait since enqueue."""
@@ -99,7 +100,11 @@ class Run:
 
 
 def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
-    """Record ``outcome`` in the job's meta (one ``HSET``) and log the run's one line."""
+    """Record ``outcome`` in the job's meta and log the run's one line.
+
+    One round trip on the queue's connection: the meta's ``HSET`` and, when nobody waited on
+    the resource, the removal of its rate-limit keys (:func:`admission.forget_if_idle`).
+    """
     _log(run, outcome, extra)
     job = run.job
     if job is None:
@@ -112,7 +117,11 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
         state["waited"] = round(run.waited, 6)
     state.update(extra)
     try:
-        job.save_meta()
+        pipeline = job.connection.pipeline(transaction=False)
+        pipeline.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as job.save_meta()
+        if run.idle is not None:
+            admission.forget_if_idle(pipeline, run.idle)
+        pipeline.execute()
     except REDIS_ERRORS:
         logger.warning(
             "could not record outcome %s in the meta of job %s",

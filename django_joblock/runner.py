@@ -56,7 +56,7 @@ from .idempotency import fingerprint_of, idempotent
 from .jobspec import JobSpec
 from .locks import Lock, reset_current_lock, set_current_lock
 from .logs import logger
-from .one_commit import claim_in_transaction, record_failure
+from .one_commit import claim_in_transaction, record_failure, record_result
 from .outcomes import FINAL_SUCCESS, JobOutcome, Run, finish
 from .requeue import Ending, conflict
 
@@ -250,7 +250,7 @@ def _one_commit(
             result = spec.func(*args, **kwargs)
             state.hand_off()
             held.ensure_held()  # never commit the effect of a job that lost its lock
-            claim.succeed(result)
+            record_result(claim, result)
         return JobOutcome.RAN, result, {}
     except IdempotencyInProgress:
         raise
