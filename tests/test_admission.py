@@ -186,9 +186,13 @@ def _persistent(server: RedisServer, client: Any, on: bool) -> None:
 
 
 def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
-    """Bound: a job a worker popped just as Redis was killed sits in RQ's intermediate queue
-    until RQ's maintenance has seen it there for a minute (RQ's rule), plus two maintenance
-    intervals (5 s here); every other waiting job runs as soon as the resource frees."""
+    """Every waiting job runs, or fails visibly, within a bound. The jobs caught by the
+    restart are RQ's to recover: one a worker popped just as Redis was killed sits in RQ's
+    intermediate queue until RQ's maintenance has seen it there for a minute; one whose
+    worker lost its bookkeeping stays "started" until its execution expires
+    (min(job_timeout, 30) + 60 = 65 s here) and is then failed (AbandonedJobError) or retried by
+    the next maintenance (every 5 s here). Every other waiting job runs as soon as the
+    resource frees."""
     settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4}}
     workers = Workers(settings.JOBLOCK, extra_args=["--maintenance-interval", "5"])
     _persistent(server, rconn, True)
@@ -197,7 +201,8 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         workers.start()
         holder = admission_jobs.hot_hold.delay(4, "holder")
         _pid(rconn, "holder")
-        waiters = [admission_jobs.hot.delay(4, f"w{i}", 0.05) for i in range(4)]
+        # job_timeout=5: RQ gives up a job lost with the restart 65 s after its last heartbeat
+        waiters = [admission_jobs.hot.enqueue((4, f"w{i}", 0.05), job_timeout=5) for i in range(4)]
         _parked(waiters)
         run_id = rconn.info("server")["run_id"]
         server.restart()
@@ -206,7 +211,7 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         rconn.set("test:go:holder", 1)
         # As a process supervisor does in production: an RQ worker may quit when its Redis
         # goes away under it (rq 2.x does, with its scheduler); start a new one.
-        deadline = time.monotonic() + 60 + 2 * 5 + 30
+        deadline = time.monotonic() + 65 + 2 * 5 + 30
         replaced: set[int] = set()
         while not all(job.get_status(refresh=True) in DONE for job in waiters):
             assert time.monotonic() < deadline, workers.logs()
@@ -215,7 +220,12 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
                     replaced.add(index)
                     workers.start(scheduler=index == 0)
             time.sleep(0.2)
-        assert all(job.get_status() == JobStatus.FINISHED for job in waiters), workers.logs()
+        for job in waiters:
+            if job.get_status() == JobStatus.FAILED:  # visibly, by RQ's recovery
+                failure = str(job.latest_result().exc_string)
+                assert "AbandonedJobError" in failure or "intermediate" in failure, failure
+        finished = [job for job in waiters if job.get_status() == JobStatus.FINISHED]
+        assert len(finished) >= len(waiters) - 1, "at most the one caught by the restart"
         assert wait_status(holder, DONE, 30) in DONE
         _no_overlap(rconn)
     finally:
