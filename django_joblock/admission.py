@@ -33,8 +33,12 @@ What frees a slot, and the bound on a waiting job when the holder's process dies
 is lost, RQ recovers the slot):
 
 - the job ends in its work horse: the horse releases the slot (before RQ's bookkeeping);
+  when nobody was waiting, the resource's rate-limit keys go too (:func:`forget_if_idle`, in
+  the round trip of the job's outcome), so RQ's set of rate-limit keys holds only resources
+  with work in flight;
 - the work horse is killed (SIGKILL, OOM, RQ's job timeout): the worker parent marks the job
-  failed (or retried) and releases the slot at once;
+  failed (or retried) and releases the slot at once; a horse that hangs or is stopped keeps
+  the slot until RQ's job timeout kills it (its lock expired long before);
 - the whole worker process dies (a ``SimpleWorker``, or a parent together with its horse): the
   job's RQ execution expires ``min(job_timeout, 30) + 60`` s after the worker's last heartbeat
   (RQ's ``job_monitoring_interval`` + 60), and the next RQ maintenance of any worker on the
@@ -42,7 +46,9 @@ is lost, RQ recovers the slot):
   (``joblock_worker`` default 60 s, RQ's 600 s; :mod:`django_joblock.worker` makes idle
   workers wake up for it);
 - a Redis restart keeps the waiting set and the slot (with an append-only file, as RQ needs);
-  a job whose bookkeeping failed with the restart is recovered by the same maintenance.
+  a job whose bookkeeping failed with the restart is recovered by the same maintenance, and
+  one a worker popped just as Redis was killed by RQ's rule for its intermediate queue (seen
+  there by a maintenance for a minute).
 
 Not applied (``job.meta["joblock"]["admission"]`` says why; the job then requeues on
 contention): rq < 3.0 (``requeue_only``), ``@locked_job(admission=False)`` (``off``), a
