@@ -291,3 +291,30 @@ def test_wait_to_start_is_measured_and_shown(workers, rconn):
     chart = next(c for c in page["charts"] if c.title.startswith("Wait from enqueue"))
     assert [bar.label for bar in chart.bars] == ["hot"]
     assert b'joblock_start_wait_seconds_count{family="hot"' in exposition()
+
+
+def test_how_admission_meets_rqs_own_options(rconn):
+    """A caller's rate_limit wins, RQ's unique=True and pipeline= go without admission (RQ
+    refuses them with a rate limit), admission=False is off; each is said in the meta."""
+    queue = Queue("default", connection=rconn)
+
+    def mode(job: Any) -> str:
+        return str(job.get_meta(refresh=True)["joblock"]["admission"])
+
+    off = admission_jobs.hot_outside.delay(20, "off", 0.0)
+    assert mode(off) == "off" and not getattr(off, "rate_limit_key", None)
+    if not RATE_LIMITED:
+        assert mode(admission_jobs.hot.delay(20, "x", 0.0)) == "requeue_only"
+        return
+    mine = admission.RateLimit(key="tenant:7", concurrency=2)
+    job = admission_jobs.hot.enqueue((21, "mine", 0.0), rate_limit=mine)
+    assert mode(job) == "caller_rate_limit" and job.rate_limit_key == "tenant:7"
+    unique = admission_jobs.hot.enqueue((22, "u", 0.0), job_id="mine-1", unique=True)
+    assert mode(unique) == "rq_unique" and not unique.rate_limit_key
+    with rconn.pipeline() as pipe:
+        piped = admission_jobs.hot.enqueue((23, "p", 0.0), pipeline=pipe)
+        pipe.execute()
+    assert piped.meta["joblock"]["admission"] == "pipeline" and not piped.rate_limit_key
+    parked = admission_jobs.hot.delay(24, "a", 0.0)
+    assert mode(parked) == "rate_limit" and parked.rate_limit_key == "joblock:{hot:24}:lock"
+    assert queue.count == 5
