@@ -24,10 +24,11 @@ Two things are added to RQ's ``RateLimit``:
   ``release_and_enqueue``) as soon as the job's body has returned (or its replay is decided),
   instead of after its commit, its lock release and RQ's bookkeeping of the finished job. The
   next job needs a few milliseconds to be dequeued and prepared by RQ, which overlap that
-  tail; an admitted job therefore waits up to ``HANDOFF_WAIT`` for its lock (the job before
-  it is releasing it) before it counts as contended. RQ's own release after its bookkeeping
-  is skipped for that job (nothing left to release). Not for a body that raised: RQ fails or
-  retries that job and releases its slot itself.
+  tail; a job that was parked and promoted therefore waits up to ``HANDOFF_WAIT`` for its
+  lock (the job before it is releasing it) before it counts as contended (a job let through
+  at its enqueue does not wait: a busy lock then has a holder outside admission). RQ's own
+  release after its bookkeeping is skipped for that job (nothing left to release). Not for a
+  body that raised: RQ fails or retries that job and releases its slot itself.
 
 What frees a slot, and the bound on a waiting job when the holder's process dies (no wake-up
 is lost, RQ recovers the slot):
@@ -80,9 +81,13 @@ except ImportError:  # rq 2.x: requeue only
     pass
 
 PARKED = "rate_limited"  # RQ's JobStatus.RATE_LIMITED (rq >= 3.0)
-# Longest wait (s) of an admitted job for its lock: the job before it handed off early and is
-# still committing / releasing. A holder outside admission costs a requeue after this long.
+# Longest wait (s) of a job handed the resource by the job before it, for that job's lock:
+# it handed off early and is still committing / releasing. Only for a job that was parked
+# (a job admitted at its enqueue that finds the lock busy has a holder outside admission).
 HANDOFF_WAIT = 0.5
+# A job was parked when RQ pushed it onto its queue this long after creating it (a job let
+# through at enqueue is pushed within milliseconds; a promoted one at its promotion).
+PARKED_AFTER = 0.05
 
 
 class Admission(enum.StrEnum):
@@ -152,6 +157,16 @@ def keep_fifo(job: Any) -> None:
         return
     registry = RateLimitRegistry(key=job.rate_limit_key, connection=job.connection)
     job.connection.zadd(registry.rate_limited_key, {job.id: job.created_at.timestamp()}, xx=True)
+
+
+def handed_on(job: Any) -> bool:
+    """True when ``job`` waited parked and was pushed onto its queue by a promotion (the job
+    before it on the resource handed off, or ended): RQ's ``enqueued_at`` is then its
+    promotion time, well after its ``created_at``."""
+    enqueued, created = getattr(job, "enqueued_at", None), getattr(job, "created_at", None)
+    if enqueued is None or created is None:
+        return False
+    return bool((enqueued - created).total_seconds() > PARKED_AFTER)
 
 
 def admitted(job: Any, resource: str | None) -> bool:

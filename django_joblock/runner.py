@@ -117,9 +117,10 @@ def _flow(
         heartbeat=spec.heartbeat,
         on_lost=lambda lock, reason: _lost(spec, abort, lock, reason),
     )
-    # Admitted: the job before it may still be committing and releasing (it hands off
-    # first); a worker otherwise tries once, an inline call waits ACQUIRE_WAIT.
-    wait = (admission.HANDOFF_WAIT if state.admitted else 0.0) if state.worker else None
+    # Handed the resource by the job before it, which may still be committing and releasing
+    # (it hands off first); a worker otherwise tries once, an inline call waits ACQUIRE_WAIT.
+    handed_on = state.admitted and admission.handed_on(state.job)
+    wait = (admission.HANDOFF_WAIT if handed_on else 0.0) if state.worker else None
     if not held.acquire(wait=wait):
         return conflict(state, held, None)
     state.started()
