@@ -398,7 +398,7 @@ class Chaos:
             "phases": self.phases,
             "faults": self.faults,
             "drain_seconds": round(elapsed, 1),
-            "drain_bound_seconds": self.args.bound,
+            "drain_bound_seconds_per_phase": self.args.bound,
             "drained": counts["finished"] + counts["failed"] == len(self.deliveries),
             "deliveries_finished": counts["finished"],
             "deliveries_failed": counts["failed"],
