@@ -68,7 +68,14 @@ from .idempotency_inputs import (
     validate_key,
     validate_scope,
 )
-from .idempotency_store import EXISTING, GUARDED, INSERTED, in_progress, insert_or_read
+from .idempotency_store import (
+    ABSENT,
+    EXISTING,
+    GUARDED,
+    INSERTED,
+    in_progress,
+    insert_or_read,
+)
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -124,6 +131,9 @@ class Claim:
     using: str
     done: bool = False
     result: Any = None
+    # A claim inside a job's transaction on PostgreSQL: the row to insert with the result at
+    # the end (record_id is 0 until then); see django_joblock.one_commit.
+    pending: dict[str, Any] | None = field(default=None, repr=False)
     _succeed_called: bool = field(default=False, repr=False)
     _committed: bool = field(default=False, repr=False)
 
@@ -287,6 +297,10 @@ def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> C
         if found == INSERTED:
             assert record_id is not None
             return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
+        if found == ABSENT:  # guarded, nothing there: the row is inserted at the end
+            return Claim(
+                spec.key, spec.scope, spec.fingerprint, token, 0, 1, spec.using, pending=values
+            )
         if found == GUARDED:
             raise in_progress(spec.scope, spec.key, "its guard is taken")
         if found != EXISTING or row is None:

@@ -41,9 +41,15 @@ ROW_FIELDS = (
     "fence",
     "lock_resource",
 )
-# What insert_or_read found: a new row, an existing one, neither (ask again), or the key's
-# guard taken by another transaction (PostgreSQL, guard=True).
-INSERTED, EXISTING, NOTHING, GUARDED = "inserted", "existing", "nothing", "guarded"
+# What insert_or_read found: a new row, an existing one, neither (ask again), the key's guard
+# taken by another transaction, or (PostgreSQL, guard=True) no row: insert it at the end.
+INSERTED, EXISTING, NOTHING, GUARDED, ABSENT = (
+    "inserted",
+    "existing",
+    "nothing",
+    "guarded",
+    "absent",
+)
 
 
 def _select_row(model: Any, using: str, scope: str, key: str) -> dict[str, Any] | None:
@@ -58,9 +64,18 @@ def insert_or_read(
 ) -> tuple[str, int | None, dict[str, Any] | None]:
     """Insert the row unless (scope, key) exists: ``(INSERTED, id, None)``, ``(EXISTING, None,
     row)``, ``(NOTHING, None, None)`` when a concurrent insert committed too late for this
-    statement to see it (ask again), or ``(GUARDED, None, None)`` (see the module docs)."""
+    statement to see it (ask again), or ``(GUARDED, None, None)`` (see the module docs).
+
+    With ``guard`` on PostgreSQL nothing is inserted: one statement takes the key's guard and
+    reads the row; without a row the answer is ``(ABSENT, None, None)`` and the caller inserts
+    the row at the end of its transaction (:func:`insert`), with the job's result: one
+    statement fewer than an insert now and an update of the result later. The guard keeps
+    every other guarded claim of the key out meanwhile; the unique key still decides.
+    """
     connection = connections[using]
     if connection.vendor == "postgresql":
+        if guard:
+            return _guard_and_read_postgresql(model, connection, values)
         return _insert_or_read_postgresql(model, connection, values, guard)
     inserted = insert(model, using, values)
     if inserted is not None:
@@ -178,6 +193,34 @@ def _insert_or_read_postgresql(
     row = dict(zip(ROW_FIELDS, rest, strict=True))
     if kind == 1:
         return INSERTED, int(row["id"]), None
+    result_field = meta.get_field("result")
+    row["result"] = result_field.from_db_value(row["result"], None, connection)
+    return EXISTING, None, row
+
+
+def _guard_and_read_postgresql(
+    model: Any, connection: Any, values: dict[str, Any]
+) -> tuple[str, int | None, dict[str, Any] | None]:
+    # One read-only statement: the guard (never waiting) and the row, if there is one. A
+    # replay is this one query.
+    meta = model._meta
+    quote = connection.ops.quote_name
+    fields = ", ".join(f"t.{quote(meta.get_field(name).column)}" for name in ROW_FIELDS)
+    sql = (
+        f"SELECT {_GUARD}, {fields} FROM (SELECT 1) AS one LEFT JOIN {quote(meta.db_table)} t "
+        f"ON t.{quote(meta.get_field('scope').column)} = %s "
+        f"AND t.{quote(meta.get_field('key').column)} = %s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            sql, [_guard_name(values["scope"], values["key"]), values["scope"], values["key"]]
+        )
+        ok, *rest = cursor.fetchone()
+    if not ok:
+        return GUARDED, None, None
+    row = dict(zip(ROW_FIELDS, rest, strict=True))
+    if row["id"] is None:
+        return ABSENT, None, None
     result_field = meta.get_field("result")
     row["result"] = result_field.from_db_value(row["result"], None, connection)
     return EXISTING, None, row

@@ -18,7 +18,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from . import conf
-from .exceptions import IdempotencyError, IdempotencyInProgress
+from .exceptions import IdempotencyClaimLost, IdempotencyError, IdempotencyInProgress
 from .holders import job_context
 from .idempotency import Claim, claim, idempotent
 from .idempotency_inputs import check_result
@@ -73,7 +73,28 @@ def record_result(held: Claim, result: Any) -> None:
             scope=held.scope,
         ) from exc
     held.result = result
-    if result is not None:
+    if held.pending is not None:
+        # PostgreSQL: the row was not inserted at the claim (its guard kept other runs out);
+        # insert it now, with the result. Someone unguarded committed the key meanwhile
+        # (an idempotent() block of the same scope): the unique key decides against us.
+        now = timezone.now()
+        values = {
+            **held.pending,
+            "result": result,
+            "updated_at": now,
+            "finished_at": now,
+            "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
+        }
+        record_id = insert(_record_model(), held.using, values)
+        if record_id is None:
+            raise IdempotencyClaimLost(
+                f"Idempotency key {held.key!r} (scope {held.scope!r}) was recorded by another "
+                "run meanwhile; this run's effect is rolled back.",
+                key=held.key,
+                scope=held.scope,
+            )
+        held.record_id, held.pending = record_id, None
+    elif result is not None:
         set_result(_record_model(), held.using, held.record_id, held.token, result)
 
 

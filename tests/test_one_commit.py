@@ -114,6 +114,14 @@ def test_a_replay_is_one_statement_on_postgresql(rconn):
     expected = 1 if connection.vendor == "postgresql" else 2
     assert len(first.captured_queries) == 1
     assert len(again.captured_queries) == expected, again.captured_queries
+    # Inside a job's transaction (guarded): a replay is one read on PostgreSQL.
+    from django.db import transaction
+
+    with transaction.atomic(), CaptureQueriesContext(connection) as guarded:
+        found, _id, row = insert_or_read(Model, "default", values, guard=True)
+    assert found == "existing" and row is not None and row["result"] == {"ok": 1}
+    statements = [q["sql"] for q in guarded.captured_queries if q["sql"] != "BEGIN"]
+    assert len(statements) == expected, statements
 
 
 def test_claim_in_transaction_refuses_to_run_outside_one():
