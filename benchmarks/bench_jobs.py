@@ -1,6 +1,9 @@
-"""No-op jobs for benchmarks/jobs.py (RQ refuses functions defined in ``__main__``)."""
+"""Jobs for benchmarks/jobs.py and benchmarks/hot_key.py (RQ refuses functions defined in
+``__main__``)."""
 
 from __future__ import annotations
+
+import time
 
 from django_joblock import locked_job
 
@@ -17,3 +20,47 @@ def lock_only(i: int) -> int:
 @locked_job("bench", lock="bench:{i}", idempotency_key="bench:{run}:{i}")
 def lock_and_idempotency(i: int, run: str) -> int:
     return i
+
+
+def _update(row: int) -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE bench_row SET n = n + 1 WHERE id = %s", [row])
+
+
+def plain_update(row: int) -> int:
+    """One UPDATE, committed on its own (autocommit)."""
+    _update(row)
+    return row
+
+
+@locked_job("bench", lock="bench:{i}", idempotency_key="bench:{run}:{i}")
+def lock_and_idempotency_update(row: int, run: str, i: int) -> int:
+    """The same UPDATE, committed with the claim and the success record."""
+    _update(row)
+    return row
+
+
+# -- benchmarks/hot_key.py: jobs of D ms on a few hot resources -------------------------------
+def _work(ms: float) -> tuple[float, float]:
+    started = time.time()
+    time.sleep(ms / 1000)
+    return started, time.time()
+
+
+def hot_plain(k: int, ms: float, tag: str) -> tuple[float, float]:
+    """Plain RQ (enqueued with RQ's own RateLimit(concurrency=1) by the benchmark)."""
+    return _work(ms)
+
+
+@locked_job("hot", lock="hot:{k}")
+def hot_locked(k: int, ms: float, tag: str) -> tuple[float, float]:
+    """@locked_job as a new user writes it: admission (the default)."""
+    return _work(ms)
+
+
+@locked_job("hot", lock="hot:{k}", admission=False)
+def hot_requeue(k: int, ms: float, tag: str) -> tuple[float, float]:
+    """@locked_job on the requeue-only path (rq 2.x, or admission=False)."""
+    return _work(ms)

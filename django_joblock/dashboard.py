@@ -51,6 +51,15 @@ def build(
         p95, p99 = monitoring.percentile(merged, 0.95), monitoring.percentile(merged, 0.99)
         if p95 is not None and p99 is not None:
             holds.append((fam, p99, f"p95 ≤ {p95:g}s, p99 ≤ {p99:g}s"))
+    waits = []
+    for fam in fams:
+        merged = hour.merged_histogram("start_wait_seconds", fam)
+        p50, p99 = monitoring.percentile(merged, 0.5), monitoring.percentile(merged, 0.99)
+        if p50 is not None and p99 is not None:
+            waits.append((fam, p99, f"p50 ≤ {p50:g}s, p99 ≤ {p99:g}s"))
+    everywhere = hour.merged_histogram("start_wait_seconds")
+    wait_p50 = monitoring.percentile(everywhere, 0.5)
+    wait_p99 = monitoring.percentile(everywhere, 0.99)
     charts = [
         bar_chart(
             "Contention per family (last hour)",
@@ -79,6 +88,11 @@ def build(
             monitoring.per_minute("duplicates_blocked", CHART_MINUTES),
             axis="duplicates",
         ),
+        _hbar_chart(
+            "Wait from enqueue to start p50 / p99 per family (last hour)",
+            waits,
+            "jobs parked behind a busy resource or requeued wait longer; bar = p99 bucket bound",
+        ),
     ]
     locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
     health = lock_health(locks)
@@ -105,6 +119,10 @@ def build(
         ("Locks lost (1 h)", hour.total("lost")),
         ("Renew failures (1 h)", hour.total("renew_failed")),
         ("Jobs given up (1 h)", hour.total("given_up")),
+        (
+            "Wait to start p50 / p99 (1 h)",
+            f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-",
+        ),
     ]
     return {
         "cards": cards,

@@ -10,14 +10,15 @@
 Protocol (no read-then-write window):
 
 1. ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``: the first claimer of a key owns it.
-   One statement on the happy path.
-2. Otherwise read the row. ``succeeded``: replay (``claim.done``; the ``duplicate_blocked``
-   signal is sent). ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it
-   was claimed under an older fence of the very lock this claim holds now (that claimer lost
-   the lock, so its claim is dead: taken over at once). Another
-   fingerprint: :class:`IdempotencyKeyMismatch`. ``failed``, or ``running`` with an expired
-   lease (its owner died): take it over with a compare-and-set ``UPDATE`` on the owner,
-   status and attempts just read; ``attempts`` goes up by one. Losing that race reads again.
+   One statement on the happy path (:mod:`django_joblock.idempotency_store`).
+2. Otherwise read the row (on PostgreSQL in that same statement: a replay is one query).
+   ``succeeded``: replay (``claim.done``; the ``duplicate_blocked`` signal is sent).
+   ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it was claimed under
+   an older fence of the very lock this claim holds now (that claimer lost the lock, so its
+   claim is dead: taken over at once). Another fingerprint: :class:`IdempotencyKeyMismatch`.
+   ``failed``, or ``running`` with an expired lease (its owner died): take it over with a
+   compare-and-set ``UPDATE`` on the owner, status and attempts just read; ``attempts`` goes
+   up by one. Losing that race reads again.
 3. ``claim.succeed(result)``: ``UPDATE ... WHERE owner = <this claim> AND status = 'running'``,
    one statement, inside the caller's transaction, so a rollback of the business write rolls
    the marker back too. If the lease was taken over meanwhile, it raises
@@ -47,7 +48,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-from django.db import IntegrityError, connections, router, transaction
+from django.db import connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -63,10 +64,18 @@ from .idempotency_inputs import (
     MAX_SCOPE_LENGTH,
     check_result,
     fingerprint_of,
+    key_family,
     validate_key,
     validate_scope,
 )
-from .keys import family
+from .idempotency_store import (
+    ABSENT,
+    EXISTING,
+    GUARDED,
+    INSERTED,
+    in_progress,
+    insert_or_read,
+)
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -122,6 +131,9 @@ class Claim:
     using: str
     done: bool = False
     result: Any = None
+    # A claim inside a job's transaction on PostgreSQL: the row to insert with the result at
+    # the end (record_id is 0 until then); see django_joblock.one_commit.
+    pending: dict[str, Any] | None = field(default=None, repr=False)
     _succeed_called: bool = field(default=False, repr=False)
     _committed: bool = field(default=False, repr=False)
 
@@ -242,11 +254,20 @@ class idempotent:
             held.succeed(None)
 
 
-def claim(spec: idempotent) -> Claim:
-    """Claim ``spec.key`` race-free; see the module docs for the protocol."""
+def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> Claim:
+    """Claim ``spec.key`` race-free; see the module docs for the protocol.
+
+    ``guard`` and ``finished`` are for a claim inside a job's transaction
+    (:func:`django_joblock.one_commit.claim_in_transaction`): the key's guard is taken in the
+    same statement, and the row is written as it will be committed (``succeeded``, finished
+    now, no lease), since nobody sees it before the commit and a rollback removes it.
+    """
     model = _model()
     token = secrets.token_hex(16)
     now = timezone.now()
+    status = "succeeded" if finished else "running"
+    lease = None if finished else now + timedelta(seconds=spec.lease)
+    finished_at = now if finished else None
     from .locks import current_lock
 
     held = current_lock()
@@ -257,7 +278,7 @@ def claim(spec: idempotent) -> Claim:
         "scope": spec.scope,
         "key": spec.key,
         "fingerprint": spec.fingerprint,
-        "status": "running",
+        "status": status,
         "result": None,
         "error": "",
         "owner": token,
@@ -265,34 +286,25 @@ def claim(spec: idempotent) -> Claim:
         "lock_resource": resource,
         "rq_job_id": job_id,
         "attempts": 1,
-        "lease_expires_at": now + timedelta(seconds=spec.lease),
+        "lease_expires_at": lease,
         "created_at": now,
         "updated_at": now,
-        "finished_at": None,
+        "finished_at": finished_at,
         "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
     }
     for _ in range(_TAKEOVER_TRIES):
-        record_id = _insert(model, spec.using, values)
-        if record_id is not None:
+        found, record_id, row = insert_or_read(model, spec.using, values, guard=guard)
+        if found == INSERTED:
+            assert record_id is not None
             return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
-        row = (
-            model.objects.using(spec.using)
-            .filter(scope=spec.scope, key=spec.key)
-            .values(
-                "id",
-                "status",
-                "fingerprint",
-                "owner",
-                "attempts",
-                "lease_expires_at",
-                "result",
-                "fence",
-                "lock_resource",
+        if found == ABSENT:  # guarded, nothing there: the row is inserted at the end
+            return Claim(
+                spec.key, spec.scope, spec.fingerprint, token, 0, 1, spec.using, pending=values
             )
-            .first()
-        )
-        if row is None:
-            continue  # purged in between: insert again
+        if found == GUARDED:
+            raise in_progress(spec.scope, spec.key, "its guard is taken")
+        if found != EXISTING or row is None:
+            continue  # purged, or committed just too late for that statement: ask again
         if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
             raise IdempotencyKeyMismatch(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) was used with other "
@@ -314,7 +326,7 @@ def claim(spec: idempotent) -> Claim:
                 result=row["result"],
             )
             duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
-            metrics.count("duplicates_blocked", family(spec.key), _job_func())
+            metrics.count("duplicates_blocked", key_family(spec.key), _job_func())
             return done
         now = timezone.now()
         lease_until: datetime | None = row["lease_expires_at"]
@@ -343,15 +355,15 @@ def claim(spec: idempotent) -> Claim:
             )
             .update(
                 owner=token,
-                status="running",
+                status=status,
                 attempts=F("attempts") + 1,
                 error="",
                 fence=fence,
                 lock_resource=resource,
                 rq_job_id=job_id,
                 updated_at=now,
-                finished_at=None,
-                lease_expires_at=now + timedelta(seconds=spec.lease),
+                finished_at=finished_at if finished else None,
+                lease_expires_at=None if finished else now + timedelta(seconds=spec.lease),
                 # A takeover is a new claim: it lives a full TTL from now, like an insert.
                 expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
                 fingerprint=spec.fingerprint or row["fingerprint"],
@@ -373,31 +385,3 @@ def claim(spec: idempotent) -> Claim:
         key=spec.key,
         scope=spec.scope,
     )
-
-
-def _insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
-    """Insert the row unless (scope, key) exists; its id, or None on conflict."""
-    connection = connections[using]
-    if connection.vendor not in ("postgresql", "sqlite"):
-        try:
-            with transaction.atomic(using=using):
-                return int(model.objects.using(using).create(**values).pk)
-        except IntegrityError:
-            return None
-    meta = model._meta
-    quote = connection.ops.quote_name
-    columns, params = [], []
-    for name, value in values.items():
-        model_field = meta.get_field(name)
-        columns.append(quote(model_field.column))
-        params.append(model_field.get_db_prep_save(value, connection))
-    conflict = ", ".join(quote(meta.get_field(f).column) for f in ("scope", "key"))
-    sql = (
-        f"INSERT INTO {quote(meta.db_table)} ({', '.join(columns)}) "
-        f"VALUES ({', '.join(['%s'] * len(params))}) "
-        f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {quote(meta.pk.column)}"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
-    return None if row is None else int(row[0])

@@ -4,6 +4,9 @@
   ``str`` of at most ``MAX_SCOPE_LENGTH`` without NUL (the columns' sizes; PostgreSQL cannot
   store NUL in text). Anything else is a ``ValueError`` naming it, raised by ``idempotent()``
   and, for ``@locked_job``, at enqueue time.
+- A key's metrics *family* is its part before the first ``:`` (``refund:R-1`` -> ``refund``),
+  and ``other`` for a key without one (``invoice-42``) or with an unusual prefix, so that keys
+  never become metric series of their own.
 - A fingerprint is the sha256 of the canonical JSON of the arguments.
 - A result is checked with the encoder the record stores it with (``DjangoJSONEncoder``, no NaN
   or infinity), so a result that passes the check can always be saved.
@@ -13,12 +16,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
 
 MAX_KEY_LENGTH = 255
 MAX_SCOPE_LENGTH = 100
+OTHER_FAMILY = "other"
+_FAMILY_RE = re.compile(r"[A-Za-z0-9_.@/-]{1,64}\Z")
+
+
+def key_family(key: str) -> str:
+    """The metrics family of an idempotency key: its part before the first ``:`` when it has
+    one (and that part is 1-64 of ``A-Z a-z 0-9 _ . @ / -``), else ``"other"``.
+
+    Bounded on purpose: ``invoice-42`` is ``other``, never a series of its own.
+    """
+    prefix, colon, _rest = key.partition(":")
+    return prefix if colon and _FAMILY_RE.match(prefix) else OTHER_FAMILY
 
 
 def validate_key(key: object, *, what: str = "idempotent()") -> str:

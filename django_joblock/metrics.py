@@ -73,8 +73,9 @@ COUNTERS = (
     "stale_fence_rejections",
     "forced_releases",
     "skipped",
+    "blocked_at_enqueue",
 )
-HISTOGRAMS = ("wait_seconds", "hold_seconds")
+HISTOGRAMS = ("wait_seconds", "hold_seconds", "start_wait_seconds")
 
 
 def bucket_of(seconds: float) -> int:

@@ -305,7 +305,8 @@ def active_samples(since: float) -> list[tuple[float, int]]:
 # -- scheduler -------------------------------------------------------------------------------
 def requeueing_queues() -> dict[str, Any]:
     """Name -> queue of every queue a requeueing ``@locked_job`` uses. A queue whose name
-    cannot be resolved is left out (system check E006 reports it)."""
+    cannot be resolved is left out (system check E006 reports it), and so is a synchronous
+    queue (``is_async=False``): its jobs run inline and never requeue."""
     from .exceptions import JoblockConfigError
     from .jobs import registered_jobs
     from .queues import get_queue, queue_name
@@ -316,9 +317,11 @@ def requeueing_queues() -> dict[str, Any]:
         if spec.on_conflict != "requeue" or name in found:
             continue
         try:
-            found[name] = get_queue(spec.queue)
+            queue = get_queue(spec.queue)
         except (JoblockConfigError, ValueError):
             continue
+        if queue.is_async:
+            found[name] = queue
     return found
 
 

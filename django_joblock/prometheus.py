@@ -34,12 +34,14 @@ COUNTER_HELP = {
     "given_up": "Jobs failed with LockContentionTimeout after REQUEUE_MAX_WAIT.",
     "skipped": "Jobs skipped (on_conflict='skip') because their lock was busy.",
     "duplicates_blocked": "Duplicate runs blocked by an idempotency record.",
+    "blocked_at_enqueue": "Duplicate .delay() calls of a unique job that returned the live job.",
     "stale_fence_rejections": "Writes refused by fenced_update (StaleFence).",
     "forced_releases": "Locks released by an operator (admin or joblock_release).",
 }
 HISTOGRAM_HELP = {
     "wait_seconds": "Time spent waiting for a lock, until acquired or given up.",
     "hold_seconds": "Time a lock was held, acquire to release.",
+    "start_wait_seconds": "Time from a job's enqueue to the start of the run that took its lock.",
 }
 _NAMES = {"lost": "locks_lost"}
 

@@ -3,36 +3,31 @@
 1. acquire the lock on the *resource* (not the job id) -> the renewal thread heartbeats it;
 2. claim the idempotency key -> if an earlier run succeeded, return its stored result;
 3. run the function inside ``transaction.atomic()`` and record success **in that same
-   transaction** as its effect, committing only if the lock is still held (``ensure_held()``).
-   A job with a lock and no idempotency key runs the same way, so a lost lock rolls its
-   writes back too (unless declared ``atomic=False``); the transaction is on the database the
-   idempotency records use;
-4. return (RQ acknowledges the job), release the lock if still ours.
+   transaction** as its effect, committing only if the lock is still held (``ensure_held()``);
+4. return (RQ acknowledges the job), release the lock if still ours, and hand the resource's
+   admission slot to the next waiting job (:mod:`django_joblock.admission`).
 
-A busy lock (or a claim still running elsewhere) is a *conflict*, handled by ``on_conflict``:
+**One commit per job** (§4.9). Under a held lock, steps 2 and 3 are one transaction: the claim
+row is inserted (or taken over) by the transaction's first statements, the effect follows, the
+success record last, and everything commits once. A crash rolls the claim back with the
+effect, so no claim is left behind to lease out; a concurrent run of the same key (possible
+only after a lock loss) does not wait for it but is "in progress" at once on PostgreSQL (the
+key's transaction-scoped guard, :mod:`django_joblock.idempotency_store`), after at most the
+busy timeout on SQLite; its ``on_conflict`` applies. Of two runs, at most one commits (the
+record's unique key). A replay is one query. A run that raised leaves a ``failed`` record
+(written after the rollback, in its own transaction). Without a lock, the claim commits on
+its own first, as before: that separate claim is what keeps two concurrent duplicates from
+both running non-database side effects. A job with a lock and no idempotency key follows the
+same transaction rule (unless declared ``atomic=False``), so a lost lock rolls its writes back
+too. The transaction is on the database the idempotency records use.
 
-- ``"requeue"``: the job returns ``rq.Retry(interval=[delay])``. RQ (>= 2.x) then schedules the
-  *same job id* again after ``delay`` seconds, counting ``number_of_retries`` and leaving the
-  job's own exception-retry budget (``retries_left``) untouched: contention is not a failure.
-  The alternative, ``queue.enqueue_in()`` of a copy, would finish the original job as a fake
-  success and give the retry a new id, breaking ``job.id`` based tracking and dependents.
-  Delays are exponential with full jitter (``REQUEUE_BACKOFF``), in whole seconds because RQ
-  schedules in seconds, and need RQ's scheduler (``joblock_worker --with-scheduler``). After
-  ``max_wait`` (default ``REQUEUE_MAX_WAIT``) seconds of contention the job raises
-  :class:`LockContentionTimeout` and ends *failed*, visible in RQ's failed registry with the
-  reason: a valid job is never silently dropped.
-- ``"skip"``: finish without running (logged; ``job.meta["joblock"]["outcome"] = "skipped"``).
-- ``"fail"``: raise :class:`LockNotAcquired` (or :class:`IdempotencyInProgress`).
+Contention is handled by :mod:`django_joblock.requeue`; outcomes, the one log line per run
+and the wait-to-start metric by :mod:`django_joblock.outcomes`.
 
-Called inline (not by a worker running this job), ``"requeue"`` cannot requeue: it waits up to
-``ACQUIRE_WAIT`` seconds like ``lock()`` and then raises :class:`LockNotAcquired`.
-
-Every run by a worker ends with ``job.meta["joblock"]["outcome"]`` set to one of
-:class:`JobOutcome` (``ran``, ``replayed``, ``requeued``, ``skipped``, ``failed``, ``gave_up``,
-``aborted``) and, except for ``ran`` / ``replayed``, a ``reason``. RQ never saves ``meta`` when
-it finishes a job, so this is one ``HSET`` on the queue's connection per job; it is written
-after the job's transaction committed and outside the abort window, and a failure to write it
-is logged, never turned into a job failure.
+Called inline (not by a worker running this job), or by a synchronous queue (``is_async=False``,
+where no worker would run a requeued job), a busy lock is waited for up to ``ACQUIRE_WAIT``
+seconds like ``lock()``, then ``on_conflict`` applies with ``"requeue"`` raising
+:class:`LockNotAcquired`: such a job never "finishes" without running.
 
 A job aborted because an operator released its lock (admin force release, ``joblock_release``,
 ``joblock_reap``) raises ``LockLost`` saying so, with the audit id (see
@@ -42,67 +37,58 @@ A job aborted because an operator released its lock (admin force release, ``jobl
 from __future__ import annotations
 
 import contextlib
-import enum
-import math
 import time
 from typing import Any
 
-from django.db import router, transaction
-from rq import Retry, get_current_job
+from django.db import DatabaseError, router, transaction
+from rq import get_current_job
 
-from . import conf, metrics, tombstones
+from . import admission, conf, tombstones
 from .abort import Abort
 from .backend import REDIS_ERRORS, connection, renewal_client
-from .backoff import full_jitter
 from .exceptions import (
     IdempotencyInProgress,
     LockBackendUnavailable,
     LockContentionTimeout,
     LockLost,
-    LockNotAcquired,
 )
 from .idempotency import fingerprint_of, idempotent
-from .jobs import JobSpec
-from .keys import family
+from .jobspec import JobSpec
 from .locks import Lock, reset_current_lock, set_current_lock
-from .logs import log_lock, logger
-from .signals import job_requeued
+from .logs import logger
+from .one_commit import claim_in_transaction, record_failure, record_result
+from .outcomes import FINAL_SUCCESS, JobOutcome, Run, finish
+from .requeue import Ending, conflict
 
-# RQ fails a job that returned Retry more than ``max`` times; we give up by time instead.
-_RETRY_MAX = 10**6
-_MAX_DELAYS_KEPT = 50
+__all__ = ["JobOutcome", "run"]
+
 # Reading the operator's note on the loss path: never wait long for a Redis that may be gone.
 _NOTE_TIMEOUT = 1.0
 _AUDIT_ID_WAIT = 2.0
 
 
-class JobOutcome(enum.StrEnum):
-    """``job.meta["joblock"]["outcome"]`` after a run by a worker."""
-
-    RAN = "ran"  # the function ran and its effect committed
-    REPLAYED = "replayed"  # an earlier run succeeded: its stored result was returned
-    REQUEUED = "requeued"  # busy: RQ runs the same job again after a delay
-    SKIPPED = "skipped"  # busy, on_conflict="skip": finished without running
-    FAILED = "failed"  # raised: on_conflict="fail", or the function (or RQ's timeout) raised
-    GAVE_UP = "gave_up"  # busy for longer than max_wait: LockContentionTimeout
-    ABORTED = "aborted"  # the lock was lost while running: LockLost, effect rolled back
-
-
-Ending = tuple[JobOutcome, Any, dict[str, Any]]
-
-
 def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``spec.func(*args, **kwargs)`` under the safe flow (see the module docs)."""
     arguments = spec.bind(args, kwargs)
-    resource = spec.resource(arguments)
-    key = spec.key(arguments)
     job = _own_job(spec)
+    resource = spec.resource(arguments)
+    worker = job is not None and getattr(job, "worker_name", None) != "sync"
+    state = Run(
+        spec,
+        resource,
+        spec.key(arguments),
+        job,
+        worker=worker,
+        admitted=worker and admission.admitted(job, resource),
+    )
     try:
-        outcome, result, extra = _flow(spec, resource, key, arguments, args, kwargs, job)
+        outcome, result, extra = _flow(state, arguments, args, kwargs)
     except Exception as exc:
-        _mark(job, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
+        finish(state, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
         raise
-    _mark(job, outcome, **extra)
+    if outcome in FINAL_SUCCESS:
+        state.hand_off()  # skipped: the next parked job may start (no-op if done already)
+    finish(state, outcome, **extra)
     return result
 
 
@@ -115,34 +101,35 @@ def _failure(exc: BaseException) -> JobOutcome:
 
 
 def _flow(
-    spec: JobSpec[Any, Any],
-    resource: str | None,
-    key: str | None,
-    arguments: dict[str, Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    job: Any,
+    state: Run, arguments: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Ending:
-    if resource is None:
+    spec = state.spec
+    if state.resource is None:
+        state.started()
         try:
-            return _claim_and_run(spec, key, arguments, args, kwargs, None, job)
+            return _claim_and_run(state, arguments, args, kwargs, None)
         except IdempotencyInProgress as exc:
-            return _conflict(spec, job, None, exc)
+            return conflict(state, None, exc)
     abort = Abort()
     held = Lock(
-        resource,
+        state.resource,
         ttl=spec.ttl,
         heartbeat=spec.heartbeat,
         on_lost=lambda lock, reason: _lost(spec, abort, lock, reason),
     )
-    if not held.acquire(wait=0.0 if job is not None else None):
-        return _conflict(spec, job, held, None)
+    # Handed the resource by the job before it, which may still be committing and releasing
+    # (it hands off first); a worker otherwise tries once, an inline call waits ACQUIRE_WAIT.
+    handed_on = state.admitted and admission.handed_on(state.job)
+    wait = (admission.HANDOFF_WAIT if handed_on else 0.0) if state.worker else None
+    if not held.acquire(wait=wait):
+        return conflict(state, held, None)
+    state.started()
     token = set_current_lock(held)
     try:
         armed = abort if conf.get().ON_LOCK_LOST == "abort" else contextlib.nullcontext()
         try:
             with armed:
-                return _claim_and_run(spec, key, arguments, args, kwargs, held, job)
+                return _claim_and_run(state, arguments, args, kwargs, held)
         except LockLost as exc:
             note = _operator_note(held)
             if note is None:
@@ -154,7 +141,7 @@ def _flow(
                 owner=held.owner,
             ) from exc
     except IdempotencyInProgress as exc:
-        return _conflict(spec, job, held, exc)
+        return conflict(state, held, exc)
     finally:
         reset_current_lock(token)
         try:
@@ -217,144 +204,73 @@ def _database() -> str:
 
 
 def _claim_and_run(
-    spec: JobSpec[Any, Any],
-    key: str | None,
+    state: Run,
     arguments: dict[str, Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     held: Lock | None,
-    job: Any,
 ) -> Ending:
+    spec, key = state.spec, state.key
     if key is None and not spec.atomic:
         return JobOutcome.RAN, spec.func(*args, **kwargs), {}  # its own transactions: fenced
     if key is None:
         # A lock-only job: same transaction rule as the others, so a lost lock rolls back.
         with transaction.atomic(using=_database()):
             result = spec.func(*args, **kwargs)
+            state.hand_off()
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
         return JobOutcome.RAN, result, {}
-    with idempotent(key, scope=spec.scope, fingerprint=_fingerprint(arguments)) as claim:
+    claim_spec = idempotent(
+        key, scope=spec.scope, fingerprint=_fingerprint(arguments), using=_database()
+    )
+    if held is not None:
+        return _one_commit(state, claim_spec, args, kwargs, held)
+    with claim_spec as claim:  # no lock: the claim commits on its own first (module docs)
         if claim.done:
-            logger.info(
-                "duplicate blocked: %s already done",
-                key,
-                extra={
-                    "job_id": getattr(job, "id", None),
-                    "outcome": "replayed",
-                    "reason": f"idempotency key {key!r} succeeded before",
-                },
-            )
             return JobOutcome.REPLAYED, claim.result, {}
         with transaction.atomic(using=claim.using):
             result = spec.func(*args, **kwargs)
-            if held is not None:
-                held.ensure_held()  # never commit the effect of a job that lost its lock
             claim.succeed(result)
         return JobOutcome.RAN, result, {}
 
 
-def _mark(job: Any, outcome: JobOutcome, **extra: Any) -> None:
-    """Write ``outcome`` (and ``extra``) to ``job.meta["joblock"]``: one HSET, best effort."""
-    if job is None:
-        return
-    state = job.meta.setdefault("joblock", {})
-    state["outcome"] = outcome.value
-    if "reason" not in extra:
-        state.pop("reason", None)  # a reason from an earlier requeue no longer applies
-    state.update(extra)
-    try:
-        job.save_meta()
-    except REDIS_ERRORS:
-        logger.warning(
-            "could not record outcome %s in the meta of job %s",
-            outcome.value,
-            job.id,
-            exc_info=True,
-            extra={"job_id": job.id, "outcome": outcome.value},
-        )
-
-
-def _conflict(
-    spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
+def _one_commit(
+    state: Run, claim_spec: idempotent, args: tuple[Any, ...], kwargs: dict[str, Any], held: Lock
 ) -> Ending:
+    """Claim, effect and success record in one transaction (see the module docs)."""
+    spec = state.spec
+    claimed = False
     try:
-        return _handle_conflict(spec, job, held, in_progress)
-    finally:
-        if job is not None:
-            metrics.flush_now()  # the work horse may exit right after this job
-
-
-def _family(held: Lock | None, in_progress: IdempotencyInProgress | None) -> str:
-    if held is not None:
-        return held.family
-    return family(getattr(in_progress, "key", "") or "")
-
-
-def _handle_conflict(
-    spec: JobSpec[Any, Any], job: Any, held: Lock | None, in_progress: IdempotencyInProgress | None
-) -> Ending:
-    what = f"lock {held.resource!r} is busy" if held is not None else str(in_progress)
-    if spec.on_conflict == "skip":
-        metrics.count("skipped", _family(held, in_progress), spec.name)
-        logger.info(
-            "skipped %s: %s",
-            spec.name,
-            what,
-            extra={"job_id": getattr(job, "id", None), "outcome": "skipped", "reason": what},
-        )
-        return JobOutcome.SKIPPED, None, {"reason": what}
-    if spec.on_conflict == "fail" or job is None:
-        if in_progress is not None:
-            raise in_progress
-        assert held is not None
-        suffix = "" if spec.on_conflict == "fail" else " (inline calls cannot be requeued)"
-        raise LockNotAcquired(
-            f"{spec.name}: lock busy{suffix}", resource=held.resource, key=held.key
-        )
-    return _requeue(spec, job, held, what, _family(held, in_progress))
-
-
-def _requeue(spec: JobSpec[Any, Any], job: Any, held: Lock | None, what: str, fam: str) -> Ending:
-    settings = conf.get()
-    state = job.meta.setdefault("joblock", {})
-    now = time.time()
-    first = float(state.setdefault("first_contended", now))
-    attempt = int(state.get("requeues", 0))
-    limit = spec.max_wait if spec.max_wait is not None else settings.REQUEUE_MAX_WAIT
-    waited = now - first
-    resource = held.resource if held is not None else None
-    key = held.key if held is not None else None
-    if waited >= limit:
-        metrics.count("given_up", fam, spec.name)
-        raise LockContentionTimeout(
-            f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
-            f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s",
-            resource=resource,
-            key=key,
-        )
-    backoff = settings.REQUEUE_BACKOFF
-    delay = full_jitter(attempt, base=backoff["base"], factor=backoff["factor"], cap=backoff["max"])
-    # RQ schedules in whole seconds (>= 1, as 0 would mean "now"); never far past the limit.
-    seconds = min(max(1, math.ceil(delay)), max(1, math.ceil(limit - waited)))
-    delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
-    metrics.count("requeued", fam, spec.name)
-    job_requeued.send(sender=JobSpec, job=job, lock=held, delay=seconds)
-    if held is not None:
-        log_lock(
-            20,
-            "requeued",
-            held,
-            f"{spec.name} requeued in {seconds}s",
-            reason=f"{what}; attempt {attempt + 1}",
-        )
-    else:
-        logger.info(
-            "requeued %s in %ss: %s",
-            spec.name,
-            seconds,
-            what,
-            extra={"job_id": job.id, "outcome": "requeued", "reason": what},
-        )
-    extra = {"requeues": attempt + 1, "delays": delays, "reason": what}
-    return JobOutcome.REQUEUED, Retry(max=_RETRY_MAX, interval=[seconds]), extra
+        with transaction.atomic(using=claim_spec.using):
+            claim = claim_in_transaction(claim_spec)
+            claimed = True
+            if claim.done:
+                state.hand_off()
+                return JobOutcome.REPLAYED, claim.result, {}
+            result = spec.func(*args, **kwargs)
+            state.hand_off()
+            held.ensure_held()  # never commit the effect of a job that lost its lock
+            record_result(claim, result)
+        return JobOutcome.RAN, result, {}
+    except IdempotencyInProgress:
+        raise
+    except DatabaseError as exc:
+        if not claimed and "locked" in str(exc):
+            # SQLite: another transaction kept the database's write lock past the busy
+            # timeout before this run could claim (BEGIN IMMEDIATE waits for it).
+            raise IdempotencyInProgress(
+                f"Idempotency key {claim_spec.key!r}: the database stayed locked by another "
+                f"transaction ({exc}); treated as in progress.",
+                key=claim_spec.key,
+                scope=claim_spec.scope,
+            ) from exc
+        if claimed:
+            record_failure(claim_spec, f"{type(exc).__name__}: {exc}")
+        raise
+    except LockLost:
+        raise  # the lock is someone else's now, and so is the key: leave its record alone
+    except BaseException as exc:
+        if claimed:
+            record_failure(claim_spec, f"{type(exc).__name__}: {exc}")
+        raise

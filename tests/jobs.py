@@ -30,6 +30,13 @@ def hold_resource(resource_id: int, label: str, seconds: float) -> str:
     return label
 
 
+@locked_job("default", lock="res:{resource_id}", ttl=2, admission=False)
+def hold_requeue_only(resource_id: int, label: str, seconds: float) -> str:
+    """The requeue path alone: a busy resource requeues with backoff (rq 2.x behaviour)."""
+    _log_interval(label, seconds)
+    return label
+
+
 @locked_job("default", lock="res:{resource_id}", ttl=2, on_conflict="skip")
 def hold_or_skip(resource_id: int, label: str, seconds: float) -> str:
     _log_interval(label, seconds)
@@ -77,8 +84,12 @@ def _wait_for_flag(label: str, limit: float = 60.0) -> None:
 
 # atomic=False: these two show what the fence alone does for a job without the job
 # transaction (which would roll a stale write back anyway, and on SQLite would hold the database
-# lock while the test pauses the horse).
-@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail", atomic=False)
+# lock while the test pauses the horse). admission=False: the newer job must take the expired
+# lock while the paused one still holds its admission slot (with admission it would wait for
+# the paused job to end, and there would be no stale holder to fence).
+@locked_job(
+    "default", lock="account:{name}", ttl=2, on_conflict="fail", atomic=False, admission=False
+)
 def paused_write(name: str, label: str, value: int) -> int:
     """Waits for its go flag (a test pauses it meanwhile), then writes through the fence."""
     _wait_for_flag(label)
@@ -89,7 +100,9 @@ def paused_write(name: str, label: str, value: int) -> int:
     return value
 
 
-@locked_job("default", lock="account:{name}", ttl=2, on_conflict="fail", atomic=False)
+@locked_job(
+    "default", lock="account:{name}", ttl=2, on_conflict="fail", atomic=False, admission=False
+)
 def unfenced_write(name: str, label: str, value: int) -> int:
     """The same without fencing: a negative control."""
     _wait_for_flag(label)

@@ -351,7 +351,9 @@ def test_renew_by_the_holder_stops_at_max_hold(rconn):
     assert wait_for(lambda: rconn.exists(held.key) == 0, 3.0), "the lock runs out"
 
 
-@locked_job("default", lock="signal:{n}", ttl=2)
+# atomic=False: these tests are about signals and run without database access (pytest-django
+# refuses it to tests without a django_db mark; a job transaction would need it).
+@locked_job("default", lock="signal:{n}", ttl=2, atomic=False)
 def _inline_job(n: int, expire: bool = False) -> Any:
     """Reports the SIGUSR2 handler seen inside the job; with ``expire``, loses its lock."""
     seen = signal.getsignal(signal.SIGUSR2)

@@ -11,6 +11,7 @@ from django_joblock import (
     InvalidResource,
     JoblockConfigError,
     LockNotAcquired,
+    admission,
     current_lock,
     lock,
     locked_job,
@@ -77,7 +78,11 @@ def test_delay_enqueues_with_metadata_and_rq_options(scratch_registry, rconn):
     assert job.func_name == f"{__name__}.{refund.__qualname__}"
     assert job.args == (1, "R-1")
     assert job.kwargs == {"description": "not an RQ option here"}
-    assert job.meta["joblock"] == {"resource": "order:1", "idempotency_key": "refund:R-1"}
+    assert job.meta["joblock"] == {
+        "resource": "order:1",
+        "idempotency_key": "refund:R-1",
+        "admission": "rate_limit" if admission.supported() else "requeue_only",
+    }
     assert job.result_ttl == 77
     assert refund.enqueue((2, "R-2"), job_timeout=9).timeout == 9
 

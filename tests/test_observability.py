@@ -100,9 +100,10 @@ def test_counts_from_forked_work_horses_are_not_lost(rconn, settings):
     try:
         crew.start(scheduler=True)
         crew.start()
-        first = jobs.hold_resource.delay(3, "m-first", 2.5)
+        # The requeue path (admission=False): requeues are among the counts checked.
+        first = jobs.hold_requeue_only.delay(3, "m-first", 2.5)
         assert wait_for(lambda: rconn.get("test:pid:m-first"), 20)
-        second = jobs.hold_resource.delay(3, "m-second", 0.1)
+        second = jobs.hold_requeue_only.delay(3, "m-second", 0.1)
         for job in (first, second):
             assert wait_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 40) is (
                 JobStatus.FINISHED
@@ -110,7 +111,7 @@ def test_counts_from_forked_work_horses_are_not_lost(rconn, settings):
     finally:
         crew.stop()
     requeues = second.get_meta(refresh=True)["joblock"]["requeues"]
-    label = ("res", jobs.hold_resource.spec.name)
+    label = ("res", jobs.hold_requeue_only.spec.name)
     seen = totals()
     assert seen.counters["acquired"][label] == 2
     assert seen.counters["acquire_attempts"][label] == 2 + requeues

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -47,11 +48,12 @@ def _pid(rconn, label: str, timeout: float = 20) -> int:  # type: ignore[no-unty
 
 
 def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers, rconn):
+    """The requeue path (admission=False, and every job on rq 2.x)."""
     workers.start(scheduler=True)
     workers.start()
-    first = jobs.hold_resource.delay(1, "first", 6.0)
+    first = jobs.hold_requeue_only.delay(1, "first", 6.0)
     _pid(rconn, "first")
-    second = jobs.hold_resource.delay(1, "second", 0.2)
+    second = jobs.hold_requeue_only.delay(1, "second", 0.2)
     assert first.id != second.id
     assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
     assert wait_status(second, DONE, 40) is JobStatus.FINISHED, workers.logs()
@@ -61,12 +63,9 @@ def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers
     delays = state["delays"]
     assert state["requeues"] == len(delays) >= 2, state
     for attempt, delay in enumerate(delays):
-        cap = ceiling(attempt, base=1, factor=2, cap=8)
-        assert 1 <= delay <= max(1, cap), (attempt, delay, delays)
-    # The ceilings the delays were drawn under grow: 1, 2, 4, ...
-    assert [ceiling(i, base=1, factor=2, cap=8) for i in range(len(delays))] == sorted(
-        ceiling(i, base=1, factor=2, cap=8) for i in range(len(delays))
-    )
+        # Sized from the holder's remaining TTL (at most the 2 s TTL), then doubling.
+        cap = ceiling(attempt, base=2, factor=2, cap=8)
+        assert 1 <= delay <= max(1, math.ceil(cap)), (attempt, delay, delays)
     assert second.retries_left is None, "contention must not spend the exception-retry budget"
 
 
@@ -104,7 +103,9 @@ def test_sigkilled_horse_frees_the_lock_after_ttl_and_the_retry_applies_once(wor
     assert int(rconn.get("test:runs:K-1")) == 2, "negative control: the first run did write"
     assert Account.objects.get(name="acct").balance == 10, "the killed run's write rolled back"
     record = IdempotencyRecord.objects.get(key="credit:K-1")
-    assert (record.status, record.attempts) == ("succeeded", 2)
+    # One commit per job: the killed run's claim rolled back with its effect, so the retry
+    # made the record's first (and only) claim.
+    assert (record.status, record.attempts) == ("succeeded", 1)
 
 
 def test_orphaned_horse_keeps_its_lock_and_blocks_redelivery(workers, rconn):
@@ -121,7 +122,12 @@ def test_orphaned_horse_keeps_its_lock_and_blocks_redelivery(workers, rconn):
     assert spans["orphan"][1] <= spans["redelivered"][0], spans
     # Negative control: the orphan held the lock three times its TTL, by heartbeat alone.
     assert spans["orphan"][1] - spans["orphan"][0] >= 3 * 2.0
-    assert redelivered.get_meta(refresh=True)["joblock"]["requeues"] >= 1
+    state = redelivered.get_meta(refresh=True)["joblock"]
+    if state["admission"] == "rate_limit":
+        # Parked behind the orphan's job (still running in RQ's eyes), not requeued.
+        assert state.get("requeues", 0) == 0 and state["waited"] > 0, state
+    else:
+        assert state["requeues"] >= 1, state
     assert wait_for(lambda: _exited(horse), 10), "the orphan should exit after its job"
 
 

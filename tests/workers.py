@@ -20,8 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class Workers:
     """Starts workers and stops every one of them (and their horses) at the end."""
 
-    def __init__(self, joblock: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, joblock: dict[str, Any] | None = None, extra_args: list[str] | None = None
+    ) -> None:
         self.joblock = joblock or {}
+        self.extra_args = list(extra_args or [])  # appended to every worker's command line
         self.procs: list[subprocess.Popen[str]] = []
 
     def env(self) -> dict[str, str]:
@@ -52,6 +55,7 @@ class Workers:
             args.append("--with-scheduler")
         if burst:
             args.append("--burst")
+        args += self.extra_args
         log = open(ROOT / f".worker-{len(self.procs)}.log", "w")
         proc = subprocess.Popen(
             args,

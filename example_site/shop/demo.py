@@ -305,6 +305,13 @@ class Demo:
         report.fact("job bodies run to completion", outcomes["ran"])
         report.fact("duplicates blocked (replayed results)", outcomes["replayed"])
         report.fact("requeues for lock contention", sum(m.get("requeues", 0) for m in metas))
+        waits = sorted(float(m["waited"]) for m in metas if "waited" in m)
+        if waits:
+            p50 = waits[len(waits) // 2]
+            p99 = waits[min(len(waits) - 1, int(len(waits) * 0.99))]
+            report.fact("wait from enqueue to start p50 / p99", f"{p50:.1f}s / {p99:.1f}s")
+        admitted = sum(1 for m in metas if m.get("admission") == "rate_limit")
+        report.fact("locked jobs started one at a time per order/tenant (admission)", admitted)
 
         def delta(metric: str) -> int:
             return after.total(metric) - metrics_before.total(metric)

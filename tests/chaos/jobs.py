@@ -1,7 +1,10 @@
 """The chaos job: a deliberately racy read-modify-write of one resource's balance.
 
 ``apply`` is the safe version (lock + idempotency + fencing); ``apply_unsafe`` is the negative
-control: the same lock, but no idempotency key and a plain UPDATE instead of the fence.
+control: the same lock, but no idempotency key and a plain UPDATE instead of the fence. Both
+wait for a busy resource parked by admission (the default); their ``_direct`` twins are the
+same jobs with ``admission=False``: holders outside admission, which requeue on contention and
+take a lock that expired under a paused holder (what the fence is for).
 """
 
 from __future__ import annotations
@@ -26,6 +29,21 @@ def _started() -> None:
 
 @locked_job("chaos", lock="acct:{resource}", idempotency_key="chaos:{logical_id}", ttl=TTL)
 def apply(resource: str, logical_id: str, delta: int) -> int:
+    return _apply(resource, logical_id, delta)
+
+
+@locked_job(
+    "chaos",
+    lock="acct:{resource}",
+    idempotency_key="chaos:{logical_id}",
+    ttl=TTL,
+    admission=False,
+)
+def apply_direct(resource: str, logical_id: str, delta: int) -> int:
+    return _apply(resource, logical_id, delta)
+
+
+def _apply(resource: str, logical_id: str, delta: int) -> int:
     _started()
     balance = Balance.objects.get(name=resource)  # read ...
     time.sleep(WORK)  # ... widen the window ...
@@ -42,6 +60,15 @@ def apply(resource: str, logical_id: str, delta: int) -> int:
 # lock is still held (the job transaction's ensure_held() would otherwise hide some damage).
 @locked_job("chaos", lock="acct:{resource}", ttl=TTL, atomic=False)
 def apply_unsafe(resource: str, logical_id: str, delta: int) -> int:
+    return _apply_unsafe(resource, logical_id, delta)
+
+
+@locked_job("chaos", lock="acct:{resource}", ttl=TTL, atomic=False, admission=False)
+def apply_unsafe_direct(resource: str, logical_id: str, delta: int) -> int:
+    return _apply_unsafe(resource, logical_id, delta)
+
+
+def _apply_unsafe(resource: str, logical_id: str, delta: int) -> int:
     _started()
     with transaction.atomic():
         balance = Balance.objects.get(name=resource)

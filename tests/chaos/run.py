@@ -1,21 +1,27 @@
 """Chaos run: K RQ workers x N logical jobs over M resources on PostgreSQL, under real faults.
 
-    python -m tests.chaos.run                  # full: 8 workers x 2000 jobs x 50 resources
+    python -m tests.chaos.run                  # full: 8 workers x (2000 + 1000) jobs
     python -m tests.chaos.run --short          # the version .ci/run runs (via pytest)
     python -m tests.chaos.run --negative       # fencing and idempotency off: must show damage
 
 Each logical job adds a delta to its resource's balance with a deliberately racy
 read-sleep-write, through ``fenced_update`` under ``@locked_job`` with an idempotency key;
-a fifth of them are delivered twice (different job ids). Faults, injected for real while the
-queues drain: SIGKILL of work horses and of worker parents, SIGSTOP of horses for longer than
-the lock TTL, one Redis restart (append-only file: the queues survive, as RQ needs), added
-latency and a short black hole in a TCP proxy between the workers and Redis.
+a fifth of them are delivered twice (different job ids). Most wait for a busy resource parked
+by admission (the default); 15 % are enqueued with ``admission=False`` (holders outside
+admission: they requeue on contention and can take a lock that expired under a paused
+holder). Two phases, each with the same faults: **uniform** (jobs spread over M resources) and
+**hot** (80 % of the jobs on 3 resources, the rest over 10). Faults, injected for real while
+the queues drain: SIGKILL of work horses and of worker parents, SIGSTOP of horses for longer
+than the lock TTL, one Redis restart (append-only file: the queues survive, as RQ needs),
+added latency and a short black hole in a TCP proxy between the workers and Redis.
 
 Checked afterwards: every logical job applied exactly once (or failed visibly with its
 reason); each balance equals the sum of its applied deltas; accepted fences increase per
-resource; no job lost; the queues drained within the bound. Prints a table and, with
-``--json PATH``, writes the report as JSON. Exit status 1 if the run is damaged (safe mode) or
-shows no damage (negative control: then the run is invalid).
+resource; no job lost; the queues drained within the bound. Per phase: drain time, requeues
+and the wait from enqueue to start (p50 / p99 / max, from each job's ``meta["joblock"]
+["waited"]``). Prints a table and, with ``--json PATH``, writes the report as JSON. Exit
+status 1 if the run is damaged (safe mode) or shows no damage (negative control: then the run
+is invalid).
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ class Chaos:
         self.faults: list[str] = []
         self.hit: set[int] = set()
         self.rng = random.Random(args.seed)
+        self.logical: dict[str, tuple[str, int]] = {}
+        self.deliveries: list[tuple[str, str]] = []  # (job id, logical id), every phase
+        self.phases: dict[str, dict[str, Any]] = {}
 
     # -- environment ---------------------------------------------------------------------
     def setup(self) -> None:
@@ -131,29 +140,47 @@ class Chaos:
             proc.wait(10)
 
     # -- workload ------------------------------------------------------------------------
-    def enqueue(self) -> None:
+    def resources(self, phase: str) -> tuple[list[str], list[float]]:
+        """The resources of a phase and their popularity weights."""
+        if phase == "uniform":
+            names = [f"r{i}" for i in range(self.args.resources)]
+            return names, [1.0] * len(names)
+        hot = ["h0", "h1", "h2"]
+        warm = [f"w{i}" for i in range(10)]
+        # 80 % of the jobs on the three hot resources (in 5:3:2), 20 % over ten others.
+        return hot + warm, [0.4, 0.24, 0.16] + [0.02] * len(warm)
+
+    def enqueue(self, phase: str, jobs: int) -> list[tuple[str, str]]:
+        from django_redis import get_redis_connection
         from rq import Retry
 
-        from .jobs import apply, apply_unsafe
+        # This process's pooled connections may have died with a Redis restart: start afresh.
+        get_redis_connection("default").connection_pool.disconnect()
+
+        from .jobs import apply, apply_direct, apply_unsafe, apply_unsafe_direct
         from .models import Balance
 
-        job = apply if self.safe else apply_unsafe
-        resources = [f"r{i}" for i in range(self.args.resources)]
-        Balance.objects.bulk_create([Balance(name=name) for name in resources])
-        self.logical: dict[str, tuple[str, int]] = {}
-        self.deliveries: list[tuple[str, str]] = []  # (job id, logical id)
+        parked, direct = (apply, apply_direct) if self.safe else (apply_unsafe, apply_unsafe_direct)
+        names, weights = self.resources(phase)
+        Balance.objects.bulk_create([Balance(name=name) for name in names])
+        deliveries: list[tuple[str, str]] = []  # (job id, logical id)
         retry = Retry(max=5, interval=1)
-        for i in range(self.args.jobs):
-            logical_id = f"L{i}"
-            resource = self.rng.choice(resources)
+        for i in range(jobs):
+            logical_id = f"{phase[0].upper()}{i}"
+            resource = self.rng.choices(names, weights)[0]
             delta = self.rng.randint(1, 9)
             self.logical[logical_id] = (resource, delta)
+            # Every delivery of one logical job goes through the same function (its
+            # idempotency records' scope).
+            job = direct if self.rng.random() < 0.15 else parked
             copies = 2 if self.rng.random() < 0.2 else 1  # duplicate delivery
             for _ in range(copies):
                 # A short job_timeout lets RQ's registry cleanup hand the job of a worker that
                 # died with Redis (or hangs) to another worker within a short run.
                 queued = job.enqueue((resource, logical_id, delta), retry=retry, job_timeout=20)
-                self.deliveries.append((queued.id, logical_id))
+                deliveries.append((queued.id, logical_id))
+        self.deliveries += deliveries
+        return deliveries
 
     # -- faults --------------------------------------------------------------------------
     def _running_horse(self) -> int | None:
@@ -262,22 +289,23 @@ class Chaos:
             self.faults.append("supervisor: the scheduler had died with Redis; started one")
         self.faults.append("supervisor: ran RQ registry maintenance")
 
-    def statuses(self) -> Counter[str]:
+    def statuses(self, deliveries: list[tuple[str, str]]) -> Counter[str]:
         pipe = self.direct.pipeline(transaction=False)
-        for job_id, _logical in self.deliveries:
+        for job_id, _logical in deliveries:
             pipe.hget(f"rq:job:{job_id}", "status")
         return Counter((raw or b"missing").decode() for raw in pipe.execute())
 
-    def drain(self) -> tuple[float, Counter[str]]:
+    def drain(self, phase: str, deliveries: list[tuple[str, str]]) -> tuple[float, Counter[str]]:
         started = time.monotonic()
         plan = self.schedule()
         last_print = 0.0
+        self._last_done = -1
         while True:
             elapsed = time.monotonic() - started
             while plan and plan[0][0] <= elapsed:
                 plan.pop(0)[1]()
             try:
-                counts = self.statuses()
+                counts = self.statuses(deliveries)
             except Exception:
                 time.sleep(0.2)
                 continue
@@ -286,15 +314,42 @@ class Chaos:
             if elapsed - last_print >= 5:
                 last_print = elapsed
                 print(
-                    f"  {elapsed:6.1f}s  {done}/{len(self.deliveries)} deliveries done  "
+                    f"  {phase:7} {elapsed:6.1f}s  {done}/{len(deliveries)} deliveries done  "
                     + " ".join(f"{k}={v}" for k, v in sorted(counts.items())),
                     flush=True,
                 )
-            if done == len(self.deliveries) and not plan:
+            if done == len(deliveries) and not plan:
                 return elapsed, counts
             if elapsed > self.args.bound:
                 return elapsed, counts
             time.sleep(0.5)
+
+    def phase_figures(
+        self, phase: str, deliveries: list[tuple[str, str]], elapsed: float
+    ) -> dict[str, Any]:
+        """Drain time, requeues and wait-to-start of one phase (from the jobs' meta)."""
+        from rq.job import Job
+
+        waits: list[float] = []
+        requeues = 0
+        for job in Job.fetch_many([job_id for job_id, _ in deliveries], connection=self.direct):
+            state = (job.get_meta(refresh=False) if job else {}).get("joblock", {})
+            requeues += int(state.get("requeues", 0))
+            if state.get("outcome") in ("ran", "replayed") and "waited" in state:
+                waits.append(float(state["waited"]))
+        waits.sort()
+
+        def at(q: float) -> float | None:
+            return round(waits[min(len(waits) - 1, int(q * len(waits)))], 2) if waits else None
+
+        return {
+            "deliveries": len(deliveries),
+            "drain_seconds": round(elapsed, 1),
+            "requeues": requeues,
+            "wait_to_start_p50_s": at(0.5),
+            "wait_to_start_p99_s": at(0.99),
+            "wait_to_start_max_s": round(waits[-1], 2) if waits else None,
+        }
 
     def check(self, elapsed: float, counts: Counter[str]) -> dict[str, Any]:
         from .models import Balance, Effect
@@ -340,9 +395,10 @@ class Chaos:
             "logical_jobs": len(self.logical),
             "deliveries": len(self.deliveries),
             "resources": self.args.resources,
+            "phases": self.phases,
             "faults": self.faults,
             "drain_seconds": round(elapsed, 1),
-            "drain_bound_seconds": self.args.bound,
+            "drain_bound_seconds_per_phase": self.args.bound,
             "drained": counts["finished"] + counts["failed"] == len(self.deliveries),
             "deliveries_finished": counts["finished"],
             "deliveries_failed": counts["failed"],
@@ -409,6 +465,10 @@ def print_table(report: dict[str, Any], text: str) -> None:
         if key == "faults":
             for fault in value:
                 print(f"  {'fault':<{width}}  {fault}")
+        elif key == "phases":
+            for phase, figures in value.items():
+                shown = ", ".join(f"{k} {v}" for k, v in figures.items())
+                print(f"  {'phase ' + phase:<{width}}  {shown}")
         else:
             print(f"  {key:<{width}}  {value}")
     print(f"\n{text}")
@@ -421,8 +481,9 @@ def main() -> int:
         "--negative", action="store_true", help="negative control: fencing and idempotency off"
     )
     parser.add_argument("--workers", type=int)
-    parser.add_argument("--jobs", type=int)
-    parser.add_argument("--resources", type=int)
+    parser.add_argument("--jobs", type=int, help="logical jobs of the uniform phase")
+    parser.add_argument("--hot-jobs", type=int, help="logical jobs of the hot phase (0: none)")
+    parser.add_argument("--resources", type=int, help="resources of the uniform phase")
     parser.add_argument("--kills", type=int)
     parser.add_argument("--pauses", type=int)
     parser.add_argument("--bound", type=float, help="seconds the queues must drain within")
@@ -431,25 +492,33 @@ def main() -> int:
     parser.add_argument("--no-restart", action="store_true", help="skip the Redis restart")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    short = dict(workers=4, jobs=200, resources=10, kills=2, pauses=1, bound=240)
-    full = dict(workers=8, jobs=2000, resources=50, kills=5, pauses=3, bound=900)
+    short = dict(workers=4, jobs=200, hot_jobs=100, resources=10, kills=2, pauses=1, bound=240)
+    full = dict(workers=8, jobs=2000, hot_jobs=1000, resources=50, kills=5, pauses=3, bound=900)
     for key, value in (short if args.short else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     chaos = Chaos(args)
     chaos.setup()
     try:
-        chaos.enqueue()
-        print(
-            f"{len(chaos.deliveries)} deliveries of {len(chaos.logical)} logical jobs over "
-            f"{args.resources} resources; {args.workers} workers; logs in {chaos.logdir}",
-            flush=True,
-        )
         chaos.start_worker(scheduler=True)
         for _ in range(args.workers - 1):
             chaos.start_worker()
-        elapsed, counts = chaos.drain()
-        report = chaos.check(elapsed, counts)
+        total_elapsed, counts = 0.0, Counter[str]()
+        for phase, jobs in (("uniform", args.jobs), ("hot", args.hot_jobs)):
+            if not jobs:
+                continue
+            deliveries = chaos.enqueue(phase, jobs)
+            print(
+                f"phase {phase}: {len(deliveries)} deliveries of {jobs} logical jobs over "
+                f"{len(chaos.resources(phase)[0])} resources; {args.workers} workers; logs in "
+                f"{chaos.logdir}",
+                flush=True,
+            )
+            elapsed, phase_counts = chaos.drain(phase, deliveries)
+            total_elapsed += elapsed
+            counts += phase_counts
+            chaos.phases[phase] = chaos.phase_figures(phase, deliveries, elapsed)
+        report = chaos.check(total_elapsed, counts)
     finally:
         chaos.teardown()
     ok, text = verdict(report)

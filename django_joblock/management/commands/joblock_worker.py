@@ -87,8 +87,9 @@ class Command(BaseCommand):
             "--maintenance-interval",
             type=int,
             default=None,
-            help="Seconds between RQ's registry clean-ups (RQ's default: 600). It bounds how "
-            "soon the jobs of a worker that died are retried and a dead scheduler is replaced.",
+            help="Seconds between RQ's registry clean-ups (default 60; RQ's own: 600). It "
+            "bounds how soon the jobs of a worker that died are retried, their resource's next "
+            "waiting job starts, and a dead scheduler is replaced.",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:

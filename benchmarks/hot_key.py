@@ -1,0 +1,239 @@
+"""Hot resources: jobs that all need the same resource, drained by real RQ workers, side by side.
+
+    python benchmarks/hot_key.py [--jobs 60] [--ms 50] [--workers 4] [--rounds 3]
+                                 [--resources 10] [--requeue-rounds 1]
+
+Scenarios: N jobs of D ms on **one** resource, and N jobs over M resources with Zipf-like
+popularity (resource k drawn with weight 1/(k+1), fixed seed). W ``SimpleWorker`` processes
+(``JoblockSimpleWorker``), one of them with RQ's scheduler, drain each batch. Contenders:
+
+- plain RQ with RQ's own ``RateLimit(key=<resource>, concurrency=1)`` (rq >= 3.0);
+- ``@locked_job(lock="hot:{k}")`` as a new user writes it (admission, the new default);
+- ``@locked_job(..., admission=False)``: the requeue-only path (rq 2.x behaviour), which
+  waits for RQ's scheduler in whole seconds; run ``--requeue-rounds`` times only (it is slow).
+
+Contenders alternate within each round (interleaved, so machine noise hits all alike).
+Printed per scenario and contender: makespan (first enqueue to last job end; median over
+rounds), efficiency = serial floor / makespan, where the floor is max(the busiest
+resource's jobs x D, N x D / W), requeues per job, and p50 / p99 of the wait from enqueue
+(``job.created_at``) to the start of the job's body, over every job of every round;
+"vs RateLimit" is the median of per-round makespan ratios (RateLimit / contender; > 1 is
+faster). Redis: a private redis-server when the binary is on PATH (else ``REDIS_URL``);
+database: a throwaway SQLite file, migrated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from locks import private_redis  # noqa: E402
+
+QUEUE = "hot"
+
+
+def setup(url: str, db_path: str, *, migrate: bool) -> None:
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_joblock"],
+        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db_path}},
+        CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}},
+        USE_TZ=True,
+        JOBLOCK={"REQUEUE_MAX_WAIT": 3600},
+    )
+    django.setup()
+    if migrate:
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)
+
+
+def worker_main(url: str, db_path: str, index: int) -> None:
+    setup(url, db_path, migrate=False)
+    from django_joblock.queues import get_queue
+    from django_joblock.worker import JoblockSimpleWorker
+
+    queue = get_queue(QUEUE)
+    worker = JoblockSimpleWorker([queue], connection=queue.connection, name=f"hot-{index}")
+    worker.work(with_scheduler=index == 0, logging_level="WARNING")
+
+
+@dataclass
+class Sample:
+    makespan: float
+    floor: float
+    requeues: int
+    jobs: int
+    waits: list[float] = field(default_factory=list)
+
+
+def zipf_keys(n: int, m: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return rng.choices(range(m), weights=[1 / (k + 1) for k in range(m)], k=n)
+
+
+def drain(
+    queue: Any, keys: list[int], ms: float, workers: int, enqueue: Callable[..., Any]
+) -> Sample:
+    from rq.job import Job
+
+    tag = f"{time.monotonic_ns()}"
+    started = time.time()
+    jobs = [enqueue(k, ms, tag) for k in keys]
+    ids = [job.id for job in jobs]
+    deadline = time.monotonic() + 3600
+    while True:
+        pipe = queue.connection.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(Job.key_for(job_id), "status")
+        statuses = Counter((s or b"missing").decode() for s in pipe.execute())
+        if statuses["finished"] + statuses["failed"] == len(ids):
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"not drained within an hour: {statuses}")
+        time.sleep(0.05)
+    if statuses["failed"]:
+        raise SystemExit(f"{statuses['failed']} jobs failed")
+    ends, waits, requeues = [], [], 0
+    for job in Job.fetch_many(ids, connection=queue.connection):
+        assert job is not None
+        begin, end = job.return_value()
+        ends.append(end)
+        waits.append(max(0.0, begin - job.created_at.timestamp()))
+        requeues += int(job.get_meta(refresh=False).get("joblock", {}).get("requeues", 0))
+    busiest = max(Counter(keys).values())
+    floor = max(busiest * ms / 1000, len(keys) * ms / 1000 / workers)
+    return Sample(max(ends) - started, floor, requeues, len(keys), waits)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=60)
+    parser.add_argument("--ms", type=float, default=50.0)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--resources", type=int, default=10, help="M, for the Zipf scenario")
+    parser.add_argument("--requeue-rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--db", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker_main(args.url, args.db, args.worker)
+        return 0
+
+    url, redis_proc = private_redis()
+    db = tempfile.NamedTemporaryFile(suffix=".sqlite3", delete=False)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        setup(url, db.name, migrate=True)
+        from bench_jobs import hot_locked, hot_plain, hot_requeue
+        from rq import RateLimit, Worker
+        from rq.scheduler import RQScheduler
+
+        from django_joblock.queues import get_queue
+
+        queue = get_queue(QUEUE)
+        for index in range(args.workers):
+            command = [sys.executable, __file__, "--worker", str(index), "--url", url]
+            procs.append(
+                subprocess.Popen(
+                    [*command, "--db", db.name], cwd=HERE.parent, start_new_session=True
+                )
+            )
+        deadline = time.monotonic() + 60
+        while len(Worker.all(queue=queue)) < args.workers or not queue.connection.exists(
+            RQScheduler.get_locking_key(QUEUE)
+        ):
+            if time.monotonic() > deadline:
+                raise SystemExit("workers did not start")
+            time.sleep(0.1)
+
+        contenders: dict[str, Callable[..., Any]] = {
+            "plain RQ + RateLimit(concurrency=1)": lambda k, ms, tag: queue.enqueue(
+                hot_plain, args=(k, ms, tag), rate_limit=RateLimit(key=f"hot:{k}", concurrency=1)
+            ),
+            "@locked_job (admission, default)": lambda k, ms, tag: hot_locked.delay(k, ms, tag),
+            "@locked_job(admission=False), requeue": lambda k, ms, tag: hot_requeue.delay(
+                k, ms, tag
+            ),
+        }
+        requeue = "@locked_job(admission=False), requeue"
+        scenarios = {
+            "1 resource": [0] * args.jobs,
+            f"{args.resources} resources, Zipf": zipf_keys(args.jobs, args.resources, args.seed),
+        }
+        print(
+            f"{args.jobs} jobs x {args.ms:g} ms, {args.workers} SimpleWorkers (one with the "
+            f"scheduler); {args.rounds} interleaved rounds ({args.requeue_rounds} for the "
+            "requeue path)\n",
+            flush=True,
+        )
+        header = (
+            f"{'scenario':22} {'contender':38} {'makespan':>9} {'effic.':>7} "
+            f"{'vs RateLimit':>12} {'requeues/job':>12} {'p50 wait':>9} {'p99 wait':>9}"
+        )
+        print(header)
+        print("-" * len(header))
+        for scenario, keys in scenarios.items():
+            samples: dict[str, list[Sample]] = {name: [] for name in contenders}
+            for round_no in range(max(args.rounds, args.requeue_rounds)):
+                for name, enqueue in contenders.items():
+                    limit = args.requeue_rounds if name == requeue else args.rounds
+                    if round_no < limit:
+                        samples[name].append(drain(queue, keys, args.ms, args.workers, enqueue))
+            floor = samples[next(iter(contenders))][0].floor
+            print(
+                f"{scenario:22} {'serial floor':38} {floor:8.2f}s {1.0:7.2f} "
+                f"{'':>12} {'':>12} {'':>9} {'':>9}"
+            )
+            base = samples["plain RQ + RateLimit(concurrency=1)"]
+            for name, runs in samples.items():
+                if not runs:
+                    continue
+                makespan = statistics.median(s.makespan for s in runs)
+                ratios = [b.makespan / s.makespan for b, s in zip(base, runs, strict=False)]
+                waits = [w for s in runs for w in s.waits]
+                requeues = sum(s.requeues for s in runs) / sum(s.jobs for s in runs)
+                print(
+                    f"{scenario:22} {name:38} {makespan:8.2f}s {floor / makespan:7.2f} "
+                    f"{statistics.median(ratios):11.2f}x {requeues:12.2f} "
+                    f"{quantile(waits, 0.5):8.2f}s {quantile(waits, 0.99):8.2f}s",
+                    flush=True,
+                )
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker and its scheduler process
+            proc.wait()
+        if redis_proc is not None:
+            redis_proc.kill()
+        os.unlink(db.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The idempotency record's SQL: insert-or-read in one statement, and a key guard for claims
+made inside a job's transaction.
+
+- :func:`insert_or_read`: ``INSERT ... ON CONFLICT (scope, key) DO NOTHING``, and when the key
+  exists, the existing row. On PostgreSQL one statement (a data-modifying CTE ``UNION ALL`` a
+  read of the row): a first claim and a replay are each **one** query. On SQLite two (SQLite
+  has no data-modifying CTEs: ``INSERT ... RETURNING``, then a ``SELECT`` when it inserted
+  nothing); other databases use a savepoint and ``IntegrityError``.
+- ``guard=True`` (claims inside a job's transaction, §4.9): a claim row inserted by a
+  transaction that has not committed yet makes a second insert of the same key *wait* for that
+  transaction. That happens only after a lock loss (a paused holder still inside its
+  transaction), and must not wait for long. On PostgreSQL the same statement first takes a
+  transaction-scoped advisory lock on the key (``pg_try_advisory_xact_lock`` of a 64-bit hash
+  of scope and key, never waiting): a second transaction on the key finds it taken and is "in
+  progress" at once, without a wait, without an extra statement, and without touching the
+  session's ``lock_timeout``. The unique key stays the arbiter (a hash collision can only make
+  an unrelated key look in progress: a requeue, 1 in 2**64). On SQLite a writer waits for the
+  database's write lock instead, at most the connection's busy timeout
+  (``OPTIONS["timeout"]``, Django's default 5 s); :func:`in_progress_on_busy` turns that
+  timeout into :class:`~django_joblock.exceptions.IdempotencyInProgress`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from django.db import IntegrityError, OperationalError, connections, transaction
+
+from .exceptions import IdempotencyInProgress
+
+ROW_FIELDS = (
+    "id",
+    "status",
+    "fingerprint",
+    "owner",
+    "attempts",
+    "lease_expires_at",
+    "result",
+    "fence",
+    "lock_resource",
+)
+# What insert_or_read found: a new row, an existing one, neither (ask again), the key's guard
+# taken by another transaction, or (PostgreSQL, guard=True) no row: insert it at the end.
+INSERTED, EXISTING, NOTHING, GUARDED, ABSENT = (
+    "inserted",
+    "existing",
+    "nothing",
+    "guarded",
+    "absent",
+)
+
+
+def _select_row(model: Any, using: str, scope: str, key: str) -> dict[str, Any] | None:
+    row: dict[str, Any] | None = (
+        model.objects.using(using).filter(scope=scope, key=key).values(*ROW_FIELDS).first()
+    )
+    return row
+
+
+def insert_or_read(
+    model: Any, using: str, values: dict[str, Any], *, guard: bool = False
+) -> tuple[str, int | None, dict[str, Any] | None]:
+    """Insert the row unless (scope, key) exists: ``(INSERTED, id, None)``, ``(EXISTING, None,
+    row)``, ``(NOTHING, None, None)`` when a concurrent insert committed too late for this
+    statement to see it (ask again), or ``(GUARDED, None, None)`` (see the module docs).
+
+    With ``guard`` on PostgreSQL nothing is inserted: one statement takes the key's guard and
+    reads the row; without a row the answer is ``(ABSENT, None, None)`` and the caller inserts
+    the row at the end of its transaction (:func:`insert`), with the job's result: one
+    statement fewer than an insert now and an update of the result later. The guard keeps
+    every other guarded claim of the key out meanwhile; the unique key still decides.
+    """
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        if guard:
+            return _guard_and_read_postgresql(model, connection, values)
+        return _insert_or_read_postgresql(model, connection, values, guard)
+    inserted = insert(model, using, values)
+    if inserted is not None:
+        return INSERTED, inserted, None
+    row = _select_row(model, using, values["scope"], values["key"])
+    return (EXISTING, None, row) if row is not None else (NOTHING, None, None)
+
+
+def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
+    """Insert the row unless (scope, key) exists; its id, or None on conflict."""
+    connection = connections[using]
+    if connection.vendor not in ("postgresql", "sqlite"):
+        try:
+            with transaction.atomic(using=using):
+                return int(model.objects.using(using).create(**values).pk)
+        except IntegrityError:
+            return None
+    columns, params = _columns(model, connection, values)
+    sql = (
+        f"INSERT INTO {connection.ops.quote_name(model._meta.db_table)} ({columns}) "
+        f"VALUES ({', '.join(['%s'] * len(params))}) {_on_conflict(model, connection)} "
+        f"RETURNING {connection.ops.quote_name(model._meta.pk.column)}"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    return None if row is None else int(row[0])
+
+
+def set_result(model: Any, using: str, record_id: int, owner: str, result: Any) -> None:
+    """``UPDATE`` the result of record ``record_id`` (still owned by ``owner``): one statement
+    without the ORM's compilation, on the hot path of every job with a result."""
+    connection = connections[using]
+    meta = model._meta
+    quote = connection.ops.quote_name
+    result_field = meta.get_field("result")
+    sql = (
+        f"UPDATE {quote(meta.db_table)} SET {quote(result_field.column)} = %s "
+        f"WHERE {quote(meta.pk.column)} = %s AND {quote(meta.get_field('owner').column)} = %s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [result_field.get_db_prep_save(result, connection), record_id, owner])
+
+
+def try_guard(using: str, scope: str, key: str) -> bool:
+    """Take the key's transaction-scoped guard on PostgreSQL without waiting (True elsewhere).
+    Must run inside a transaction."""
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_GUARD}", [_guard_name(scope, key)])
+        return bool(cursor.fetchone()[0])
+
+
+_GUARD = "pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
+
+
+def _guard_name(scope: str, key: str) -> str:
+    return f"django_joblock\x1f{scope}\x1f{key}"
+
+
+def _columns(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
+    meta = model._meta
+    quote = connection.ops.quote_name
+    columns, params = [], []
+    for name, value in values.items():
+        model_field = meta.get_field(name)
+        columns.append(quote(model_field.column))
+        params.append(model_field.get_db_prep_save(value, connection))
+    return ", ".join(columns), params
+
+
+def _on_conflict(model: Any, connection: Any) -> str:
+    quote = connection.ops.quote_name
+    conflict = ", ".join(quote(model._meta.get_field(f).column) for f in ("scope", "key"))
+    return f"ON CONFLICT ({conflict}) DO NOTHING"
+
+
+def _insert_or_read_postgresql(
+    model: Any, connection: Any, values: dict[str, Any], guard: bool
+) -> tuple[str, int | None, dict[str, Any] | None]:
+    # One statement. The guard CTE is evaluated first (the INSERT reads from it); the INSERT
+    # runs only with the guard. The CTE's INSERT and the read of the table share one snapshot:
+    # after an insert the read sees nothing (only the CTE's row comes back, marked 1); on a
+    # conflict with a row committed before the statement began, only the existing row (2); no
+    # guard: only the marker row 3.
+    meta = model._meta
+    quote = connection.ops.quote_name
+    table = quote(meta.db_table)
+    columns, params = _columns(model, connection, values)
+    placeholders = ", ".join(["%s"] * len(params))
+    fields = ", ".join(quote(meta.get_field(name).column) for name in ROW_FIELDS)
+    nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
+    ok = _GUARD if guard else "TRUE"
+    sql = (
+        f"WITH g AS MATERIALIZED (SELECT {ok} AS ok), "
+        f"ins AS (INSERT INTO {table} ({columns}) SELECT {placeholders} FROM g WHERE g.ok "
+        f"{_on_conflict(model, connection)} RETURNING {quote(meta.pk.column)}) "
+        f"SELECT 1, {quote(meta.pk.column)}, {nulls} FROM ins "
+        f"UNION ALL SELECT 2, {fields} FROM {table}, g WHERE g.ok "
+        f"AND {quote(meta.get_field('scope').column)} = %s "
+        f"AND {quote(meta.get_field('key').column)} = %s "
+        f"UNION ALL SELECT 3, NULL, {nulls} FROM g WHERE NOT g.ok"
+    )
+    head = [_guard_name(values["scope"], values["key"])] if guard else []
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*head, *params, values["scope"], values["key"]])
+        found = cursor.fetchone()
+    if found is None:
+        return NOTHING, None, None
+    kind, *rest = found
+    if kind == 3:
+        return GUARDED, None, None
+    row = dict(zip(ROW_FIELDS, rest, strict=True))
+    if kind == 1:
+        return INSERTED, int(row["id"]), None
+    result_field = meta.get_field("result")
+    row["result"] = result_field.from_db_value(row["result"], None, connection)
+    return EXISTING, None, row
+
+
+def _guard_and_read_postgresql(
+    model: Any, connection: Any, values: dict[str, Any]
+) -> tuple[str, int | None, dict[str, Any] | None]:
+    # One read-only statement: the guard (never waiting) and the row, if there is one. A
+    # replay is this one query.
+    meta = model._meta
+    quote = connection.ops.quote_name
+    fields = ", ".join(f"t.{quote(meta.get_field(name).column)}" for name in ROW_FIELDS)
+    sql = (
+        f"SELECT {_GUARD}, {fields} FROM (SELECT 1) AS one LEFT JOIN {quote(meta.db_table)} t "
+        f"ON t.{quote(meta.get_field('scope').column)} = %s "
+        f"AND t.{quote(meta.get_field('key').column)} = %s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            sql, [_guard_name(values["scope"], values["key"]), values["scope"], values["key"]]
+        )
+        ok, *rest = cursor.fetchone()
+    if not ok:
+        return GUARDED, None, None
+    row = dict(zip(ROW_FIELDS, rest, strict=True))
+    if row["id"] is None:
+        return ABSENT, None, None
+    result_field = meta.get_field("result")
+    row["result"] = result_field.from_db_value(row["result"], None, connection)
+    return EXISTING, None, row
+
+
+def in_progress(scope: str, key: str, why: str) -> IdempotencyInProgress:
+    return IdempotencyInProgress(
+        f"Idempotency key {key!r} (scope {scope!r}) is being claimed by another transaction "
+        f"({why}; a run whose lock was lost may still be inside its transaction); treated as "
+        "in progress.",
+        key=key,
+        scope=scope,
+    )
+
+
+@contextlib.contextmanager
+def in_progress_on_busy(using: str, *, scope: str, key: str) -> Iterator[None]:
+    """SQLite: a write that waited out the busy timeout becomes :class:`IdempotencyInProgress`
+    (another transaction holds the database's write lock; see the module docs)."""
+    try:
+        yield
+    except OperationalError as exc:
+        if connections[using].vendor != "sqlite" or "locked" not in str(exc):
+            raise
+        raise in_progress(scope, key, f"the database stayed locked: {exc}") from exc

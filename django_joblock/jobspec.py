@@ -1,0 +1,181 @@
+"""What ``@locked_job`` knows about one function: :class:`JobSpec`, its templates, its timeouts.
+
+Shared by :mod:`django_joblock.jobs` (enqueue side), :mod:`django_joblock.runner` (the work
+horse side) and the system checks, so that none of them imports another's internals.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, ParamSpec, TypeVar
+
+from . import conf
+from .idempotency_inputs import validate_key
+from .keys import validate_resource
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+CONFLICT_POLICIES = ("requeue", "skip", "fail")
+Template = str | Callable[..., str] | None
+
+
+@dataclass
+class JobSpec(Generic[P, R]):
+    """Everything ``@locked_job`` was told about one function."""
+
+    func: Callable[P, R]
+    queue: Any
+    lock: Template
+    idempotency_key: Template
+    ttl: float | None
+    heartbeat: bool
+    on_conflict: str
+    max_wait: float | None
+    on_lost: Callable[..., Any] | None
+    rq_options: dict[str, Any] = field(default_factory=dict)
+    atomic: bool = True
+    admission: bool = True
+    unique: bool = False
+
+    @property
+    def name(self) -> str:
+        """Dotted path RQ stores for the job (module + qualified name)."""
+        return f"{self.func.__module__}.{self.func.__qualname__}"
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        return inspect.signature(self.func)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied (TypeError if they do not
+        fit the function)."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for param in self.signature.parameters.values():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(param.name, {}))
+        return arguments
+
+    def render(self, template: Template, arguments: dict[str, Any], what: str) -> str | None:
+        """Format ``template`` with the bound arguments; a clear error names what failed."""
+        if template is None:
+            return None
+        try:
+            value = template(**arguments) if callable(template) else template.format(**arguments)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"@locked_job {self.name}: cannot build the {what} from "
+                f"{template!r} with arguments {sorted(arguments)}: {exc!r}"
+            ) from exc
+        if not isinstance(value, str):
+            raise ValueError(f"@locked_job {self.name}: the {what} must be a str, got {value!r}")
+        return value
+
+    def resource(self, arguments: dict[str, Any]) -> str | None:
+        value = self.render(self.lock, arguments, "lock resource")
+        return None if value is None else validate_resource(value)
+
+    def key(self, arguments: dict[str, Any]) -> str | None:
+        """The idempotency key for these arguments, validated (``ValueError`` naming it)."""
+        value = self.render(self.idempotency_key, arguments, "idempotency key")
+        return None if value is None else validate_key(value, what=f"@locked_job {self.name}")
+
+    @property
+    def scope(self) -> str:
+        """Scope of the job's idempotency records: its dotted name."""
+        return self.name
+
+
+def _template_fields(template: str) -> set[str]:
+    fields = set()
+    for _literal, name, _spec, _conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        root = name.split(".", 1)[0].split("[", 1)[0]
+        if not root or root.isdigit():
+            raise ValueError(f"positional field {{{name}}} in {template!r}; use parameter names")
+        fields.add(root)
+    return fields
+
+
+def check_template(func: Callable[..., Any], template: Template, what: str) -> None:
+    if template is None or callable(template):
+        return
+    if not isinstance(template, str):
+        raise TypeError(
+            f"@locked_job {func.__qualname__}: {what} must be a str template, a "
+            f"callable or None, got {template!r}"
+        )
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # any keyword may arrive; checked when the job is enqueued
+    try:
+        unknown = _template_fields(template) - set(params)
+    except ValueError as exc:
+        raise ValueError(f"@locked_job {func.__qualname__}: bad {what}: {exc}") from exc
+    if unknown:
+        raise ValueError(
+            f"@locked_job {func.__qualname__}: {what} {template!r} uses "
+            f"{', '.join(sorted(unknown))}, which {func.__qualname__}() does not take "
+            f"(parameters: {', '.join(params) or 'none'})"
+        )
+
+
+@dataclass(frozen=True)
+class TimeoutFinding:
+    """A W002 / W006 finding about one job and one RQ job timeout."""
+
+    id: str
+    message: str
+    hint: str
+
+
+def job_timeout(value: Any, queue: Any) -> float:
+    """RQ's timeout (s) for a job enqueued with ``job_timeout=value`` on ``queue``.
+
+    ``None`` means the queue's default; ``-1`` (RQ's "no timeout") is ``math.inf``. Strings
+    such as ``"10m"`` are parsed as RQ parses them.
+    """
+    from rq.utils import parse_timeout
+
+    seconds = parse_timeout(value)
+    if seconds is None:
+        seconds = parse_timeout(getattr(queue, "_default_timeout", None)) or 180
+    return math.inf if seconds == -1 else float(seconds)
+
+
+def timeout_findings(spec: JobSpec[Any, Any], timeout: float) -> list[TimeoutFinding]:
+    """W002 and W006 for ``spec`` running under an RQ job timeout of ``timeout`` seconds."""
+    current = conf.get()
+    shown = "none (-1)" if math.isinf(timeout) else f"{timeout:g}s"
+    found = []
+    ttl = spec.ttl if spec.ttl is not None else current.LOCK_TTL
+    if spec.lock is not None and not spec.heartbeat and ttl < timeout:
+        found.append(
+            TimeoutFinding(
+                "W002",
+                f"{spec.name}: lock TTL {ttl:g}s is shorter than its RQ job timeout {shown} with "
+                "heartbeat off: a slow run loses its lock to a second worker.",
+                "Turn heartbeat on, or make ttl longer than job_timeout.",
+            )
+        )
+    lease = current.IDEMPOTENCY_LEASE
+    if spec.lock is None and spec.idempotency_key is not None and timeout > lease:
+        found.append(
+            TimeoutFinding(
+                "W006",
+                f"{spec.name}: RQ job timeout {shown} is longer than IDEMPOTENCY_LEASE "
+                f"{lease:g}s and the job has no lock: a duplicate delivered after the lease "
+                "takes the claim over and runs while the first run still works.",
+                "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower job_timeout, "
+                "or give the job a lock.",
+            )
+        )
+    return found

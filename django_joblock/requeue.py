@@ -1,0 +1,163 @@
+"""Contention: what a job does when its lock (or a live claim of its key) is busy.
+
+With admission (:mod:`django_joblock.admission`) a job normally starts only when the job before
+it on the resource has ended, so it finds the lock free. It finds it busy when the holder is
+outside admission: a ``lock()`` caller, a job on a queue of another Redis, a job enqueued with
+``admission=False`` (or on rq 2.x, where every job requeues), an orphaned horse whose worker
+died. Then ``on_conflict`` decides:
+
+- ``"requeue"``: the job returns ``rq.Retry(interval=[delay])``. RQ (>= 2.x) then schedules the
+  *same job id* again after ``delay`` seconds, counting ``number_of_retries`` and leaving the
+  job's own exception-retry budget (``retries_left``) untouched: contention is not a failure.
+  The alternative, ``queue.enqueue_in()`` of a copy, would finish the original job as a fake
+  success and give the retry a new id, breaking ``job.id`` based tracking and dependents.
+  Delays are exponential with full jitter (``REQUEUE_BACKOFF``), sized by what the holder's
+  lock says (read with :func:`~django_joblock.lock_info`, one round trip on this path only):
+  a holder whose lock has not been renewed for more than half its TTL is not heartbeating
+  (dead, paused, or heartbeat off), so the lock frees by its expiry at the latest and the
+  delay is at least its remaining TTL (a dead holder is waited out in one requeue, not
+  polled); a live holder's remaining TTL says nothing about when it finishes (it renews), so
+  its delays follow the backoff alone (sizing them from a 30 s TTL would make a job wait
+  seconds behind a holder that ends in 50 ms). Whole seconds, because RQ schedules in seconds,
+  and RQ's scheduler runs them (``joblock_worker --with-scheduler``). An admitted job
+  that requeues gives its admission slot up (RQ releases it when the job is scheduled) and
+  re-enters the waiting line at the back when its delay is over. After ``max_wait`` (default
+  ``REQUEUE_MAX_WAIT``) seconds of contention the job raises :class:`LockContentionTimeout`
+  and ends *failed*, visible in RQ's failed registry with the reason: a valid job is never
+  silently dropped.
+- ``"skip"``: finish without running (``job.meta["joblock"]["outcome"] = "skipped"``).
+- ``"fail"``: raise :class:`LockNotAcquired` (or :class:`IdempotencyInProgress`).
+
+A run that cannot be requeued (an inline call, or a synchronous queue: no worker would run the
+requeued job) treats ``"requeue"`` like ``lock()``: it has already waited up to
+``ACQUIRE_WAIT`` for the lock and raises :class:`LockNotAcquired`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rq import Retry
+
+from . import conf, metrics
+from .backoff import full_jitter
+from .exceptions import (
+    IdempotencyInProgress,
+    LockBackendUnavailable,
+    LockContentionTimeout,
+    LockNotAcquired,
+)
+from .holders import LockInfo, lock_info
+from .jobspec import JobSpec
+from .locks import Lock
+from .outcomes import JobOutcome, Run
+from .signals import job_requeued
+
+# RQ fails a job that returned Retry more than ``max`` times; we give up by time instead.
+RETRY_MAX = 10**6
+_MAX_DELAYS_KEPT = 50
+# Slack (s) on "not renewed for half its TTL": a renewal in flight, clocks of the reads.
+STALE_MARGIN = 0.25
+
+Ending = tuple[JobOutcome, Any, dict[str, Any]]
+
+
+def conflict(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
+    """Apply ``on_conflict`` to a busy lock (``held``, not acquired) or a live claim."""
+    try:
+        return _handle(run, held, in_progress)
+    finally:
+        if run.job is not None:
+            metrics.flush_now()  # the work horse may exit right after this job
+
+
+def _holder(held: Lock | None) -> LockInfo | None:
+    if held is None:
+        return None
+    try:
+        return lock_info(held.resource, using=held.alias)
+    except LockBackendUnavailable:
+        return None  # the acquire just answered; if Redis went away now, RQ retries anyway
+
+
+def describe(info: LockInfo | None) -> str:
+    """``host:pid owner=<hash> job=<id>`` of a holder (for logs and reasons)."""
+    if info is None:
+        return ""
+    text = f"{info.host}:{info.pid} owner={info.owner}"
+    if info.job_id:
+        text += f" job={info.job_id}"
+    return f"{text} ({info.expires_in:.1f}s of TTL left)"
+
+
+def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
+    spec = run.spec
+    # A live claim under our own lock: the lock is ours, the key is someone else's.
+    info = _holder(held) if in_progress is None else None
+    run.holder = describe(info)
+    if in_progress is not None:
+        what = str(in_progress)
+    else:
+        assert held is not None
+        what = f"lock {held.resource!r} is busy"
+    if spec.on_conflict == "skip":
+        metrics.count("skipped", run.family, spec.name)
+        return JobOutcome.SKIPPED, None, {"reason": what}
+    if spec.on_conflict == "fail" or not run.worker:
+        if in_progress is not None:
+            raise in_progress
+        assert held is not None
+        suffix = "" if spec.on_conflict == "fail" else " (a run without a worker cannot requeue)"
+        holder = f"; held by {run.holder}" if run.holder else ""
+        raise LockNotAcquired(
+            f"{spec.name}: lock busy{suffix}{holder}", resource=held.resource, key=held.key
+        )
+    return _requeue(run, held, what, info)
+
+
+def stale(info: LockInfo | None) -> bool:
+    """True when the holder's lock was not renewed for more than half its TTL: no heartbeat
+    runs for it (renewals come every TTL/3, at most TTL/2), so it frees by its expiry."""
+    if info is None or info.ttl <= 0:
+        return False
+    return info.ttl - info.expires_in > info.ttl / 2 + STALE_MARGIN
+
+
+def delay_for(attempt: int, info: LockInfo | None, limit_left: float) -> int:
+    """Seconds until the next try of a requeued job (whole, >= 1, never far past the limit);
+    see the module docs. ``info``: the holder's lock, if known."""
+    backoff = conf.get().REQUEUE_BACKOFF
+    delay = full_jitter(attempt, base=backoff["base"], factor=backoff["factor"], cap=backoff["max"])
+    if info is not None and stale(info):
+        delay = max(delay, info.expires_in)  # free by then at the latest
+    # RQ schedules in whole seconds (>= 1, as 0 would mean "now").
+    return int(min(max(1, math.ceil(delay)), max(1, math.ceil(limit_left))))
+
+
+def _requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> Ending:
+    spec, job = run.spec, run.job
+    settings = conf.get()
+    state = job.meta.setdefault("joblock", {})
+    now = time.time()
+    first = float(state.setdefault("first_contended", now))
+    attempt = int(state.get("requeues", 0))
+    limit = spec.max_wait if spec.max_wait is not None else settings.REQUEUE_MAX_WAIT
+    waited = now - first
+    resource = held.resource if held is not None else None
+    key = held.key if held is not None else None
+    if waited >= limit:
+        metrics.count("given_up", run.family, spec.name)
+        raise LockContentionTimeout(
+            f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
+            f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s",
+            resource=resource,
+            key=key,
+        )
+    seconds = delay_for(attempt, info, limit - waited)
+    delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
+    metrics.count("requeued", run.family, spec.name)
+    job_requeued.send(sender=JobSpec, job=job, lock=held, delay=seconds)
+    extra = {"requeues": attempt + 1, "delays": delays, "reason": what}
+    return JobOutcome.REQUEUED, Retry(max=RETRY_MAX, interval=[seconds]), extra

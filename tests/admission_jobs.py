@@ -1,0 +1,186 @@
+"""Jobs for the admission, one-commit, unique and log tests (importable by the workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from django.db import transaction
+from django_redis import get_redis_connection
+from redis.exceptions import RedisError
+from rq import Queue
+
+from django_joblock import locked_job
+from tests.testapp.models import Account
+
+
+def _redis():  # type: ignore[no-untyped-def]
+    return get_redis_connection("default")
+
+
+def _log_interval(label: str, seconds: float) -> None:
+    client = _redis()
+    started = time.time()
+    client.set(f"test:pid:{label}", os.getpid())
+    time.sleep(seconds)
+    client.rpush("test:intervals", f"{label}:{started}:{time.time()}")
+
+
+def _wait_for(flag: str, limit: float = 60.0) -> None:
+    """Wait for a flag the test sets; a Redis restart meanwhile is waited out, not fatal."""
+    client = _redis()
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            if client.exists(flag):
+                return
+        except RedisError:
+            pass  # the server is restarting
+        if time.monotonic() > deadline:
+            raise TimeoutError(flag)
+        time.sleep(0.02)
+
+
+@locked_job("default", lock="hot:{k}", ttl=2)
+def hot(k: int, label: str, seconds: float) -> str:
+    """A job on a hot resource (admission: the default)."""
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="hot:{k}", ttl=2, atomic=False)
+def hot_hold(k: int, label: str) -> str:
+    """Holds the resource until ``test:go:<label>`` is set (or it is killed). No transaction:
+    on SQLite an open one would hold every other job's writes back meanwhile."""
+    client = _redis()
+    started = time.time()
+    client.set(f"test:pid:{label}", os.getpid())
+    _wait_for(f"test:go:{label}")
+    client.rpush("test:intervals", f"{label}:{started}:{time.time()}")
+    return label
+
+
+@locked_job("default", lock="hot:{k}", ttl=2)
+def hot_die_after_commit(k: int, label: str) -> str:
+    """Commits, then dies (SIGKILL of its own horse) right after the commit: after it handed
+    its admission slot on, before it released its lock."""
+    client = _redis()
+    started = time.time()
+    client.set(f"test:pid:{label}", os.getpid())
+    client.rpush("test:intervals", f"{label}:{started}:{time.time()}")
+    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    return label
+
+
+@locked_job("default", lock="hot:{k}", ttl=2, admission=False)
+def hot_outside(k: int, label: str, seconds: float) -> str:
+    """The same resource without admission (a holder outside it, as on rq 2.x)."""
+    _log_interval(label, seconds)
+    return label
+
+
+# -- one commit per job ----------------------------------------------------------------------
+# heartbeat off and a long TTL: a lock taken away from under it (a failover that forgot it)
+# goes unnoticed, so the run goes on to commit; admission off: the duplicate is not parked
+# behind it. The only arbiter left between the two runs is the idempotency record.
+@locked_job(
+    "default",
+    lock="account:{name}",
+    idempotency_key="credit:{credit_id}",
+    ttl=30,
+    heartbeat=False,
+    admission=False,
+    job_timeout=25,
+)
+def credit_and_wait(name: str, credit_id: str, amount: int) -> dict[str, int]:
+    _credit_and_wait(name, credit_id, amount)
+    return {"credited": amount}
+
+
+@locked_job(
+    "default", lock="account:{name}", ttl=30, heartbeat=False, admission=False, job_timeout=25
+)
+def credit_and_wait_without_record(name: str, credit_id: str, amount: int) -> dict[str, int]:
+    """Negative control: the same job without an idempotency key."""
+    _credit_and_wait(name, credit_id, amount)
+    return {"credited": amount}
+
+
+def _credit_and_wait(name: str, credit_id: str, amount: int) -> None:
+    """The effect is a ledger row per run (``ledger:<credit_id>:<pid>``): committed runs are
+    counted by rows, whatever the isolation level does to a read-modify-write."""
+    client = _redis()
+    client.rpush(f"test:bodies:{credit_id}", os.getpid())
+    Account.objects.create(name=f"ledger:{credit_id}:{os.getpid()}", balance=amount)
+    _wait_for(f"test:go:{credit_id}")
+
+
+@locked_job("default", lock="account:{name}", idempotency_key="credit:{credit_id}", ttl=5)
+def credit_slowly(name: str, credit_id: str, amount: int) -> dict[str, int]:
+    """Credits inside the job's transaction, then waits for its flag before committing."""
+    _credit_and_wait(name, credit_id, amount)
+    return {"credited": amount}
+
+
+# -- unique=True -----------------------------------------------------------------------------
+@locked_job("default", lock="hot:{k}", idempotency_key="send:{message}", ttl=2, unique=True)
+def send_once(k: int, message: str) -> str:
+    client = _redis()
+    client.rpush("test:sent", message)
+    _wait_for(f"test:go:{message}")
+    return f"sent {message}"
+
+
+# -- logs ------------------------------------------------------------------------------------
+@locked_job("default", lock="hot:{k}", idempotency_key="log:{key}", ttl=2)
+def logged(k: int, key: str) -> str:
+    return key
+
+
+@locked_job("default", lock="hot:{k}", ttl=2, admission=False, on_conflict="skip")
+def logged_skip(k: int) -> None:
+    return None
+
+
+@locked_job("default", lock="hot:{k}", ttl=2, admission=False, max_wait=1)
+def logged_requeue(k: int) -> None:
+    return None
+
+
+@locked_job("default", lock="hot:{k}", ttl=2)
+def logged_failure(k: int) -> None:
+    raise ValueError("the body failed")
+
+
+# -- plain RQ (negative control of the FIFO test) ---------------------------------------------
+def plain_hold(label: str) -> str:
+    client = _redis()
+    client.set(f"test:pid:{label}", os.getpid())
+    _wait_for(f"test:go:{label}")
+    return label
+
+
+def plain_interval(label: str, seconds: float) -> str:
+    _log_interval(label, seconds)
+    return label
+
+
+# -- synchronous queues ------------------------------------------------------------------------
+SYNC = Queue("sync", connection=get_redis_connection("default"), is_async=False)
+
+
+@locked_job(SYNC, lock="res:{k}", ttl=2)
+def sync_work(k: int) -> str:
+    return "ran"
+
+
+@locked_job(SYNC, lock="res:{k}", ttl=2, on_conflict="skip")
+def sync_skip(k: int) -> str:
+    return "ran"
+
+
+@locked_job("default", lock="res:{k}", ttl=2)
+def django_rq_work(k: int) -> str:
+    """On django-rq's "default" queue (a test makes it ``ASYNC: False``)."""
+    return "ran"

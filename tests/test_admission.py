@@ -1,0 +1,320 @@
+"""Admission (§4.8) through real RQ worker processes: waiting jobs start as soon as the resource
+frees, in FIFO order, and none is lost when a holder dies or Redis restarts.
+
+On rq 2.x (the compatibility run) there is no RateLimit: the same scenarios assert the
+documented fallback (every waiter requeues with backoff, none overlaps, none is lost).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from rq import Queue
+from rq.job import JobStatus
+
+from django_joblock import admission, lock_info
+from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
+from tests import admission_jobs
+from tests.harness import RedisServer, wait_for
+from tests.workers import Workers, intervals, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DONE = {JobStatus.FINISHED, JobStatus.FAILED}
+RATE_LIMITED = admission.supported()
+
+
+@pytest.fixture
+def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4}}
+    crew = Workers(settings.JOBLOCK)
+    yield crew
+    crew.stop()
+
+
+def _pid(rconn: Any, label: str, timeout: float = 20) -> int:
+    assert wait_for(lambda: rconn.get(f"test:pid:{label}"), timeout), f"{label} never started"
+    return int(rconn.get(f"test:pid:{label}"))
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _next_second() -> None:
+    """Sleep into the start of the next wall-clock second (RQ scores its waiting set in whole
+    seconds, so jobs enqueued now share one score)."""
+    time.sleep(1.02 - time.time() % 1)
+
+
+def _parked(jobs: list[Any]) -> None:
+    expected = "rate_limited" if RATE_LIMITED else None
+    for job in jobs:
+        state = job.get_meta(refresh=True)["joblock"]
+        assert state["admission"] == ("rate_limit" if RATE_LIMITED else "requeue_only")
+        if expected:
+            assert job.get_status(refresh=True) == expected, job.get_status(refresh=True)
+
+
+def _starts(rconn: Any, labels: list[str]) -> list[str]:
+    spans = intervals(rconn)
+    return sorted(labels, key=lambda label: spans[label][0])
+
+
+def _no_overlap(rconn: Any) -> None:
+    spans = sorted(intervals(rconn).values())
+    for (_s1, e1), (s2, _e2) in itertools.pairwise(spans):
+        assert e1 <= s2, f"overlapping critical sections: {spans}"
+
+
+def test_waiters_on_one_resource_start_in_fifo_order(workers, rconn):
+    workers.start(scheduler=True)
+    workers.start()
+    workers.start()
+    holder = admission_jobs.hot_hold.delay(1, "holder")
+    _pid(rconn, "holder")
+    _next_second()
+    labels = [f"w{i}" for i in range(8)]
+    waiters = [admission_jobs.hot.delay(1, label, 0.05) for label in labels]
+    _parked(waiters)
+    rconn.set("test:go:holder", 1)
+    for job in [holder, *waiters]:
+        assert wait_status(job, DONE, 60) is JobStatus.FINISHED, workers.logs()
+    _no_overlap(rconn)
+    if not RATE_LIMITED:
+        return  # rq 2.x: requeue with backoff, no order promised (docs/jobs.md)
+    assert _starts(rconn, labels) == labels, "waiters must start in the order they were enqueued"
+    for job in waiters:
+        state = job.get_meta(refresh=True)["joblock"]
+        # Handed the resource on without a single requeue, and the wait was recorded.
+        assert state.get("requeues", 0) == 0, state
+        assert state["outcome"] == "ran" and state["waited"] > 0, state
+
+
+def test_negative_control_rq_rate_limit_alone_breaks_ties_by_job_id(workers, rconn):
+    """What the FIFO scores fix: RQ scores waiting jobs in whole seconds and pops ties by job
+    id (random), so eight jobs enqueued within one second start in a random order."""
+    if not RATE_LIMITED:
+        assert admission.RateLimit is None  # rq 2.x has no RateLimit to compare with
+        return
+    workers.start()
+    workers.start()
+    queue = Queue("default", connection=rconn)
+    limit = admission.RateLimit(key="plain:1", concurrency=1)
+    holder = queue.enqueue(admission_jobs.plain_hold, args=("holder",), rate_limit=limit)
+    _pid(rconn, "holder")
+    _next_second()
+    labels = [f"p{i}" for i in range(8)]
+    jobs = [
+        queue.enqueue(admission_jobs.plain_interval, args=(label, 0.05), rate_limit=limit)
+        for label in labels
+    ]
+    rconn.set("test:go:holder", 1)
+    for job in [holder, *jobs]:
+        assert wait_status(job, DONE, 60) is JobStatus.FINISHED, workers.logs()
+    order = _starts(rconn, labels)
+    assert order == sorted(labels, key=lambda label: jobs[labels.index(label)].id)
+    assert order != labels, "tie broken by job id (1 in 40320 to be in enqueue order)"
+
+
+def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
+    workers.start(scheduler=True)
+    workers.start()
+    holder = admission_jobs.hot_hold.delay(2, "holder")
+    horse = _pid(rconn, "holder")
+    assert horse not in {proc.pid for proc in workers.procs}, "expected a forked work horse"
+    waiters = [admission_jobs.hot.delay(2, f"w{i}", 0.05) for i in range(4)]
+    _parked(waiters)
+    os.kill(horse, signal.SIGKILL)
+    killed = time.time()
+    assert wait_for(lambda: _exited(horse), 10), "negative control: the holder was killed"
+    for job in waiters:
+        # Bound: the dead holder's lock TTL (2 s), then a requeue delay (<= 4 s here) and the
+        # scheduler's poll: well inside 30 s.
+        assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert wait_status(holder, DONE, 10) is JobStatus.FAILED, "the killed job fails visibly"
+    spans = intervals(rconn)
+    assert "holder" not in spans, "the holder never finished its body"
+    assert all(spans[f"w{i}"][0] >= killed for i in range(4)), spans
+    _no_overlap(rconn)
+
+
+def test_waiting_jobs_run_after_the_releasing_horse_dies_between_hand_off_and_release(
+    workers, rconn
+):
+    """The horse hands its admission slot on before it commits and releases its lock; killed
+    in between, its lock stays until its TTL runs out, and the next job waits that out."""
+    workers.start(scheduler=True)
+    workers.start()
+    admission_jobs.hot_hold.delay(3, "blocker")
+    _pid(rconn, "blocker")
+    dying = admission_jobs.hot_die_after_commit.delay(3, "dying")
+    waiters = [admission_jobs.hot.delay(3, f"w{i}", 0.05) for i in range(3)]
+    _parked([dying, *waiters])
+    rconn.set("test:go:blocker", 1)
+    assert wait_status(dying, DONE, 30) is JobStatus.FAILED, "its horse was killed"
+    if RATE_LIMITED:
+        # Negative control: it died after the hand-off and before releasing its lock.
+        held = lock_info("hot:3")
+        assert held is not None and held.job_id == dying.id, held
+    for job in waiters:
+        assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    spans = intervals(rconn)
+    assert spans["dying"][1] <= min(spans[f"w{i}"][0] for i in range(3)), spans
+    _no_overlap(rconn)
+
+
+def _persistent(server: RedisServer, client: Any, on: bool) -> None:
+    """Switch the test server's append-only file on (a restart keeps the queues, as RQ needs)
+    or off again."""
+    client.config_set("appendfsync", "always")
+    client.config_set("appendonly", "yes" if on else "no")
+    server.persistent = on
+    if on:
+        assert wait_for(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0, 20)
+        assert wait_for(lambda: client.info("persistence")["aof_enabled"] == 1, 20)
+
+
+def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
+    """Every waiting job runs, or fails visibly, within a bound. The jobs caught by the
+    restart are RQ's to recover: one a worker popped just as Redis was killed sits in RQ's
+    intermediate queue until RQ's maintenance has seen it there for a minute; one whose
+    worker lost its bookkeeping stays "started" until its execution expires
+    (min(job_timeout, 30) + 60 = 65 s here) and is then failed (AbandonedJobError) or retried by
+    the next maintenance (every 5 s here). Every other waiting job runs as soon as the
+    resource frees."""
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4}}
+    workers = Workers(settings.JOBLOCK, extra_args=["--maintenance-interval", "5"])
+    _persistent(server, rconn, True)
+    try:
+        workers.start(scheduler=True)
+        workers.start()
+        holder = admission_jobs.hot_hold.delay(4, "holder")
+        _pid(rconn, "holder")
+        # job_timeout=5: RQ gives up a job lost with the restart 65 s after its last heartbeat
+        waiters = [admission_jobs.hot.enqueue((4, f"w{i}", 0.05), job_timeout=5) for i in range(4)]
+        _parked(waiters)
+        run_id = rconn.info("server")["run_id"]
+        server.restart()
+        assert server.client().info("server")["run_id"] != run_id, "negative control: restarted"
+        _parked(waiters)  # still waiting after the restart
+        rconn.set("test:go:holder", 1)
+        # As a process supervisor does in production: an RQ worker may quit when its Redis
+        # goes away under it (rq 2.x does, with its scheduler); start a new one.
+        deadline = time.monotonic() + 65 + 2 * 5 + 30
+        replaced: set[int] = set()
+        while not all(job.get_status(refresh=True) in DONE for job in waiters):
+            assert time.monotonic() < deadline, workers.logs()
+            for index, proc in enumerate(list(workers.procs)):
+                if proc.poll() is not None and index not in replaced:
+                    replaced.add(index)
+                    workers.start(scheduler=index == 0)
+            time.sleep(0.2)
+        for job in waiters:
+            if job.get_status() == JobStatus.FAILED:  # visibly, by RQ's recovery
+                failure = str(job.latest_result().exc_string)
+                assert "AbandonedJobError" in failure or "intermediate" in failure, failure
+        finished = [job for job in waiters if job.get_status() == JobStatus.FINISHED]
+        assert len(finished) >= len(waiters) - 1, "at most the one caught by the restart"
+        assert wait_status(holder, DONE, 30) in DONE
+        _no_overlap(rconn)
+    finally:
+        workers.stop()
+        _persistent(server, server.client(), False)
+
+
+def test_an_idle_resource_leaves_no_rate_limit_keys_behind(workers, rconn):
+    """One RateLimit per resource: without the clean-up at hand-off, every order ever
+    processed would keep its keys until RQ's maintenance walks them all."""
+    workers.start()
+    jobs = [admission_jobs.hot.delay(100 + i, f"idle{i}", 0.0) for i in range(5)]
+    for job in jobs:
+        assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    if not RATE_LIMITED:
+        return
+    assert all(job.rate_limit_key for job in jobs), "negative control: they were rate limited"
+    registry = admission.RateLimitRegistry
+    assert wait_for(lambda: not rconn.smembers(registry.rl_keys_key), 10), rconn.smembers(
+        registry.rl_keys_key
+    )
+    leftovers = [k for k in rconn.scan_iter("rq:rl:*")]  # a test may scan its own Redis
+    assert leftovers == [], leftovers
+
+
+def test_workers_wake_up_for_rq_maintenance_on_time(rconn):
+    """Idle workers block in their dequeue call for at most the maintenance interval (RQ's own
+    worker blocks for up to 405 s whatever the interval), so a slot left by a dead worker is
+    recovered within it."""
+    queue = Queue("default", connection=rconn)
+    for worker_class in (JoblockWorker, JoblockSimpleWorker):
+        worker = worker_class([queue], connection=rconn)
+        assert worker.maintenance_interval == 60
+        assert worker.dequeue_timeout == 60
+        short = worker_class([queue], connection=rconn, maintenance_interval=5)
+        assert short.dequeue_timeout == 5
+    from rq import Worker
+
+    assert Worker([queue], connection=rconn).dequeue_timeout == 405, "RQ's own default"
+
+
+def test_wait_to_start_is_measured_and_shown(workers, rconn):
+    """meta["joblock"]["waited"], the start_wait_seconds histogram, the dashboard card and
+    chart, and the Prometheus series."""
+    from django_joblock import dashboard, monitoring
+    from django_joblock.prometheus import exposition
+
+    workers.start()
+    holder = admission_jobs.hot_hold.delay(5, "holder")
+    _pid(rconn, "holder")
+    waiter = admission_jobs.hot.delay(5, "waiter", 0.0)
+    time.sleep(1.0)
+    rconn.set("test:go:holder", 1)
+    assert wait_status(waiter, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert wait_status(holder, DONE, 30) is JobStatus.FINISHED
+    waited = waiter.get_meta(refresh=True)["joblock"]["waited"]
+    assert 1.0 <= waited < 30, waited
+    histogram = monitoring.totals().merged_histogram("start_wait_seconds", "hot")
+    assert sum(histogram) == 2, "one observation per job that started"
+    page = dashboard.build()
+    cards = dict(page["cards"])
+    assert cards["Wait to start p50 / p99 (1 h)"].startswith("≤ "), cards
+    chart = next(c for c in page["charts"] if c.title.startswith("Wait from enqueue"))
+    assert [bar.label for bar in chart.bars] == ["hot"]
+    assert b'joblock_start_wait_seconds_count{family="hot"' in exposition()
+
+
+def test_how_admission_meets_rqs_own_options(rconn):
+    """A caller's rate_limit wins, RQ's unique=True and pipeline= go without admission (RQ
+    refuses them with a rate limit), admission=False is off; each is said in the meta."""
+    queue = Queue("default", connection=rconn)
+
+    def mode(job: Any) -> str:
+        return str(job.get_meta(refresh=True)["joblock"]["admission"])
+
+    off = admission_jobs.hot_outside.delay(20, "off", 0.0)
+    assert mode(off) == "off" and not getattr(off, "rate_limit_key", None)
+    if not RATE_LIMITED:
+        assert mode(admission_jobs.hot.delay(20, "x", 0.0)) == "requeue_only"
+        return
+    mine = admission.RateLimit(key="tenant:7", concurrency=2)
+    job = admission_jobs.hot.enqueue((21, "mine", 0.0), rate_limit=mine)
+    assert mode(job) == "caller_rate_limit" and job.rate_limit_key == "tenant:7"
+    unique = admission_jobs.hot.enqueue((22, "u", 0.0), job_id="mine-1", unique=True)
+    assert mode(unique) == "rq_unique" and not unique.rate_limit_key
+    with rconn.pipeline() as pipe:
+        piped = admission_jobs.hot.enqueue((23, "p", 0.0), pipeline=pipe)
+        pipe.execute()
+    assert piped.meta["joblock"]["admission"] == "pipeline" and not piped.rate_limit_key
+    parked = admission_jobs.hot.delay(24, "a", 0.0)
+    assert mode(parked) == "rate_limit" and parked.rate_limit_key == "joblock:{hot:24}:lock"
+    assert queue.count == 5
