@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import conf, lua, metrics, tombstones
+from . import conf, lua, metrics, tombstones, waiting
 from .backend import REDIS_ERRORS, connection, renewal_client, unavailable
 from .health import DEAD, lock_health
 from .keys import LockKeys, index_member, owner_hash, validate_resource
@@ -155,14 +155,19 @@ def force_release(
 def _release(
     client: Any, keys: LockKeys, token: str, note: tombstones.OperatorRelease, ttl: Any
 ) -> bool:
-    """Compare-and-delete with the owner's own script, and the note, in one MULTI/EXEC."""
+    """Compare-and-delete with the owner's own release (which hands the lock to the first
+    live waiter in line, see :func:`waiting.release`), the note written just before it.
+
+    The note goes first so that a holder noticing the loss always finds it; when nothing was
+    released the note is taken back.
+    """
     note_key = tombstones.key(keys.prefix, keys.resource)
-    pipe = client.pipeline(transaction=True)
-    pipe.set(note_key, note.encode(), px=tombstones.ttl_ms(int(ttl) if ttl else None))
-    pipe.eval(lua.RELEASE, 1, keys.lock, token)
-    _set, code = pipe.execute()
-    if lua.Outcome(code) is not lua.Outcome.OK:
-        if client.get(note_key) == note.encode().encode():
+    encoded = note.encode()
+    client.set(note_key, encoded, px=tombstones.ttl_ms(int(ttl) if ttl else None))
+    outcome, retried = waiting.release(client, keys, token, "", [])
+    # Sent twice (its connection failed): GONE may be our own first run's release.
+    if outcome is not lua.Outcome.OK and not (retried and outcome is lua.Outcome.GONE):
+        if client.get(note_key) == encoded.encode():
             client.delete(note_key)  # nothing was released: no note about it
         return False
     try:

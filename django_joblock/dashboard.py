@@ -88,10 +88,11 @@ def build(
             monitoring.per_minute("duplicates_blocked", CHART_MINUTES),
             axis="duplicates",
         ),
-        _hbar_chart(
+        bar_chart(
             "Wait from enqueue to start p50 / p99 per family (last hour)",
             waits,
-            "jobs parked behind a busy resource or requeued wait longer; bar = p99 bucket bound",
+            axis="seconds (p99 bucket bound)",
+            note="jobs parked behind a busy resource or requeued wait longer",
         ),
     ]
     locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)

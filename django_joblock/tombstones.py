@@ -1,8 +1,8 @@
 """The note an operator's release leaves for the holder that finds its lock gone.
 
 When :func:`django_joblock.control.force_release` (admin force release, ``joblock_release``,
-``joblock_reap``) releases a lock, it writes, in the same ``MULTI``/``EXEC`` as the
-compare-and-delete, a short-lived note under the resource's hash tag::
+``joblock_reap``) releases a lock, it writes, just before the compare-and-delete (and takes
+back if nothing was released), a short-lived note under the resource's hash tag::
 
     P:{order:123}:released   STRING  JSON {"owner", "action", "actor", "reason", "audit"}
 
@@ -26,7 +26,7 @@ MIN_TTL_MS = 60_000
 
 
 def key(prefix: str, resource: str) -> str:
-    """The note's key: same hash tag as the lock (Redis-Cluster-safe in one MULTI)."""
+    """The note's key: same hash tag as the lock (one slot in Redis Cluster)."""
     return f"{prefix}:{{{resource}}}:released"
 
 

@@ -417,3 +417,28 @@ def test_waiter_ttl_setting_must_be_finite_and_in_range(settings, value):
         call_command("check")
     with pytest.raises(JoblockConfigError, match="WAITER_TTL"):
         lock("numbers:waiter-ttl", wait=1)
+
+
+@pytest.mark.django_db
+def test_a_force_release_hands_the_lock_to_the_first_in_line(rconn):
+    """An operator's release goes through the owner's release script: the first waiter is
+    handed the lock at once (before the fix the lock was left free for the waiter to notice)."""
+    from django_joblock import lock_info
+    from django_joblock.control import force_release
+    from django_joblock.keys import owner_hash
+
+    holder = lock("order:55", ttl=30)
+    assert holder.acquire()
+    waiter = lock("order:55", ttl=30, wait=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
+    thread.start()
+    try:
+        assert wait_for(lambda: _in_line(rconn, _keys("order:55").queue, 1), 10)
+        result = force_release("order:55", reason="stuck", actor="test", owner=holder.owner)
+        assert result.released, result.outcome
+        info = lock_info("order:55")  # right away: the release itself wrote the new holder
+        assert info is not None and info.owner == owner_hash(waiter.token), info
+    finally:
+        thread.join(30)
+    assert got == [True] and waiter.release()
