@@ -23,6 +23,7 @@ from typing import Any
 from rq import SimpleWorker
 from rq.job import Job, JobStatus
 
+from .admission import PARKED
 from .queues import get_queue
 from .renewal import renewer
 
@@ -34,8 +35,17 @@ class InProcessWorker(SimpleWorker):
 
     ``JoblockSimpleWorker`` closes stale connections around each job, as Django does around
     requests; in a test that would close the test case's own connection (Django's test
-    client skips that step for the same reason).
+    client skips that step for the same reason). ``seen`` is called with every job it runs,
+    including jobs RQ promoted during the round (admission: a job parked behind the one
+    before it on its resource is pushed onto the queue when that one ends).
     """
+
+    seen: Any = None
+
+    def execute_job(self, job: Job, queue: Any) -> Any:
+        if self.seen is not None:
+            self.seen([job.id])
+        return super().execute_job(job, queue)
 
 
 @dataclass
@@ -60,7 +70,7 @@ class Run:
     @property
     def pending(self) -> list[Job]:
         """Jobs still queued or scheduled when the rounds ran out (e.g. a lock held forever)."""
-        waiting = {JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED}
+        waiting = {JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED, PARKED}
         return [job for job in self.jobs if job.get_status(refresh=True) in waiting]
 
 
@@ -112,7 +122,9 @@ def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUN
         for queue in resolved:
             note(_waiting_ids(queue))
         run.rounds += 1
-        InProcessWorker(resolved, connection=connection).work(burst=True, with_scheduler=False)
+        worker = InProcessWorker(resolved, connection=connection)
+        worker.seen = note
+        worker.work(burst=True, with_scheduler=False)
         moved = sum(_fast_forward(queue) for queue in resolved) if fast_forward else 0
         run.fast_forwarded += moved
         if not moved and not any(queue.count for queue in resolved):
