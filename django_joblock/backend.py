@@ -102,6 +102,10 @@ _NO_COMMAND_NAME = _takes_no_command_name()
 
 # Connections the lean path keeps per process and pool, besides the pool's own (see _Lean).
 LEAN_CONNECTIONS = 4
+# Calls a process makes through the pool's connections before the lean path makes its own: a
+# forked work horse (a handful of lock calls, then it exits) never pays for a connection of
+# its own beside the one RQ already has in the pool.
+LEAN_AFTER = 8
 
 
 def pack(args: tuple[Any, ...] | list[Any]) -> bytes:
@@ -246,19 +250,22 @@ class _Lean:
     path keeps up to :data:`LEAN_CONNECTIONS` connections of its own, made with the pool's
     connection class and arguments but outside its books, shared between threads (a thread
     takes one for a single call, LIFO so a busy thread keeps a warm one). When all are busy
-    it checks one out of the pool for that call, like any redis-py command.
+    it checks one out of the pool for that call, like any redis-py command. So do a process's
+    first :data:`LEAN_AFTER` calls: making a connection (a connect, a handshake, redis-py's
+    driver metadata) costs more than a short-lived process saves with it.
 
     It lives on the pool object itself (see :func:`per_pool`), so it goes when the pool goes
     (a renewal client replaced by one with a shorter timeout, say), and a new one replaces it
     after a fork: a child must never use its parent's sockets.
     """
 
-    __slots__ = ("__weakref__", "guard", "idle", "made", "pid")
+    __slots__ = ("__weakref__", "calls", "guard", "idle", "made", "pid")
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.idle: list[Any] = []
         self.made = 0
+        self.calls = 0
         self.guard = threading.Lock()
 
     def take(self, pool: Any) -> tuple[Any, bool]:
@@ -268,7 +275,8 @@ class _Lean:
         except IndexError:
             pass
         with self.guard:
-            if self.made < LEAN_CONNECTIONS:
+            self.calls += 1
+            if self.made < LEAN_CONNECTIONS and self.calls > LEAN_AFTER:
                 self.made += 1
                 return pool.connection_class(**pool.connection_kwargs), True
         if _NO_COMMAND_NAME:

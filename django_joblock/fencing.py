@@ -14,7 +14,10 @@ from typing import Any, TypeVar
 from django.db import models
 from django.db.models import Max, Q
 
+from . import metrics
 from .exceptions import StaleFence
+from .holders import job_context
+from .locks import current_lock
 
 _M = TypeVar("_M", bound=models.Model)
 
@@ -55,10 +58,7 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
 
 
 def _count_rejection() -> None:
-    from . import metrics
-    from .locks import _job_context, current_lock
-
     held = current_lock()
     metrics.count(
-        "stale_fence_rejections", held.family if held is not None else "", _job_context()[1]
+        "stale_fence_rejections", held.family if held is not None else "", job_context()[1]
     )

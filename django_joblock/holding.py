@@ -38,6 +38,7 @@ class Holding:
 
     resource: str
     key: str
+    job_id: str
     ttl: float
     max_hold: float | None
     token: str
@@ -82,10 +83,41 @@ class Holding:
         self.state = LockState.HELD
 
     def confirm_renewed(self, sent: float) -> None:
-        """Record a renewal confirmed by Redis that was sent at monotonic time ``sent``."""
+        """Record a renewal confirmed by Redis that was sent at monotonic time ``sent``
+        (SUSPECT -> HELD)."""
         self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
         if self.state is LockState.SUSPECT:
             self.state = LockState.HELD
+
+    def mark_suspect(self) -> bool:
+        """HELD -> SUSPECT (renewals are failing). True if the state changed."""
+        if self.state is LockState.HELD:
+            self.state = LockState.SUSPECT
+            return True
+        return False
+
+    def mark_lost(self, reason: str) -> bool:
+        """HELD / SUSPECT -> LOST with ``reason``. True if the state changed (once per
+        holding); the caller then announces it (:meth:`Lock.announce_lost`)."""
+        if self.state not in (LockState.HELD, LockState.SUSPECT):
+            return False
+        self.state = LockState.LOST
+        self.lost_reason = reason
+        return True
+
+    def mark_released(self) -> None:
+        """Any state -> RELEASED (``lost_reason`` is kept: ``lost`` still says so)."""
+        self.state = LockState.RELEASED
+
+    @property
+    def valid_until(self) -> float:
+        """The local validity deadline (monotonic seconds; see the attribute comment)."""
+        return self._valid_until
+
+    @property
+    def hold_until(self) -> float:
+        """``max_hold`` as a monotonic deadline (``inf`` without one)."""
+        return self._hold_until
 
     @property
     def ttl_ms(self) -> int:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from . import admission as admission_mod
-from . import conf, dedup
+from . import conf, dedup, runner
 from .idempotency_inputs import key_family, validate_scope
 from .jobspec import (
     CONFLICT_POLICIES,
@@ -49,6 +49,7 @@ from .jobspec import (
     job_timeout,
     timeout_findings,
 )
+from .queues import get_queue
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -185,9 +186,7 @@ def locked_job(
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            from .runner import run
-
-            return cast(R, run(spec, args, kwargs))
+            return cast(R, runner.run(spec, args, kwargs))
 
         def enqueue(
             args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, **rq_options: Any
@@ -214,8 +213,6 @@ def _enqueue(
     kwargs: dict[str, Any],
     per_call: dict[str, Any],
 ) -> Any:
-    from .queues import get_queue
-
     arguments = spec.bind(args, kwargs)  # TypeError now, not in the worker
     resource = spec.resource(arguments)
     key = spec.key(arguments)

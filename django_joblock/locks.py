@@ -27,6 +27,7 @@ so an acquire whose first reply was lost gets the same lock and fence back.
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 import os
 import secrets
@@ -38,16 +39,15 @@ from typing import Any
 from . import conf, lua, metrics, waiting
 from .backend import REDIS_ERRORS, connection, execute, unavailable
 from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
-from .holders import holder_details, job_context
+from .holders import holder_details
 from .holding import Holding, LockState, drift
 from .keys import LockKeys, index_member, validate_resource
 from .logs import log_lock, logger
-from .signals import lock_acquired, lock_contended, lock_released
+from .renewal import renewer
+from .signals import lock_acquired, lock_contended, lock_lost, lock_released
 
 # Constant script argument, encoded once (redis-py passes bytes through untouched).
 _FENCE_TTL = str(lua.FENCE_COUNTER_TTL_MS).encode()
-# Kept under its old name for the modules that record the running job with their writes.
-_job_context = job_context
 __all__ = [
     "Lock",
     "LockState",
@@ -134,10 +134,7 @@ class Lock(Holding):
                 "forked child does not hold its parent's locks"
             )
         if not self.held:
-            if self.state in (LockState.HELD, LockState.SUSPECT):
-                from .renewal import renewer
-
-                renewer().declare_lost(self, "validity deadline passed")
+            self._declare_lost("validity deadline passed")
             reason = self.lost_reason or (
                 "validity deadline passed"
                 if self.state is not LockState.RELEASED
@@ -168,12 +165,39 @@ class Lock(Holding):
             stored = stored.decode()
         if stored == self.token:
             return True
-        if self.state in (LockState.HELD, LockState.SUSPECT):
-            from .renewal import renewer
-
-            reason = lua.Outcome.GONE if stored is None else lua.Outcome.OTHER_OWNER
-            renewer().declare_lost(self, reason.reason)
+        reason = lua.Outcome.GONE if stored is None else lua.Outcome.OTHER_OWNER
+        self._declare_lost(reason.reason)
         return False
+
+    # -- loss (the renewal thread decides when; the lock changes its own state) ------------
+    def _declare_lost(self, reason: str) -> None:
+        """Found lost by the owner's own call: stop renewing, mark LOST and announce (once)."""
+        renewer().remove(self)
+        if self.mark_lost(reason):
+            self.announce_lost(reason)
+
+    def announce_lost(self, reason: str) -> None:
+        """Tell everyone this holding was lost (after :meth:`mark_lost`): metric, warning,
+        ``lock_lost`` signal, ``on_lost``. A receiver's or callback's exception is logged,
+        never raised: the renewal thread calls this and must keep renewing other locks."""
+        metrics.count("lost", self.family, self.job_func)
+        log_lock(logging.WARNING, "lost", self, "lock lost", reason=reason)
+        try:
+            lock_lost.send(sender=Lock, lock=self, reason=reason)
+        except Exception:  # noqa: BLE001 - a receiver's bug must not stop other renewals
+            logger.exception("lock_lost receiver failed for %s", self.key)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self, reason)
+            except Exception:  # noqa: BLE001 - same: logged, never fatal to the thread
+                logger.exception("on_lost callback failed for %s", self.key)
+
+    def renewal_failed(self, exc: BaseException) -> None:
+        """A renewal could not be confirmed (it is retried soon): HELD -> SUSPECT, logged once."""
+        if self.mark_suspect():
+            log_lock(
+                logging.WARNING, "renew_failed", self, "renewal failed; retrying", reason=repr(exc)
+            )
 
     # -- Redis ---------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -249,7 +273,7 @@ class Lock(Holding):
         metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
         lock_contended.send(sender=Lock, lock=self, waited=waited)
         log_lock(
-            20,
+            logging.INFO,
             "contended",
             self,
             "lock busy",
@@ -280,12 +304,10 @@ class Lock(Holding):
     def _on_acquired(
         self, fence: int, sent: float, *, waited: float, valid_for: float | None
     ) -> None:
-        from .renewal import renewer
-
         self._begin(fence, sent, valid_for=valid_for)
         renewer().add(self, renew_within=math.inf if valid_for is None else valid_for / 3)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
-        log_lock(10, "acquired", self, "lock acquired")
+        log_lock(logging.DEBUG, "acquired", self, "lock acquired")
 
     def renew(self) -> bool:
         """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours.
@@ -294,12 +316,10 @@ class Lock(Holding):
         passed (the lock then runs out, as with the heartbeat), when the lock is not held, and
         in a forked child.
         """
-        from .renewal import renewer
-
         if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
             return False
         sent = time.monotonic()
-        if sent >= self._hold_until:
+        if sent >= self.hold_until:
             return False
         try:
             code = lua.Outcome(
@@ -309,9 +329,9 @@ class Lock(Holding):
             raise self._unavailable(exc, "renew the lock") from exc
         if code is lua.Outcome.OK:
             self.confirm_renewed(sent)
-            log_lock(10, "renewed", self, "lock renewed")
+            log_lock(logging.DEBUG, "renewed", self, "lock renewed")
             return True
-        renewer().declare_lost(self, code.reason)
+        self._declare_lost(code.reason)
         return False
 
     def release(self) -> bool:
@@ -322,19 +342,16 @@ class Lock(Holding):
         :class:`LockBackendUnavailable` if Redis cannot be asked; the lock then expires after
         its TTL. In a forked child: False, and Redis is not touched (the lock is the parent's).
         """
-        from .renewal import renewer
-
         if self._foreign() or self.state not in (
             LockState.HELD,
             LockState.SUSPECT,
             LockState.LOST,
         ):
             return False
-        keeper = renewer()
-        indexed = keeper.remove(self)
+        indexed = renewer().remove(self)
         sent = time.monotonic()
-        if self.state is not LockState.LOST and sent >= self._valid_until:
-            keeper.declare_lost(self, "validity deadline passed")
+        if sent >= self.valid_until and self.mark_lost("validity deadline passed"):
+            self.announce_lost("validity deadline passed")
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
@@ -351,7 +368,7 @@ class Lock(Holding):
                 self._client(), self._keys, self.token, self._next_ticket, also, self._acquire_keys
             )
         except REDIS_ERRORS as exc:
-            self.state = LockState.RELEASED
+            self.mark_released()
             if pending:
                 metrics.recorder().restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
@@ -359,12 +376,12 @@ class Lock(Holding):
         # handed to a waiter, when the first one ran; that is our own release if the lock was
         # still valid when sent.
         released = code is lua.Outcome.OK or (retried and valid)
-        if not released and self.state is not LockState.LOST:
-            keeper.declare_lost(self, code.reason)
-        self.state = LockState.RELEASED
+        if not released and self.mark_lost(code.reason):
+            self.announce_lost(code.reason)
+        self.mark_released()
         lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
         log_lock(
-            10 if released else 30,
+            logging.DEBUG if released else logging.WARNING,
             "released",
             self,
             "lock released" if released else "lock was no longer ours at release",

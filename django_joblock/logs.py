@@ -11,12 +11,12 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .locks import Lock
+    from .holding import Holding
 
 logger = logging.getLogger("django_joblock")
 
 
-def log_lock(level: int, outcome: str, lock: Lock, message: str, reason: str = "") -> None:
+def log_lock(level: int, outcome: str, lock: Holding, message: str, reason: str = "") -> None:
     """Log one lock event with the structured ``extra`` fields."""
     if not logger.isEnabledFor(level):
         return

@@ -31,17 +31,49 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError
 
 from . import conf, lua, metrics
 from .backend import connection, execute_packed, renewal_client
 from .heartbeat import Entry, RenewalStats, batch
+from .holding import LockState
 from .keys import families_key
-from .locks import Lock, LockState
-from .logs import log_lock, logger
-from .signals import lock_lost
+from .logs import logger
+
+
+class Lock(Protocol):
+    """What the renewal thread needs of a lock (:class:`django_joblock.Lock`). The lock
+    changes its own state; this thread only decides when, and calls it."""
+
+    resource: str
+    key: str
+    alias: str
+    index_key: str
+    family: str
+    job_func: str
+    token: str
+    heartbeat: bool
+    heartbeat_interval: float
+    max_hold: float | None
+    state: LockState
+
+    @property
+    def ttl(self) -> float: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def owner(self) -> str: ...
+    @property
+    def valid_until(self) -> float: ...
+    @property
+    def hold_until(self) -> float: ...
+    def confirm_renewed(self, sent: float) -> None: ...
+    def mark_lost(self, reason: str) -> bool: ...
+    def announce_lost(self, reason: str) -> None: ...
+    def renewal_failed(self, exc: BaseException) -> None: ...
+
 
 INDEX_DELAY = 0.5  # seconds a lock is held before it is written to the active-lock index
 COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pipeline
@@ -74,7 +106,8 @@ class Renewer:
         self._wake_at = math.inf
         self._idle_since: float | None = None
         self._thread: threading.Thread | None = None
-        self._clients: dict[str, tuple[Any, float]] = {}
+        # alias -> (its renewal client, made on first use by the thread; the socket timeout)
+        self._clients: dict[str, tuple[Any | None, float]] = {}
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
@@ -122,15 +155,6 @@ class Renewer:
             entry = self._pop(held)
         return entry is not None and entry.indexed
 
-    def declare_lost(self, held: Lock, reason: str) -> None:
-        """Mark ``held`` LOST (once) and notify: signal, log, metric, ``on_lost``."""
-        with self._cond:
-            self._pop(held)
-            if held.state not in (LockState.HELD, LockState.SUSPECT):
-                return
-            self._mark_lost(held, reason)
-        self._notify_lost(held, reason)
-
     def held_locks(self) -> list[Lock]:
         """The locks this process holds (acquired, not yet released, lost or dropped)."""
         with self._cond:
@@ -143,17 +167,28 @@ class Renewer:
 
     # -- thread ---------------------------------------------------------------------------
     def _ensure_client(self, held: Lock) -> None:
+        """Note the socket timeout ``held`` needs (caller holds the condition). The client
+        itself is made by the thread when it first sends (:meth:`_client`): most locks are
+        released before that, and a short-lived work horse never pays for one."""
         wanted = max(0.01, min(conf.get().RENEW_TIMEOUT, held.ttl / 5))
         current = self._clients.get(held.alias)
         if current is None or current[1] > wanted:
-            self._clients[held.alias] = (renewal_client(connection(held.alias), wanted), wanted)
+            self._clients[held.alias] = (None, wanted)
+
+    def _client(self, alias: str) -> Any:
+        with self._cond:
+            client, timeout = self._clients[alias]
+            if client is None:
+                client = renewal_client(connection(alias), timeout)
+                self._clients[alias] = (client, timeout)
+            return client
 
     def _timeout(self, alias: str) -> float:
         return float(self._clients[alias][1])
 
     def _schedule(self, entry: _Entry, held: Lock) -> float:
         """Push ``entry`` at its next moment (caller holds the condition)."""
-        when = held._valid_until
+        when = held.valid_until
         if held.state is LockState.SUSPECT:
             when -= self._timeout(entry.alias)
         when = min(when, entry.renew_due)
@@ -162,23 +197,12 @@ class Renewer:
         heapq.heappush(self._heap, (when, next(self._seq), entry))
         return when
 
-    def _mark_lost(self, held: Lock, reason: str) -> None:
-        held.state = LockState.LOST
-        held.lost_reason = reason
-        self._stats.lost += 1
-        metrics.count("lost", held.family, held.job_func)
-
-    def _notify_lost(self, held: Lock, reason: str) -> None:
-        log_lock(30, "lost", held, "lock lost", reason=reason)
-        try:
-            lock_lost.send(sender=Lock, lock=held, reason=reason)
-        except Exception:  # noqa: BLE001 - a receiver's bug must not stop other renewals
-            logger.exception("lock_lost receiver failed for %s", held.key)
-        if held.on_lost is not None:
-            try:
-                held.on_lost(held, reason)
-            except Exception:  # noqa: BLE001 - same: logged, never fatal to the thread
-                logger.exception("on_lost callback failed for %s", held.key)
+    def _mark_lost(self, held: Lock, reason: str) -> bool:
+        """Ask ``held`` to become LOST (caller holds the condition); True if it did."""
+        if held.mark_lost(reason):
+            self._stats.lost += 1
+            return True
+        return False
 
     def _run(self) -> None:
         while True:
@@ -204,7 +228,7 @@ class Renewer:
                 return True
             self._wake_at = -math.inf
         for held, reason in lost:
-            self._notify_lost(held, reason)
+            held.announce_lost(reason)
         del lost
         for entry in dropped:
             logger.warning(
@@ -257,10 +281,10 @@ class Renewer:
             reason = self._lost_reason(entry, held, now)
             if reason:
                 del self._entries[entry.lock_id]
-                self._mark_lost(held, reason)
-                lost.append((held, reason))
+                if self._mark_lost(held, reason):
+                    lost.append((held, reason))
                 continue
-            if not (held.heartbeat and now < held._hold_until):
+            if not (held.heartbeat and now < held.hold_until):
                 entry.renew_due = math.inf  # heartbeat off or max_hold reached
             renew = entry.renew_due <= horizon
             if renew or (not entry.indexed and entry.index_due <= horizon):
@@ -278,8 +302,7 @@ class Renewer:
         if not pending:
             return False
         alias = conf.get().REDIS_ALIAS
-        found = self._clients.get(alias)
-        client = found[0] if found is not None else connection(alias)
+        client = self._client(alias) if alias in self._clients else connection(alias)
         try:
             lua.run_args(client, metrics.recorder().command(pending))
         except Exception:  # noqa: BLE001 - Redis trouble: keep the counts for the next flush
@@ -314,16 +337,13 @@ class Renewer:
         self._wake_at = -math.inf  # awake: add() need not notify
 
     def _lost_reason(self, entry: _Entry, held: Lock, now: float) -> str:
-        if now >= held._valid_until:
+        if now >= held.valid_until:
             if not held.heartbeat:
                 return "ttl expired (heartbeat off)"
-            if now >= held._hold_until:
+            if now >= held.hold_until:
                 return f"max_hold ({held.max_hold:g}s) reached"
             return "no renewal confirmed before the validity deadline"
-        if (
-            held.state is LockState.SUSPECT
-            and now + self._timeout(entry.alias) >= held._valid_until
-        ):
+        if held.state is LockState.SUSPECT and now + self._timeout(entry.alias) >= held.valid_until:
             # One more attempt could not be confirmed in time: give up *before* the deadline.
             return f"renewals failing ({entry.failures} in a row) up to the validity deadline"
         return ""
@@ -331,7 +351,7 @@ class Renewer:
     def _send(self, alias: str, items: list[_Work]) -> None:
         """One round trip (see :func:`heartbeat.batch`), never retried here: a failure makes
         the locks SUSPECT, and they are retried soon."""
-        client = self._clients[alias][0]
+        client = self._client(alias)
         renewing: list[tuple[_Entry, Lock]] = []
         for entry, held, renew in items:
             entry.encode(held.token, held.owner)
@@ -379,8 +399,8 @@ class Renewer:
                 else:
                     reason = lua.Outcome(reply).reason
                     del self._entries[entry.lock_id]
-                    self._mark_lost(held, reason)
-                    lost.append((held, reason))
+                    if self._mark_lost(held, reason):
+                        lost.append((held, reason))
             self._stats.renewed += sum(renewed.values())
         for (family, func), count in renewed.items():
             metrics.count("renewed", family, func, count)
@@ -390,7 +410,7 @@ class Renewer:
             except Exception:  # noqa: BLE001 - the next renewal retries and reports
                 logger.warning("could not reload lock scripts", exc_info=True)
         for held, reason in lost:
-            self._notify_lost(held, reason)
+            held.announce_lost(reason)
 
     def _failed(self, items: list[tuple[_Entry, Lock]], sent: float, exc: Exception) -> None:
         with self._cond:
@@ -403,9 +423,7 @@ class Renewer:
 
     def _suspect(self, entry: _Entry, held: Lock, exc: BaseException) -> None:
         entry.failures += 1
-        if held.state is LockState.HELD:
-            held.state = LockState.SUSPECT
-            log_lock(30, "renew_failed", held, "renewal failed; retrying", reason=repr(exc))
+        held.renewal_failed(exc)
         # Retry soon, but do not hammer a server that just timed out.
         entry.renew_due = time.monotonic() + min(
             entry.interval / 2, max(0.02, self._timeout(entry.alias) / 2)
