@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import conf, monitoring
+from . import active_index, conf, metrics, monitoring
 
 MIN_ATTEMPTS = 20  # below this, a ratio is noise
 MIN_HOLD = 5.0  # seconds; a lock held less than this never counts as "far too long"
@@ -44,7 +44,7 @@ def evaluate(now: float | None = None) -> list[Alert]:
     Prometheus scrape)."""
     now = time.time() if now is None else now
     limits = conf.get().ALERTS
-    recent = monitoring.window(limits["WINDOW"], now=now)
+    recent = metrics.window(limits["WINDOW"], now=now)
     fired: list[Alert] = []
     for family in sorted(recent.families()):
         attempts = recent.total("acquire_attempts", family)
@@ -92,14 +92,14 @@ def _long_holds(factor: float) -> list[Alert]:
     Looks at a bounded sample (``LONG_HOLD_SAMPLE`` index entries per family), so its cost
     does not grow with the number of active locks.
     """
-    history = monitoring.totals()
+    history = metrics.totals()
     usual: dict[str, float | None] = {}
     worst: dict[str, list[Any]] = {}
     for held in monitoring.active_locks(limit=LONG_HOLD_SAMPLE):
         if held.family not in usual:
             counts = history.merged_histogram("hold_seconds", held.family)
             enough = sum(counts) >= MIN_HOLD_SAMPLES
-            usual[held.family] = monitoring.percentile(counts, 0.95) if enough else None
+            usual[held.family] = metrics.percentile(counts, 0.95) if enough else None
         p95 = usual[held.family]
         if p95 is not None and held.held_for > max(MIN_HOLD, factor * p95):
             worst.setdefault(held.family, []).append(held)
@@ -122,9 +122,9 @@ def _long_holds(factor: float) -> list[Alert]:
 
 
 def _growth(period: float, now: float) -> list[Alert]:
-    total = sum(monitoring.active_counts().values())
-    monitoring.record_active_sample(total, now=now)
-    samples = monitoring.active_samples(now - period)
+    total = sum(active_index.active_counts().values())
+    metrics.record_active_sample(total, now=now)
+    samples = metrics.active_samples(now - period)
     if len(samples) < 3 or samples[-1][0] - samples[0][0] < period * 0.9:
         return []
     counts = [count for _at, count in samples]

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import conf
+from .active_index import active_counts
 from .backend import connection
-from .monitoring import active_counts, decode
+from .monitoring import decode
 
 BATCH = 500
 
@@ -41,7 +42,8 @@ def _kind(key: str, prefix: str) -> str:
     if rest.startswith("{metrics}"):
         return "metrics"
     if rest.startswith("{"):
-        return rest.rsplit(":", 1)[-1]  # lock, fence, released (the operator note)
+        # lock, fence, queue, tickets, wake (the waiting line), released (an operator's note)
+        return rest.partition("}:")[2].split(":", 1)[0]
     return rest.split(":", 1)[0]  # active (index), families
 
 

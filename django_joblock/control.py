@@ -19,25 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import conf, lua, metrics, tombstones, waiting
+from . import active_index, conf, holders, lua, metrics, tombstones, waiting
 from .backend import REDIS_ERRORS, connection, renewal_client, unavailable
 from .health import DEAD, lock_health
-from .keys import LockKeys, index_member, owner_hash, validate_resource
-from .monitoring import active_locks, decode
+from .holders import LockInfo
+from .keys import LockKeys, is_owner_hash, owner_hash, validate_resource
+from .monitoring import active_locks
 
 OPERATOR_TIMEOUT = 2.0  # seconds, per Redis command of an operator action
-HOLDER_FIELDS = (
-    "host",
-    "pid",
-    "job_id",
-    "job_func",
-    "worker",
-    "acquired_ms",
-    "renewed_ms",
-    "renewals",
-    "ttl_ms",
-)
-
 _clients: dict[int, tuple[Any, Any]] = {}
 
 
@@ -57,29 +46,18 @@ class ReleaseResult:
     audit: Any
 
 
-def holder(resource: str) -> dict[str, Any] | None:
-    """The current holder of ``resource``'s lock, or None: ``owner`` (hash), ``fence``, the
-    holder details and ``held_for`` (seconds, on the lock server's clock).
+def holder(resource: str) -> LockInfo | None:
+    """The current holder of ``resource``'s lock, or None (one read on the operator client).
 
     Raises :class:`LockBackendUnavailable` when Redis does not answer.
     """
-    keys = LockKeys(conf.get().KEY_PREFIX, validate_resource(resource))
+    resource = validate_resource(resource)
     try:
-        pipe = operator_client().pipeline(transaction=False)
-        pipe.time()
-        pipe.hgetall(keys.lock)
-        clock, reply = pipe.execute()
+        found, pttl, server_ms = holders.read(operator_client(), resource)
     except REDIS_ERRORS as exc:
-        raise unavailable(exc, "read the lock", resource=resource, key=keys.lock, owner="") from exc
-    raw = {decode(k): decode(v) for k, v in reply.items()}
-    if not raw.get("token"):
-        return None
-    found: dict[str, Any] = {name: raw[name] for name in (*HOLDER_FIELDS, "fence") if name in raw}
-    found["owner"] = owner_hash(raw["token"])
-    now_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
-    acquired = int(raw.get("acquired_ms") or now_ms)
-    found["held_for"] = max(0.0, (now_ms - acquired) / 1000)
-    return found
+        key = LockKeys(conf.get().KEY_PREFIX, resource).lock
+        raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
+    return None if found is None else holders.info(resource, found, pttl, server_ms)
 
 
 def force_release(
@@ -87,18 +65,21 @@ def force_release(
     *,
     reason: str,
     owner: str | None = None,
+    token: str | None = None,
     user: Any = None,
     actor: str = "",
     action: str = "force_release",
     renewed_ms: int | None = None,
 ) -> ReleaseResult:
-    """Release ``resource``'s lock if it is still held by ``owner`` (a token or its hash).
+    """Release ``resource``'s lock if it is still held by ``owner`` (the token's 12-character
+    hash, as pages and logs show it) or by ``token`` (the owner's secret itself).
 
-    ``owner=None`` releases whoever holds it *now* (still a compare-and-delete against the
-    token just read). With ``renewed_ms`` (the holder's last renewal as seen when it was judged
+    Neither releases whoever holds it *now* (still a compare-and-delete against the token just
+    read). With ``renewed_ms`` (the holder's last renewal as seen when it was judged
     dead), a lock renewed since then is refused: its holder is alive.
 
-    Raises ``ValueError`` for an empty reason or a bad resource, and
+    Raises ``ValueError`` for an empty reason, a bad resource, an ``owner`` that is not such a
+    hash, or both ``owner`` and ``token``, and
     :class:`LockBackendUnavailable` when Redis does not answer (after auditing the attempt).
     """
     resource = validate_resource(resource)
@@ -109,27 +90,26 @@ def force_release(
     prefix = conf.get().KEY_PREFIX
     keys = LockKeys(prefix, resource)
     client = operator_client()
-    wanted = None if owner is None else (owner if len(owner) == 12 else owner_hash(owner))
+    wanted = _wanted_owner(owner, token)
     try:
-        raw = {decode(k): decode(v) for k, v in client.hgetall(keys.lock).items()}
+        found = holders.LockHash.decode(client.hgetall(keys.lock))
     except REDIS_ERRORS as exc:
         error = unavailable(exc, "read the lock", resource=resource, key=keys.lock, owner="")
         outcome = f"not released: Redis did not answer reading the lock ({exc})"
-        _audit(resource, wanted or "", {}, reason, False, outcome, user, actor, action)
+        _audit(resource, wanted or "", None, reason, False, outcome, user, actor, action)
         raise error from exc
-    token = raw.get("token", "")
-    current = owner_hash(token) if token else ""
+    current = found.owner if found is not None else ""
     released, note = False, None
-    if not token:
+    if found is None:
         outcome = "refused: no such lock (expired or released already)"
     elif wanted is not None and wanted != current:
         outcome = f"refused: the lock changed owner (now {current}, expected {wanted})"
-    elif renewed_ms is not None and int(raw.get("renewed_ms") or 0) > renewed_ms:
+    elif renewed_ms is not None and (found.renewed_ms or 0) > renewed_ms:
         outcome = "refused: renewed since its holder was judged dead (it is alive)"
     else:
         note = tombstones.OperatorRelease(current, action, actor, reason)
         try:
-            released = _release(client, keys, token, note, raw.get("ttl_ms"))
+            released = _release(client, keys, found.token, note, found.ttl_ms)
         except REDIS_ERRORS as exc:
             error = unavailable(
                 exc, "release the lock", resource=resource, key=keys.lock, owner=current
@@ -138,22 +118,35 @@ def force_release(
                 "unknown: Redis did not answer the release, so the lock may or may not have "
                 f"been released ({exc})"
             )
-            _audit(resource, current, raw, reason, False, outcome, user, actor, action)
+            _audit(resource, current, found, reason, False, outcome, user, actor, action)
             raise error from exc
         outcome = "released" if released else "refused: the lock changed owner or expired"
         if released:
-            metrics.count("forced_releases", keys.family, raw.get("job_func", ""))
+            metrics.count("forced_releases", keys.family, found.job_func)
             metrics.flush_now()
     audit = _audit(
-        resource, current or (wanted or ""), raw, reason, released, outcome, user, actor, action
+        resource, current or (wanted or ""), found, reason, released, outcome, user, actor, action
     )
     if released and note is not None:
         _add_audit_id(client, prefix, resource, note, audit.pk)
     return ReleaseResult(released, outcome, audit)
 
 
+def _wanted_owner(owner: str | None, token: str | None) -> str | None:
+    if owner is not None and token is not None:
+        raise ValueError("Give the owner's hash or its token, not both.")
+    if token is not None:
+        return owner_hash(token)
+    if owner is not None and not is_owner_hash(owner):
+        raise ValueError(
+            f"owner must be a 12-character owner hash as joblock_locks and the dashboard show "
+            f"it (pass a token as token=), got {owner[:40]!r}."
+        )
+    return owner
+
+
 def _release(
-    client: Any, keys: LockKeys, token: str, note: tombstones.OperatorRelease, ttl: Any
+    client: Any, keys: LockKeys, token: str, note: tombstones.OperatorRelease, ttl: int | None
 ) -> bool:
     """Compare-and-delete with the owner's own release (which hands the lock to the first
     live waiter in line, see :func:`waiting.release`), the note written just before it.
@@ -163,7 +156,7 @@ def _release(
     """
     note_key = tombstones.key(keys.prefix, keys.resource)
     encoded = note.encode()
-    client.set(note_key, encoded, px=tombstones.ttl_ms(int(ttl) if ttl else None))
+    client.set(note_key, encoded, px=tombstones.ttl_ms(ttl))
     outcome, retried = waiting.release(client, keys, token, "", [])
     # Sent twice (its connection failed): GONE may be our own first run's release.
     if outcome is not lua.Outcome.OK and not (retried and outcome is lua.Outcome.GONE):
@@ -171,7 +164,9 @@ def _release(
             client.delete(note_key)  # nothing was released: no note about it
         return False
     try:
-        client.zrem(keys.index, index_member(keys.resource, owner_hash(token)))
+        client.execute_command(
+            *active_index.remove_command(keys.index, keys.resource, owner_hash(token))
+        )
     except REDIS_ERRORS:
         pass  # a hint only: readers prune index entries whose lock is gone
     return True
@@ -190,7 +185,7 @@ def _add_audit_id(
 def _audit(
     resource: str,
     owner: str,
-    raw: dict[str, str],
+    found: holders.LockHash | None,
     reason: str,
     released: bool,
     outcome: str,
@@ -204,8 +199,8 @@ def _audit(
         action=action,
         resource=resource,
         owner=owner,
-        fence=int(raw["fence"]) if raw.get("fence") else None,
-        holder={name: raw[name] for name in HOLDER_FIELDS if name in raw},
+        fence=found.fence if found is not None else None,
+        holder=found.details() if found is not None else {},
         reason=reason,
         released=released,
         outcome=outcome[:200],

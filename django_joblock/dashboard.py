@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import alerts, monitoring
+from . import active_index, alerts, metrics, monitoring
 from .charts import bar_chart, minute_chart
 from .health import DEAD, HEALTHY, Health, lock_health, stuck_claims, stuck_jobs
 
@@ -30,8 +30,8 @@ def build(
     idempotency claims (for users who may not see idempotency records).
     """
     started = time.perf_counter()
-    hour = monitoring.window(3600)
-    counts = monitoring.active_counts()
+    hour = metrics.window(3600)
+    counts = active_index.active_counts()
     active_total = sum(counts.values())
     attempts = hour.total("acquire_attempts")
     contended = hour.total("contended")
@@ -48,18 +48,18 @@ def build(
     holds = []
     for fam in fams:
         merged = hour.merged_histogram("hold_seconds", fam)
-        p95, p99 = monitoring.percentile(merged, 0.95), monitoring.percentile(merged, 0.99)
+        p95, p99 = metrics.percentile(merged, 0.95), metrics.percentile(merged, 0.99)
         if p95 is not None and p99 is not None:
             holds.append((fam, p99, f"p95 ≤ {p95:g}s, p99 ≤ {p99:g}s"))
     waits = []
     for fam in fams:
         merged = hour.merged_histogram("start_wait_seconds", fam)
-        p50, p99 = monitoring.percentile(merged, 0.5), monitoring.percentile(merged, 0.99)
+        p50, p99 = metrics.percentile(merged, 0.5), metrics.percentile(merged, 0.99)
         if p50 is not None and p99 is not None:
             waits.append((fam, p99, f"p50 ≤ {p50:g}s, p99 ≤ {p99:g}s"))
     everywhere = hour.merged_histogram("start_wait_seconds")
-    wait_p50 = monitoring.percentile(everywhere, 0.5)
-    wait_p99 = monitoring.percentile(everywhere, 0.99)
+    wait_p50 = metrics.percentile(everywhere, 0.5)
+    wait_p99 = metrics.percentile(everywhere, 0.99)
     charts = [
         bar_chart(
             "Contention per family (last hour)",
@@ -68,7 +68,7 @@ def build(
         ),
         minute_chart(
             "Requeues for contention per minute",
-            monitoring.per_minute("requeued", CHART_MINUTES),
+            metrics.per_minute("requeued", CHART_MINUTES),
             axis="requeues",
         ),
         bar_chart(
@@ -85,7 +85,7 @@ def build(
         ),
         minute_chart(
             "Duplicates blocked by idempotency per minute",
-            monitoring.per_minute("duplicates_blocked", CHART_MINUTES),
+            metrics.per_minute("duplicates_blocked", CHART_MINUTES),
             axis="duplicates",
         ),
         bar_chart(

@@ -6,8 +6,8 @@ command and active-index member are encoded once per holding, the first time the
 (most locks are released before their first renewal), so a renewal costs no encoding work.
 
 :func:`batch` turns the due work into one pre-encoded round trip for the lean command path:
-every ``RENEW``, then one ``ZADD`` per family index (score = expiry in Unix ms, a hint readers
-prune), then one ``SADD`` of the families. No redis-py pipeline objects: with thousands of
+every ``RENEW``, then the active-index writes of :mod:`django_joblock.active_index` (one ``ZADD``
+per family index, one ``SADD`` of the families). No redis-py pipeline objects: with thousands of
 held locks their per-command encoding and reply parsing was most of the thread's CPU.
 """
 
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from . import lua
+from . import active_index, lua
 from .backend import pack
-from .keys import index_member
 
 L = TypeVar("L")
 
@@ -64,26 +62,24 @@ class Entry(Generic[L]):
         """Encode this holding's commands (once): ``token`` is its lock's, ``owner`` its hash."""
         if not self.renew_command:
             self.renew_command = pack(("EVALSHA", lua.RENEW_SHA, 1, self.key, token, self.ttl_ms))
-            self.member = index_member(self.resource, owner).encode()
+            self.member = active_index.member(self.resource, owner).encode()
 
 
-def batch(items: Iterable[tuple[Entry[L], str, bool]], families_key: str) -> tuple[bytes, int, int]:
+def batch(items: Iterable[tuple[Entry[L], str, bool]], prefix: str) -> tuple[bytes, int, int]:
     """Encode one round trip for ``(entry, family, renew?)`` items (each already encoded).
 
     Returns ``(packed commands, number of commands, number of renewals)``; the renewals come
-    first, in the order of the items that have ``renew`` set, so their replies do too.
+    first, in the order of the items that have ``renew`` set, so their replies do too. Every
+    item's active-index entry is written (or refreshed) after them (see
+    :func:`django_joblock.active_index.add_commands`), the families set with every batch: it
+    must come back after a ``FLUSHDB`` or a restart without persistence.
     """
     renewals: list[bytes] = []
-    members: dict[str, list[bytes]] = defaultdict(list)
-    families: set[str] = set()
+    entries = []
     wall_ms = int(time.time() * 1000)
     for entry, family, renew in items:
         if renew:
             renewals.append(entry.renew_command)
-        members[entry.index_key] += (b"%d" % (wall_ms + entry.ttl_ms), entry.member)
-        families.add(family)
-    commands = renewals + [pack(["ZADD", key, *scores]) for key, scores in members.items()]
-    # Every batch, not once per process: the set must come back after a FLUSHDB or a Redis
-    # restart without persistence. One SADD per batch costs next to nothing.
-    commands.append(pack(["SADD", families_key, *sorted(families)]))
+        entries.append((entry.index_key, family, entry.member, wall_ms + entry.ttl_ms))
+    commands = renewals + [pack(command) for command in active_index.add_commands(prefix, entries)]
     return b"".join(commands), len(commands), len(renewals)

@@ -1,11 +1,12 @@
 """Who holds a lock: the holder details the acquire script writes, and :func:`lock_info`.
 
 The lock hash (``P:{resource}:lock``, see :mod:`django_joblock.keys`) is written by the Lua
-scripts of :mod:`django_joblock.lua` with the details gathered here (host, pid, RQ job), and
-read back here into a :class:`LockInfo`, so that anyone can ask "is this resource locked, by
-whom, until when" without taking the lock. The owner token itself never leaves this module:
-readers get its short hash (``owner``), which is what logs, the admin and
-:attr:`Lock.owner <django_joblock.Lock.owner>` show.
+scripts of :mod:`django_joblock.scripts` with the details gathered here (host, pid, RQ job),
+and decoded only here (:class:`LockHash`), into the :class:`LockInfo` anyone can ask for ("is
+this resource locked, by whom, until when") without taking the lock, and into the rows of the
+active-lock pages (:mod:`django_joblock.monitoring`). Readers get the token's short hash
+(``owner``), which is what logs, the admin and :attr:`Lock.owner <django_joblock.Lock.owner>`
+show; the token itself only goes to the operator release's compare-and-delete.
 """
 
 from __future__ import annotations
@@ -53,6 +54,84 @@ def holder_details() -> tuple[str, str, list[bytes | str]]:
     return job_id, job_func, [HOST, pid_bytes(), job_id, job_func, worker]
 
 
+# The lock hash's fields, as the scripts of :mod:`django_joblock.scripts` write them (ACQUIRE
+# and the hand-over in RELEASE write all of them, RENEW the renewal ones).
+FIELDS = (
+    "token",
+    "fence",
+    "host",
+    "pid",
+    "job_id",
+    "job_func",
+    "worker",
+    "acquired_ms",
+    "renewed_ms",
+    "renewals",
+    "ttl_ms",
+)
+# The holder details an operator is shown and the audit log keeps (never the token).
+DETAIL_FIELDS = FIELDS[2:]
+
+
+@dataclass(frozen=True)
+class LockHash:
+    """The lock hash ``P:{resource}:lock`` as stored: the one decoder of its fields.
+
+    Times are Unix ms on the Redis server's clock. ``token`` is the owner's secret: only the
+    operator release (:mod:`django_joblock.control`) uses it, for its compare-and-delete;
+    everything shown or logged uses :attr:`owner`.
+    """
+
+    token: str
+    fence: int | None
+    host: str
+    pid: int | None
+    job_id: str
+    job_func: str
+    worker: str
+    acquired_ms: int | None
+    renewed_ms: int | None
+    renewals: int
+    ttl_ms: int | None
+
+    @classmethod
+    def decode(cls, raw: dict[Any, Any]) -> LockHash | None:
+        """The hash from an ``HGETALL`` reply (bytes or str), or None when it holds no lock."""
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        if not fields.get("token"):
+            return None
+        return cls(
+            token=fields["token"],
+            fence=_int(fields.get("fence")),
+            host=fields.get("host", ""),
+            pid=_int(fields.get("pid")),
+            job_id=fields.get("job_id", ""),
+            job_func=fields.get("job_func", ""),
+            worker=fields.get("worker", ""),
+            acquired_ms=_int(fields.get("acquired_ms")),
+            renewed_ms=_int(fields.get("renewed_ms")),
+            renewals=_int(fields.get("renewals")) or 0,
+            ttl_ms=_int(fields.get("ttl_ms")),
+        )
+
+    @property
+    def owner(self) -> str:
+        """The short hash of the token (what logs, pages and ``Lock.owner`` show)."""
+        return owner_hash(self.token)
+
+    def details(self) -> dict[str, str]:
+        """The holder details (no token), as text, for the audit log."""
+        return {
+            name: str(getattr(self, name))
+            for name in DETAIL_FIELDS
+            if getattr(self, name) not in (None, "")
+        }
+
+    def held_for(self, server_ms: int) -> float:
+        """Seconds since the acquisition, at ``server_ms`` on the same server's clock."""
+        return max(0.0, (server_ms - self.acquired_ms) / 1000) if self.acquired_ms else 0.0
+
+
 @dataclass(frozen=True)
 class LockInfo:
     """A snapshot of one held lock, read from Redis without taking or extending it.
@@ -76,44 +155,62 @@ class LockInfo:
     acquired_at: datetime | None
     renewed_at: datetime | None
     renewals: int
+    held_for: float = 0.0  # seconds since the acquisition, on the server's clock
+
+
+def read(client: Any, resource: str) -> tuple[LockHash | None, int, int]:
+    """``(the lock hash or None, its PTTL in ms, the server's clock in Unix ms)`` of
+    ``resource``, in one round trip (``MULTI`` of ``TIME``, ``HGETALL``, ``PTTL``).
+
+    Raises redis-py's errors (callers map them with :func:`backend.unavailable`).
+    """
+    key = LockKeys(conf.get().KEY_PREFIX, resource).lock
+    pipe = client.pipeline(transaction=True)
+    pipe.time()
+    pipe.hgetall(key)
+    pipe.pttl(key)
+    clock, raw, pttl = pipe.execute()
+    server_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
+    found = LockHash.decode(raw) if int(pttl) != -2 else None
+    return found, int(pttl), server_ms
+
+
+def info(resource: str, found: LockHash, pttl: int, server_ms: int) -> LockInfo:
+    """The :class:`LockInfo` of a lock hash read by :func:`read`."""
+    return LockInfo(
+        resource=resource,
+        owner=found.owner,
+        fence=found.fence or 0,
+        ttl=(found.ttl_ms or 0) / 1000,
+        expires_in=max(0, pttl) / 1000,
+        host=found.host,
+        pid=found.pid,
+        job_id=found.job_id,
+        job_func=found.job_func,
+        worker=found.worker,
+        acquired_at=_server_time(found.acquired_ms),
+        renewed_at=_server_time(found.renewed_ms),
+        renewals=found.renewals,
+        held_for=found.held_for(server_ms),
+    )
 
 
 def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
-    """Who holds ``resource`` now, or None when it is free. One round trip (``MULTI`` of
-    ``HGETALL`` + ``PTTL``), read-only: never takes, renews or extends the lock.
+    """Who holds ``resource`` now, or None when it is free. One round trip (see
+    :func:`read`), read-only: never takes, renews or extends the lock.
 
     A snapshot: the lock may be released or taken a moment later. Raises
     :class:`~django_joblock.exceptions.InvalidResource` for a bad resource and
     :class:`~django_joblock.exceptions.LockBackendUnavailable` when Redis cannot be asked.
     """
     settings = conf.get()
-    keys = LockKeys(settings.KEY_PREFIX, validate_resource(resource))
-    pipe = connection(using or settings.REDIS_ALIAS).pipeline(transaction=True)
-    pipe.hgetall(keys.lock)
-    pipe.pttl(keys.lock)
+    resource = validate_resource(resource)
     try:
-        raw, pttl = pipe.execute()
+        found, pttl, server_ms = read(connection(using or settings.REDIS_ALIAS), resource)
     except REDIS_ERRORS as exc:
-        raise unavailable(exc, "read the lock", resource=resource, key=keys.lock, owner="") from exc
-    fields = {_text(k): _text(v) for k, v in raw.items()}
-    token = fields.get("token", "")
-    if not token or pttl == -2:
-        return None
-    return LockInfo(
-        resource=resource,
-        owner=owner_hash(token),
-        fence=_int(fields.get("fence")) or 0,
-        ttl=(_int(fields.get("ttl_ms")) or 0) / 1000,
-        expires_in=max(0, int(pttl)) / 1000,
-        host=fields.get("host", ""),
-        pid=_int(fields.get("pid")),
-        job_id=fields.get("job_id", ""),
-        job_func=fields.get("job_func", ""),
-        worker=fields.get("worker", ""),
-        acquired_at=_server_time(fields.get("acquired_ms")),
-        renewed_at=_server_time(fields.get("renewed_ms")),
-        renewals=_int(fields.get("renewals")) or 0,
-    )
+        key = LockKeys(settings.KEY_PREFIX, resource).lock
+        raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
+    return None if found is None else info(resource, found, pttl, server_ms)
 
 
 def _text(value: Any) -> str:
@@ -127,6 +224,5 @@ def _int(value: str | None) -> int | None:
         return None
 
 
-def _server_time(ms: str | None) -> datetime | None:
-    value = _int(ms)
-    return None if value is None else datetime.fromtimestamp(value / 1000, tz=UTC)
+def _server_time(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=UTC)

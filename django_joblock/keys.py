@@ -14,9 +14,21 @@ Key layout (``P`` = ``JOBLOCK["KEY_PREFIX"]``)::
                                    packed (MessagePack), for a release to hand the lock over
     P:{order:123}:wake:T    LIST   "fence next": pushed when the lock is handed to ticket T,
                                    whose waiter blocks on it (BLPOP)
+    P:{order:123}:released  STRING an operator's note on a release (django_joblock.tombstones)
     P:active:order          ZSET   active-lock index of a family: member "resource#owner",
                                    score = expiry in Unix ms (a hint; readers prune and verify)
-    P:families              SET    families that ever held a lock
+    P:families              SET    families with locks in the index (pruned when idle)
+    P:{metrics}:b:<minute>  HASH   metric increments of one 60 s bucket (expire after
+                                   METRICS_RETENTION); fields: see django_joblock.metrics
+    P:{metrics}:total       HASH   all-time metric totals (Prometheus counters)
+    P:{metrics}:active      ZSET   samples of the active-lock count (the growth alert)
+
+Each structure has one owner that encodes and decodes it: the lock hash
+:mod:`django_joblock.holders` (written by the scripts of :mod:`django_joblock.scripts`), the
+fence counter the acquire script, the waiting line :mod:`django_joblock.waiting`, the
+operator's note :mod:`django_joblock.tombstones`, the active-lock index and the families set
+:mod:`django_joblock.active_index`, the metric hashes and samples
+:mod:`django_joblock.metrics`.
 
 The braces are a Redis Cluster hash tag: every key a script touches hashes to the same slot.
 Resources cannot contain braces, so a resource can never break out of its tag.
@@ -59,8 +71,17 @@ def family(resource: str) -> str:
 
 
 def owner_hash(token: str) -> str:
-    """A short, stable, non-reversible name for an owner token, safe to log and display."""
+    """A short, stable, non-reversible name for an owner token, safe to log and display: what
+    "owner" means everywhere (the token itself is the secret)."""
     return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+_OWNER_RE = re.compile(r"[0-9a-f]{12}\Z")
+
+
+def is_owner_hash(value: object) -> bool:
+    """True for a string shaped like :func:`owner_hash`'s result."""
+    return isinstance(value, str) and bool(_OWNER_RE.match(value))
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,21 @@ class LockKeys:
         return active_index_key(self.prefix, self.family)
 
 
+def metric_bucket_key(prefix: str, minute: int) -> str:
+    """The metric bucket of the minute starting at Unix time ``minute`` (a multiple of 60)."""
+    return f"{prefix}:{{metrics}}:b:{minute}"
+
+
+def metric_totals_key(prefix: str) -> str:
+    """The all-time metric totals (same ``{metrics}`` hash tag as the buckets)."""
+    return f"{prefix}:{{metrics}}:total"
+
+
+def active_samples_key(prefix: str) -> str:
+    """Samples of the active-lock count, for the growth alert."""
+    return f"{prefix}:{{metrics}}:active"
+
+
 def active_index_key(prefix: str, family_name: str) -> str:
     """The active-lock ZSET of one family."""
     return f"{prefix}:active:{family_name}"
@@ -107,14 +143,3 @@ def active_index_key(prefix: str, family_name: str) -> str:
 def families_key(prefix: str) -> str:
     """The SET of families that have held a lock."""
     return f"{prefix}:families"
-
-
-def index_member(resource: str, owner: str) -> str:
-    """Index member of one holding: per owner, so removing ours never removes another's."""
-    return f"{resource}#{owner}"
-
-
-def parse_index_member(member: str) -> tuple[str, str]:
-    """Split an index member back into ``(resource, owner_hash)``."""
-    resource, _, owner = member.rpartition("#")
-    return resource, owner

@@ -36,12 +36,12 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from . import conf, lua, metrics, waiting
+from . import active_index, conf, lua, metrics, waiting
 from .backend import REDIS_ERRORS, connection, execute, unavailable
 from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from .holders import holder_details
 from .holding import Holding, LockState, drift
-from .keys import LockKeys, index_member, validate_resource
+from .keys import LockKeys, validate_resource
 from .logs import log_lock, logger
 from .renewal import renewer
 from .signals import lock_acquired, lock_contended, lock_lost, lock_released
@@ -357,7 +357,7 @@ class Lock(Holding):
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
         also: list[list[Any]] = []
         if indexed:
-            also.append(["ZREM", self.index_key, index_member(self.resource, self.owner)])
+            also.append(active_index.remove_command(self.index_key, self.resource, self.owner))
         # Metrics ride along with the release: inside a job always (the work horse may exit
         # right after), elsewhere once a flush is due.
         pending = metrics.take_for_flush(force=bool(self.job_id))

@@ -39,7 +39,6 @@ from . import conf, lua, metrics
 from .backend import connection, execute_packed, renewal_client
 from .heartbeat import Entry, RenewalStats, batch
 from .holding import LockState
-from .keys import families_key
 from .logs import logger
 
 
@@ -359,7 +358,7 @@ class Renewer:
                 renewing.append((entry, held))
         packed, count, _ = batch(
             ((entry, held.family, renew) for entry, held, renew in items),
-            families_key(conf.get().KEY_PREFIX),
+            conf.get().KEY_PREFIX,
         )
         sent = time.monotonic()
         try:

@@ -13,7 +13,7 @@ from io import StringIO
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client
 
 from django_joblock import lock
@@ -161,17 +161,31 @@ def test_audit_rows_are_append_only(rconn):
     assert held.release() is False
 
 
-def test_joblock_release_command_with_token(rconn):
+def test_joblock_release_command_with_owner_or_token(rconn):
     held = held_lock()
     with pytest.raises(SystemExit):
         call_command(
-            "joblock_release", "order:1", "--reason", "r", "--token", "0" * 12, stdout=StringIO()
+            "joblock_release", "order:1", "--reason", "r", "--owner", "0" * 12, stdout=StringIO()
+        )
+    with pytest.raises(SystemExit):
+        call_command(
+            "joblock_release", "order:1", "--reason", "r", "--token", "0" * 32, stdout=StringIO()
+        )
+    with pytest.raises(CommandError, match="12-character owner hash"):
+        call_command("joblock_release", "order:1", "--reason", "r", "--owner", held.token)
+    with pytest.raises(CommandError, match="not both"):
+        call_command(
+            "joblock_release", "order:1", "--reason", "r", "--owner", held.owner, "--token", "x"
         )
     assert rconn.exists(held.key)
     out = StringIO()
-    call_command("joblock_release", "order:1", "--reason", "r", "--token", held.owner, stdout=out)
+    call_command("joblock_release", "order:1", "--reason", "r", "--owner", held.owner, stdout=out)
     assert "released" in out.getvalue() and not rconn.exists(held.key)
     assert LockAudit.objects.filter(released=True).count() == 1
+    again = held_lock()
+    out = StringIO()
+    call_command("joblock_release", "order:1", "--reason", "r", "--token", again.token, stdout=out)
+    assert "released" in out.getvalue() and not rconn.exists(again.key)
 
 
 def test_joblock_locks_json_lists_documented_fields(rconn):

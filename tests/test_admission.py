@@ -270,7 +270,7 @@ def test_workers_wake_up_for_rq_maintenance_on_time(rconn):
 def test_wait_to_start_is_measured_and_shown(workers, rconn):
     """meta["joblock"]["waited"], the start_wait_seconds histogram, the dashboard card and
     chart, and the Prometheus series."""
-    from django_joblock import dashboard, monitoring
+    from django_joblock import dashboard, metrics
     from django_joblock.prometheus import exposition
 
     workers.start()
@@ -283,7 +283,7 @@ def test_wait_to_start_is_measured_and_shown(workers, rconn):
     assert wait_status(holder, DONE, 30) is JobStatus.FINISHED
     waited = waiter.get_meta(refresh=True)["joblock"]["waited"]
     assert 1.0 <= waited < 30, waited
-    histogram = monitoring.totals().merged_histogram("start_wait_seconds", "hot")
+    histogram = metrics.totals().merged_histogram("start_wait_seconds", "hot")
     assert sum(histogram) == 2, "one observation per job that started"
     page = dashboard.build()
     cards = dict(page["cards"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rq.job import JobStatus
 
-from django_joblock import lock, monitoring
+from django_joblock import lock, metrics
 from django_joblock.idempotency_inputs import key_family
 from tests import admission_jobs, settings_logging
 from tests.workers import ROOT, Workers, wait_status
@@ -96,7 +96,7 @@ def test_keys_without_a_colon_share_one_metrics_family(rconn):
         with idempotent(key) as claim:
             assert claim.done  # a replay: counted as a duplicate blocked
     flush_now()
-    totals = monitoring.totals()
+    totals = metrics.totals()
     families = {fam for fam, _func in totals.counters["duplicates_blocked"]}
     assert families == {"other", "refund"}, families
     assert totals.total("duplicates_blocked", "other") == 2

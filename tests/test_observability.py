@@ -12,6 +12,7 @@ from rq.job import JobStatus
 from django_joblock import (
     LockBackendUnavailable,
     StaleFence,
+    active_index,
     alerts,
     fenced_update,
     idempotent,
@@ -30,12 +31,12 @@ from tests.workers import Workers, wait_status
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def totals() -> monitoring.Series:
+def totals() -> metrics.Series:
     metrics.flush_now()
-    return monitoring.totals()
+    return metrics.totals()
 
 
-def hist_count(series: monitoring.Series, metric: str, family: str) -> int:
+def hist_count(series: metrics.Series, metric: str, family: str) -> int:
     return sum(series.merged_histogram(metric, family))
 
 
@@ -128,11 +129,11 @@ def test_percentiles_read_back_within_one_bucket(rconn):
     for value in values:
         metrics.observe("hold_seconds", "synthetic", "", value)
     metrics.flush_now()
-    counts = monitoring.window(120).merged_histogram("hold_seconds", "synthetic")
+    counts = metrics.window(120).merged_histogram("hold_seconds", "synthetic")
     assert sum(counts) == len(values)
     for q in (0.5, 0.95, 0.99):
         true = values[int(q * len(values)) - 1]
-        estimate = monitoring.percentile(counts, q)
+        estimate = metrics.percentile(counts, q)
         assert estimate is not None
         assert abs(metrics.bucket_of(estimate) - metrics.bucket_of(true)) <= 1, (q, true, estimate)
 
@@ -248,12 +249,12 @@ def test_long_hold_alert(no_jobs, rconn, monkeypatch):
 def test_active_growth_alert(no_jobs, rconn, settings):
     settings.JOBLOCK = {"ALERTS": {"ACTIVE_GROWTH": 90}}
     now = time.time()
-    monitoring.record_active_sample(0, now=now - 89)
-    monitoring.record_active_sample(1, now=now - 45)
+    metrics.record_active_sample(0, now=now - 89)
+    metrics.record_active_sample(1, now=now - 45)
     held = [lock(f"order:{i}", ttl=5) for i in range(2)]
     for one in held:
         assert one.acquire()
-    assert wait_for(lambda: sum(monitoring.active_counts().values()) == 2, 3)
+    assert wait_for(lambda: sum(active_index.active_counts().values()) == 2, 3)
     assert names(alerts.evaluate(now=now)) == ["active_growth"]
     for one in held:
         one.release()

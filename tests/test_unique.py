@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from rq.job import JOB_ID_PATTERN, JobStatus
 
-from django_joblock import admission, lock, locked_job, monitoring
+from django_joblock import admission, lock, locked_job, metrics
 from django_joblock.dedup import job_id_for
 from django_joblock.jobs import registry
 from django_joblock.queues import get_queue
@@ -32,7 +32,7 @@ def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
 
 
 def _blocked() -> int:
-    return monitoring.totals().total("blocked_at_enqueue")
+    return metrics.totals().total("blocked_at_enqueue")
 
 
 def test_job_id_is_stable_and_in_rqs_characters():

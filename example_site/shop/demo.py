@@ -290,13 +290,13 @@ class Demo:
     def report(self, counts: Counter[str], metrics_before: Any, elapsed: float) -> Report:
         from django.db.models import Count, Sum
 
-        from django_joblock import monitoring
+        from django_joblock import metrics
         from django_joblock.metrics import flush_now
 
         from .models import Order, Receipt, Refund
 
         flush_now()
-        after = monitoring.totals()
+        after = metrics.totals()
         report = Report()
         metas = [job.get_meta(refresh=True).get("joblock", {}) for job in self.jobs]
         outcomes = Counter(meta.get("outcome", "ran") for meta in metas)
@@ -393,13 +393,13 @@ class Demo:
         return found
 
     def run(self) -> Report:
-        from django_joblock import monitoring
+        from django_joblock import metrics
 
         from .jobs import QUEUE
 
         self.reset()
         tenants, orders = self.seed()
-        before = monitoring.totals()
+        before = metrics.totals()
         self.say(
             f"Seeded {len(tenants)} tenants and {len(orders)} orders. Starting 4 RQ "
             f"workers on queue {QUEUE!r} (logs in {self.logdir})."

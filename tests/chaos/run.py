@@ -384,11 +384,11 @@ class Chaos:
         ]
         from django_redis import get_redis_connection
 
-        from django_joblock import monitoring
+        from django_joblock import metrics
 
         # This process's pooled connections died with the Redis restart: start afresh.
         get_redis_connection("default").connection_pool.disconnect()
-        totals = monitoring.totals()
+        totals = metrics.totals()
         return {
             "mode": "safe" if self.safe else "negative control (no fencing, no idempotency)",
             "workers": self.args.workers,

@@ -45,7 +45,7 @@ class Command(BaseCommand):
         for held in locks:
             state = health.get(held.resource, LockHealth(HEALTHY))
             row = {**held.as_dict(), "health": state.state.value, "why": state.why}
-            for internal in ("token_hash", "read_ms"):
+            for internal in ("read_ms",):
                 row.pop(internal, None)
             rows.append(row)
         if options["stuck"]:

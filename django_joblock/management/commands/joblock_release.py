@@ -1,8 +1,10 @@
-"""``manage.py joblock_release RESOURCE --reason R [--token T]``: audited force release.
+"""``manage.py joblock_release RESOURCE --reason R [--owner H | --token T]``: audited force
+release.
 
-``--token`` is the owner to release (its 12-character hash as shown by ``joblock_locks`` or the
-dashboard, or the token itself); without it, whoever holds the lock right now. Either way it is
-a compare-and-delete, never a blind DEL, and it is written to the lock audit log.
+``--owner`` is the holder to release by its 12-character owner hash, as ``joblock_locks`` and
+the dashboard show it; ``--token`` by the owner token itself (the secret a ``Lock`` carries);
+with neither, whoever holds the lock right now. Either way it is a compare-and-delete, never a
+blind DEL, and it is written to the lock audit log.
 Exit status 1 when nothing was released; a Redis that does not answer is a ``CommandError``
 saying whether the release may have happened.
 """
@@ -26,9 +28,14 @@ class Command(BaseCommand):
         parser.add_argument("resource")
         parser.add_argument("--reason", required=True, help="Why (kept in the audit log).")
         parser.add_argument(
+            "--owner",
+            default=None,
+            help="Only release if the holder with this owner hash still holds it.",
+        )
+        parser.add_argument(
             "--token",
             default=None,
-            help="Only release if this owner (hash or token) still holds it.",
+            help="Only release if the holder with this owner token still holds it.",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -36,7 +43,8 @@ class Command(BaseCommand):
             result = force_release(
                 options["resource"],
                 reason=options["reason"],
-                owner=options["token"],
+                owner=options["owner"],
+                token=options["token"],
                 actor=f"joblock_release ({getpass.getuser()})",
             )
         except (ValueError, LockBackendUnavailable) as exc:
