@@ -43,7 +43,7 @@ from . import control, dashboard
 from .backend import REDIS_ERRORS
 from .exceptions import LockBackendUnavailable
 from .health import Health, job_queue
-from .keys import validate_resource
+from .keys import owner_hash, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 from .monitoring import validate_family
 
@@ -173,8 +173,6 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
     @admin.display(description="owner (hash)")
     def owner_short(self, obj: IdempotencyRecord) -> str:
-        from .keys import owner_hash
-
         return owner_hash(obj.owner) if obj.owner else ""
 
 

@@ -66,6 +66,9 @@ import importlib
 import logging
 from typing import Any
 
+from rq.job import Job
+from rq.queue import Queue
+
 from . import conf
 from .backend import REDIS_ERRORS
 from .keys import LockKeys
@@ -114,9 +117,6 @@ def key_for(resource: str) -> str:
 
 
 def _custom_prefix(queue: Any) -> bool:
-    from rq.job import Job
-    from rq.queue import Queue
-
     return bool(
         queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
         or queue.redis_queue_namespace_prefix != Queue.redis_queue_namespace_prefix

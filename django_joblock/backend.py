@@ -21,6 +21,10 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 import redis
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+from django_redis import get_redis_connection
 from redis import exceptions as redis_exceptions
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -72,17 +76,20 @@ def forget_connections() -> None:
     _forget_lean_connections()
 
 
-def _lookup(alias: str) -> Any:
-    from django.conf import settings
+@receiver(setting_changed)
+def _on_setting_changed(setting: str, **kwargs: Any) -> None:
+    # JOBLOCK names the alias (REDIS_ALIAS), CACHES where it points.
+    if setting in ("JOBLOCK", "CACHES"):
+        forget_connections()
 
+
+def _lookup(alias: str) -> Any:
     caches = getattr(settings, "CACHES", {})
     if alias not in caches:
         raise JoblockConfigError(
             f"JOBLOCK['REDIS_ALIAS'] / using={alias!r} is not in settings.CACHES "
             f"(known: {', '.join(sorted(caches)) or 'none'})."
         )
-    from django_redis import get_redis_connection
-
     try:
         return get_redis_connection(alias, write=True)
     except NotImplementedError as exc:

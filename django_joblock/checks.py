@@ -32,7 +32,11 @@ from django.conf import settings
 from django.core.checks import ERROR, CheckMessage, Error, Tags, Warning, register
 
 from . import conf
+from .backend import REDIS_ERRORS, connection, renewal_client
 from .exceptions import JoblockConfigError
+from .jobs import job_timeout, registered_jobs, timeout_findings
+from .monitoring import has_scheduler, requeueing_queues
+from .queues import get_queue
 
 DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
 TAG = "django_joblock"
@@ -83,8 +87,6 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     """W010: Redis answers; W011: its eviction policy cannot silently drop locks."""
     if _serious(check_settings()) or check_redis_alias():
         return []
-    from .backend import connection, renewal_client
-
     alias = conf.get().REDIS_ALIAS
     try:
         client = renewal_client(connection(alias), timeout=2.0)
@@ -117,9 +119,6 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E006: queue names; W002 / W006: timeouts; W004: idempotency TTL vs requeue window."""
     if _serious(check_settings()) or check_redis_alias():
         return []
-    from .jobs import job_timeout, registered_jobs, timeout_findings
-    from .queues import get_queue
-
     current = conf.get()
     found: list[CheckMessage] = []
     for spec in registered_jobs():
@@ -164,9 +163,6 @@ def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
         return []
     if any(message.id == "django_joblock.W010" for message in check_redis_server()):
         return []
-    from .backend import REDIS_ERRORS, renewal_client
-    from .monitoring import has_scheduler, requeueing_queues
-
     found: list[CheckMessage] = []
     for name, queue in requeueing_queues().items():
         try:

@@ -376,8 +376,5 @@ def reset() -> None:
 
 @receiver(setting_changed)
 def _on_setting_changed(setting: str, **kwargs: Any) -> None:
-    if setting in ("JOBLOCK", "CACHES"):
+    if setting == "JOBLOCK":
         reset()
-        from .backend import forget_connections
-
-        forget_connections()

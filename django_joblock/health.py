@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from django.utils import timezone
+from rq import Worker
+from rq.registry import StartedJobRegistry
+
 from . import conf
 from .exceptions import JoblockConfigError
 from .jobs import registered_jobs, registry
@@ -119,8 +123,6 @@ class _Place:
 
 
 def _place(queue: Any) -> _Place:
-    from rq import Worker
-
     return _Place(queue.connection, queue.job_class, Worker.redis_worker_namespace_prefix)
 
 
@@ -248,8 +250,6 @@ def _server_now(client: Any) -> datetime:
 def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[StuckJob]:
     """RQ jobs in the started registries of ``queues`` (default: the known queues) that have
     run past their timeout, measured with each queue server's clock."""
-    from rq.registry import StartedJobRegistry
-
     found = []
     for name, queue in (known_queues() if queues is None else queues).items():
         registry = StartedJobRegistry(queue=queue)
@@ -288,8 +288,6 @@ def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[S
 
 def stuck_claims(limit: int = 50) -> list[Any]:
     """Idempotency records still ``running`` after their lease ran out (indexed query)."""
-    from django.utils import timezone
-
     from .models import IdempotencyRecord
 
     return list(

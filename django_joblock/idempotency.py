@@ -51,6 +51,7 @@ from typing import Any
 from django.db import connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
+from rq import get_current_job
 
 from . import conf, metrics
 from .exceptions import (
@@ -76,6 +77,7 @@ from .idempotency_store import (
     in_progress,
     insert_or_read,
 )
+from .locks import current_lock
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -100,8 +102,6 @@ def _model() -> Any:
 
 
 def _current_job() -> Any:
-    from rq import get_current_job
-
     try:
         return get_current_job()
     except Exception:  # noqa: BLE001 - outside a worker rq may raise on a missing connection
@@ -268,8 +268,6 @@ def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> C
     status = "succeeded" if finished else "running"
     lease = None if finished else now + timedelta(seconds=spec.lease)
     finished_at = now if finished else None
-    from .locks import current_lock
-
     held = current_lock()
     fence = held.fence if held is not None and held.held else None
     resource = held.resource if fence is not None and held is not None else ""

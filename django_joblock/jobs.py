@@ -37,6 +37,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
+from django.utils.module_loading import autodiscover_modules
+
 from . import admission as admission_mod
 from . import conf, dedup, runner
 from .idempotency_inputs import key_family, validate_scope
@@ -92,8 +94,6 @@ registry: dict[str, JobSpec[Any, Any]] = {}
 
 def registered_jobs() -> list[JobSpec[Any, Any]]:
     """Every ``@locked_job``, after importing the ``jobs`` / ``tasks`` modules of the apps."""
-    from django.utils.module_loading import autodiscover_modules
-
     autodiscover_modules("jobs", "tasks")
     return sorted(registry.values(), key=lambda spec: spec.name)
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from rq.utils import parse_timeout
+
 from . import conf
 from .idempotency_inputs import validate_key
 from .keys import validate_resource
@@ -143,8 +145,6 @@ def job_timeout(value: Any, queue: Any) -> float:
     ``None`` means the queue's default; ``-1`` (RQ's "no timeout") is ``math.inf``. Strings
     such as ``"10m"`` are parsed as RQ parses them.
     """
-    from rq.utils import parse_timeout
-
     seconds = parse_timeout(value)
     if seconds is None:
         seconds = parse_timeout(getattr(queue, "_default_timeout", None)) or 180

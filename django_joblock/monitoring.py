@@ -13,10 +13,15 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rq.scheduler import RQScheduler
+
 from . import active_index, conf
 from .backend import connection
+from .exceptions import JoblockConfigError
 from .holders import LockHash
+from .jobs import registered_jobs
 from .keys import LockKeys
+from .queues import get_queue, queue_name
 
 
 def _client() -> Any:
@@ -131,10 +136,6 @@ def requeueing_queues() -> dict[str, Any]:
     """Name -> queue of every queue a requeueing ``@locked_job`` uses. A queue whose name
     cannot be resolved is left out (system check E006 reports it), and so is a synchronous
     queue (``is_async=False``): its jobs run inline and never requeue."""
-    from .exceptions import JoblockConfigError
-    from .jobs import registered_jobs
-    from .queues import get_queue, queue_name
-
     found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
@@ -152,8 +153,6 @@ def requeueing_queues() -> dict[str, Any]:
 def has_scheduler(queue: Any, client: Any = None) -> bool:
     """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, on the queue's connection
     or ``client``, a client on the same server.)"""
-    from rq.scheduler import RQScheduler
-
     return bool((client or queue.connection).exists(RQScheduler.get_locking_key(queue.name)))
 
 
