@@ -1,6 +1,7 @@
 """Exponential backoff with full jitter (AWS architecture blog, "Exponential Backoff And Jitter").
 
-Full jitter draws the delay uniformly from ``[0, min(cap, base * factor**attempt)]``: contenders
+Full jitter draws the delay uniformly from ``[0, min(max_delay, base * factor**attempt)]``
+(``REQUEUE_BACKOFF``'s ``base``, ``factor`` and ``max``): contenders
 spread out instead of retrying in lock-step, which a fixed rate or plain exponential delay does.
 """
 
@@ -11,15 +12,15 @@ import random
 _rng = random.SystemRandom()
 
 
-def ceiling(attempt: int, *, base: float, factor: float, cap: float) -> float:
+def ceiling(attempt: int, *, base: float, factor: float, max_delay: float) -> float:
     """The largest delay (seconds) allowed for ``attempt`` (0-based)."""
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
-    # Avoid float overflow for a large attempt count: once past the cap, stay there.
+    # Avoid float overflow for a large attempt count: once past max_delay, stay there.
     exponent = min(attempt, 64)
-    return float(min(cap, base * factor**exponent))
+    return float(min(max_delay, base * factor**exponent))
 
 
-def full_jitter(attempt: int, *, base: float, factor: float, cap: float) -> float:
+def full_jitter(attempt: int, *, base: float, factor: float, max_delay: float) -> float:
     """A random delay in seconds for ``attempt`` (0-based): uniform in ``[0, ceiling]``."""
-    return _rng.uniform(0.0, ceiling(attempt, base=base, factor=factor, cap=cap))
+    return _rng.uniform(0.0, ceiling(attempt, base=base, factor=factor, max_delay=max_delay))

@@ -35,6 +35,7 @@ from . import conf
 from .backend import REDIS_ERRORS, connection, renewal_client
 from .exceptions import JoblockConfigError
 from .jobs import job_timeout, registered_jobs, timeout_findings
+from .jobspec import OnConflict
 from .monitoring import has_scheduler, requeueing_queues
 from .queues import get_queue
 
@@ -139,7 +140,7 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         window = spec.max_wait if spec.max_wait is not None else current.REQUEUE_MAX_WAIT
         if (
             spec.idempotency_key is not None
-            and spec.on_conflict == "requeue"
+            and spec.on_conflict is OnConflict.REQUEUE
             and current.IDEMPOTENCY_TTL < window
         ):
             found.append(

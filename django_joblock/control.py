@@ -21,6 +21,7 @@ from typing import Any
 
 from . import active_index, conf, holders, lua, metrics, tombstones, waiting
 from .backend import REDIS_ERRORS, connection, renewal_client, unavailable
+from .choices import AuditAction
 from .health import DEAD, lock_health
 from .holders import LockInfo
 from .keys import LockKeys, is_owner_hash, owner_hash, validate_resource
@@ -68,7 +69,7 @@ def force_release(
     token: str | None = None,
     user: Any = None,
     actor: str = "",
-    action: str = "force_release",
+    action: AuditAction = AuditAction.FORCE_RELEASE,
     renewed_ms: int | None = None,
 ) -> ReleaseResult:
     """Release ``resource``'s lock if it is still held by ``owner`` (the token's 12-character
@@ -191,7 +192,7 @@ def _audit(
     outcome: str,
     user: Any,
     actor: str,
-    action: str,
+    action: AuditAction,
 ) -> Any:
     from .models import LockAudit
 
@@ -230,7 +231,7 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
             lock.resource,
             owner=lock.owner,
             actor=actor,
-            action="reap",
+            action=AuditAction.REAP,
             reason=f"holder dead: {state.why}",
             renewed_ms=lock.renewed_ms,
         )

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import conf, metrics
+from .choices import RecordStatus
 from .exceptions import JoblockError
 
 logger = logging.getLogger("django_joblock")
@@ -81,7 +82,7 @@ def enqueue_once(
             try:
                 status = _status(queue, job_id)
                 if status not in LIVE:
-                    if status == "failed":
+                    if status == RecordStatus.FAILED:
                         # Runs again under the same id: not failed any more.
                         queue.failed_job_registry.remove(job_id)
                     return enqueue()

@@ -39,6 +39,7 @@ from rq import Worker
 from rq.registry import StartedJobRegistry
 
 from . import conf
+from .choices import RecordStatus
 from .exceptions import JoblockConfigError
 from .jobs import registered_jobs, registry
 from .monitoring import ActiveLock, decode
@@ -292,6 +293,6 @@ def stuck_claims(limit: int = 50) -> list[Any]:
 
     return list(
         IdempotencyRecord.objects.filter(
-            status="running", lease_expires_at__lt=timezone.now()
+            status=RecordStatus.RUNNING, lease_expires_at__lt=timezone.now()
         ).order_by("lease_expires_at")[:limit]
     )

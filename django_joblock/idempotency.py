@@ -54,6 +54,7 @@ from django.utils import timezone
 from rq import get_current_job
 
 from . import conf, metrics
+from .choices import RecordStatus
 from .exceptions import (
     IdempotencyClaimLost,
     IdempotencyError,
@@ -160,7 +161,7 @@ class Claim:
             ) from exc
         now = timezone.now()
         updated = self._mine().update(
-            status="succeeded",
+            status=RecordStatus.SUCCEEDED,
             result=result,
             error="",
             finished_at=now,
@@ -186,13 +187,13 @@ class Claim:
         return (
             _model()
             .objects.using(self.using)
-            .filter(pk=self.record_id, owner=self.token, status="running")
+            .filter(pk=self.record_id, owner=self.token, status=RecordStatus.RUNNING)
         )
 
     def _fail(self, error: str) -> None:
         now = timezone.now()
         self._mine().update(
-            status="failed",
+            status=RecordStatus.FAILED,
             error=error[:10_000],
             finished_at=now,
             updated_at=now,
@@ -265,7 +266,7 @@ def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> C
     model = _model()
     token = secrets.token_hex(16)
     now = timezone.now()
-    status = "succeeded" if finished else "running"
+    status = RecordStatus.SUCCEEDED if finished else RecordStatus.RUNNING
     lease = None if finished else now + timedelta(seconds=spec.lease)
     finished_at = now if finished else None
     held = current_lock()
@@ -311,7 +312,7 @@ def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> C
                 key=spec.key,
                 scope=spec.scope,
             )
-        if row["status"] == "succeeded":
+        if row["status"] == RecordStatus.SUCCEEDED:
             done = Claim(
                 spec.key,
                 spec.scope,
@@ -337,7 +338,9 @@ def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> C
             and row["lock_resource"] == resource
             and row["fence"] < fence
         )
-        live = row["status"] == "running" and lease_until is not None and lease_until > now
+        live = (
+            row["status"] == RecordStatus.RUNNING and lease_until is not None and lease_until > now
+        )
         if live and not superseded and lease_until is not None:
             raise IdempotencyInProgress(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) is being processed by "

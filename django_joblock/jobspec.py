@@ -6,6 +6,7 @@ horse side) and the system checks, so that none of them imports another's intern
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import math
@@ -23,7 +24,16 @@ from .keys import validate_resource
 P = ParamSpec("P")
 R = TypeVar("R")
 
-CONFLICT_POLICIES = ("requeue", "skip", "fail")
+
+class OnConflict(enum.StrEnum):
+    """What ``@locked_job`` does when its resource is busy after admission (``on_conflict``)."""
+
+    REQUEUE = "requeue"  # requeue with backoff + jitter; give up after max_wait as failed
+    SKIP = "skip"  # finish without running (counted and logged)
+    FAIL = "fail"  # raise LockNotAcquired
+
+
+CONFLICT_POLICIES = tuple(policy.value for policy in OnConflict)
 Template = str | Callable[..., str] | None
 
 
@@ -37,7 +47,7 @@ class JobSpec(Generic[P, R]):
     idempotency_key: Template
     ttl: float | None
     heartbeat: bool
-    on_conflict: str
+    on_conflict: OnConflict
     max_wait: float | None
     on_lost: Callable[..., Any] | None
     rq_options: dict[str, Any] = field(default_factory=dict)

@@ -10,6 +10,8 @@ from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
+from .choices import AuditAction, RecordStatus
+
 
 class FencedModel(models.Model):
     """Abstract model with the ``lock_fence`` column that :func:`fenced_update` compares."""
@@ -34,10 +36,7 @@ class IdempotencyRecord(models.Model):
     ``manage.py joblock_purge`` may delete the row.
     """
 
-    class Status(models.TextChoices):
-        RUNNING = "running", "running"
-        SUCCEEDED = "succeeded", "succeeded"
-        FAILED = "failed", "failed"
+    Status = RecordStatus
 
     scope = models.CharField(max_length=100, blank=True, default="")
     key = models.CharField(max_length=255)
@@ -104,9 +103,7 @@ class Dashboard(models.Model):
 class LockAudit(models.Model):
     """Append-only record of every operator action on a lock (force release, reap)."""
 
-    class Action(models.TextChoices):
-        FORCE_RELEASE = "force_release", "force release"
-        REAP = "reap", "reap (holder dead)"
+    Action = AuditAction
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     action = models.CharField(max_length=32, choices=Action.choices)

@@ -20,6 +20,7 @@ from .backend import connection
 from .exceptions import JoblockConfigError
 from .holders import LockHash
 from .jobs import registered_jobs
+from .jobspec import OnConflict
 from .keys import LockKeys
 from .queues import get_queue, queue_name
 
@@ -139,7 +140,7 @@ def requeueing_queues() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
-        if spec.on_conflict != "requeue" or name in found:
+        if spec.on_conflict is not OnConflict.REQUEUE or name in found:
             continue
         try:
             queue = get_queue(spec.queue)

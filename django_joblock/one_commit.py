@@ -18,6 +18,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from . import conf
+from .choices import RecordStatus
 from .exceptions import IdempotencyClaimLost, IdempotencyError, IdempotencyInProgress
 from .holders import job_context
 from .idempotency import Claim, claim, idempotent
@@ -109,7 +110,7 @@ def record_failure(spec: idempotent, error: str) -> None:
         "scope": spec.scope,
         "key": spec.key,
         "fingerprint": spec.fingerprint,
-        "status": "failed",
+        "status": RecordStatus.FAILED,
         "result": None,
         "error": error[:10_000],
         "owner": "",
@@ -130,7 +131,7 @@ def record_failure(spec: idempotent, error: str) -> None:
                     return  # another run is claiming the key: the record is its now
                 if insert(model, spec.using, values) is None:
                     model.objects.using(spec.using).filter(
-                        scope=spec.scope, key=spec.key, status="failed"
+                        scope=spec.scope, key=spec.key, status=RecordStatus.FAILED
                     ).update(
                         error=values["error"],
                         attempts=F("attempts") + 1,

@@ -50,7 +50,7 @@ from .exceptions import (
     LockNotAcquired,
 )
 from .holders import LockInfo, lock_info
-from .jobspec import JobSpec
+from .jobspec import JobSpec, OnConflict
 from .locks import Lock
 from .outcomes import JobOutcome, Run
 from .signals import job_requeued
@@ -66,11 +66,7 @@ Ending = tuple[JobOutcome, Any, dict[str, Any]]
 
 def conflict(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
     """Apply ``on_conflict`` to a busy lock (``held``, not acquired) or a live claim."""
-    try:
-        return _handle(run, held, in_progress)
-    finally:
-        if run.job is not None:
-            metrics.flush_now()  # the work horse may exit right after this job
+    return _handle(run, held, in_progress)  # its counts: flushed by the runner at the end
 
 
 def _holder(held: Lock | None) -> LockInfo | None:
@@ -102,14 +98,18 @@ def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | No
     else:
         assert held is not None
         what = f"lock {held.resource!r} is busy"
-    if spec.on_conflict == "skip":
+    if spec.on_conflict is OnConflict.SKIP:
         metrics.count("skipped", run.family, spec.name)
         return JobOutcome.SKIPPED, None, {"reason": what}
-    if spec.on_conflict == "fail" or not run.worker:
+    if spec.on_conflict is OnConflict.FAIL or not run.worker:
         if in_progress is not None:
             raise in_progress
         assert held is not None
-        suffix = "" if spec.on_conflict == "fail" else " (a run without a worker cannot requeue)"
+        suffix = (
+            ""
+            if spec.on_conflict is OnConflict.FAIL
+            else " (a run without a worker cannot requeue)"
+        )
         holder = f"; held by {run.holder}" if run.holder else ""
         raise LockNotAcquired(
             f"{spec.name}: lock busy{suffix}{holder}", resource=held.resource, key=held.key
@@ -129,7 +129,9 @@ def delay_for(attempt: int, info: LockInfo | None, limit_left: float) -> int:
     """Seconds until the next try of a requeued job (whole, >= 1, never far past the limit);
     see the module docs. ``info``: the holder's lock, if known."""
     backoff = conf.get().REQUEUE_BACKOFF
-    delay = full_jitter(attempt, base=backoff["base"], factor=backoff["factor"], cap=backoff["max"])
+    delay = full_jitter(
+        attempt, base=backoff["base"], factor=backoff["factor"], max_delay=backoff["max"]
+    )
     if info is not None and stale(info):
         delay = max(delay, info.expires_in)  # free by then at the latest
     # RQ schedules in whole seconds (>= 1, as 0 would mean "now").

@@ -43,7 +43,7 @@ from typing import Any
 from django.db import DatabaseError, router, transaction
 from rq import get_current_job
 
-from . import admission, conf, tombstones
+from . import admission, conf, metrics, tombstones
 from .abort import Abort
 from .backend import REDIS_ERRORS, connection, renewal_client
 from .exceptions import (
@@ -82,14 +82,19 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
         admitted=worker and admission.admitted(job, resource),
     )
     try:
-        outcome, result, extra = _flow(state, arguments, args, kwargs)
-    except Exception as exc:
-        finish(state, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
-        raise
-    if outcome in FINAL_SUCCESS:
-        state.hand_off()  # skipped: the next parked job may start (no-op if done already)
-    finish(state, outcome, **extra)
-    return result
+        try:
+            outcome, result, extra = _flow(state, arguments, args, kwargs)
+        except Exception as exc:
+            finish(state, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
+            raise
+        if outcome in FINAL_SUCCESS:
+            state.hand_off()  # skipped: the next parked job may start (no-op if done already)
+        finish(state, outcome, **extra)
+        return result
+    finally:
+        # Whatever this run counted and no lock release carried (a job without a lock, a
+        # replay, contention, a loss): the work horse may os._exit right after.
+        metrics.flush_pending()
 
 
 def _failure(exc: BaseException) -> JobOutcome:

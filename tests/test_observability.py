@@ -23,7 +23,7 @@ from django_joblock import (
 from django_joblock.jobs import registry
 from django_joblock.prometheus import exposition
 from django_joblock.renewal import renewer
-from tests import jobs
+from tests import jobs, seam_jobs
 from tests.harness import expire_now, wait_for
 from tests.testapp.models import Account
 from tests.workers import Workers, wait_status
@@ -119,6 +119,23 @@ def test_counts_from_forked_work_horses_are_not_lost(rconn, settings):
     assert seen.counters["contended"][label] == requeues
     assert seen.counters["requeued"][label] == requeues >= 1
     assert sum(seen.histograms["hold_seconds"][label]) == 2
+
+
+def test_a_lock_less_replay_in_a_forked_horse_is_counted(rconn):
+    """A job with an idempotency key and no lock, run twice by a forking worker: the replay's
+    duplicate count is flushed before the work horse ``os._exit``s (before the fix it was
+    buffered in the horse and lost: no lock release carried it, no renewal thread ran)."""
+    first = seam_jobs.rich_result.delay(41)
+    again = seam_jobs.rich_result.delay(41)  # a duplicate delivery: replayed
+    crew = Workers()
+    try:
+        crew.start(burst=True).wait(60)
+    finally:
+        crew.stop()
+    assert first.get_meta(refresh=True)["joblock"]["outcome"] == "ran", crew.logs()
+    assert again.get_meta(refresh=True)["joblock"]["outcome"] == "replayed", crew.logs()
+    counted = totals().counters["duplicates_blocked"][("rich", seam_jobs.rich_result.spec.name)]
+    assert counted == 1
 
 
 def test_percentiles_read_back_within_one_bucket(rconn):

@@ -64,7 +64,7 @@ def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers
     assert state["requeues"] == len(delays) >= 2, state
     for attempt, delay in enumerate(delays):
         # Sized from the holder's remaining TTL (at most the 2 s TTL), then doubling.
-        cap = ceiling(attempt, base=2, factor=2, cap=8)
+        cap = ceiling(attempt, base=2, factor=2, max_delay=8)
         assert 1 <= delay <= max(1, math.ceil(cap)), (attempt, delay, delays)
     assert second.retries_left is None, "contention must not spend the exception-retry budget"
 

@@ -1,0 +1,25 @@
+"""The values of the models' choice fields, importable before Django's app registry is ready.
+
+The models use them as their ``choices`` (``IdempotencyRecord.Status``, ``LockAudit.Action``
+are these classes); the library modules that write or filter records, which load with the
+package, compare against them instead of string literals.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class RecordStatus(models.TextChoices):
+    """``IdempotencyRecord.status``."""
+
+    RUNNING = "running", "running"  # a claim holds the lease
+    SUCCEEDED = "succeeded", "succeeded"  # committed with the effect; its result replays
+    FAILED = "failed", "failed"  # retryable: the next claim runs again
+
+
+class AuditAction(models.TextChoices):
+    """``LockAudit.action``: what an operator did to a lock."""
+
+    FORCE_RELEASE = "force_release", "force release"
+    REAP = "reap", "reap (holder dead)"
