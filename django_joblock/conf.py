@@ -1,4 +1,11 @@
-"""The single ``JOBLOCK`` setting: typed defaults, read lazily, reset on ``setting_changed``.
+"""The single ``JOBLOCK`` setting: one declaration per key, read lazily, reset on
+``setting_changed``.
+
+Each key is declared once, as a field of :class:`JoblockSettings` made with :func:`_setting`:
+its default, the rule its value must follow (:mod:`django_joblock.setting_rules`) and its
+documentation. Defaults, validation (and the ids of the system checks built on it) and the
+reference tables of ``docs/settings.md`` (:mod:`django_joblock.settings_reference`) all come
+from those declarations.
 
 All durations are in seconds (floats allowed). Every key is optional; unknown keys are an error
 (system check ``django_joblock.E002``) because a typo such as ``LOCK_TLL`` would otherwise be
@@ -11,9 +18,10 @@ never half-applied; ``problems()`` returns the same findings for the system chec
 
 from __future__ import annotations
 
-import math
-import re
+import copy
+import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,93 +30,22 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from .exceptions import JoblockConfigError
+from .setting_rules import DAY, Choice, Flag, Mapping, Range, Rule, Secret, SubKey, Text
 
-DAY = 86400.0
+__all__ = ["DAY", "JoblockSettings", "Problem", "Range", "get", "problems", "reset"]
 
-DEFAULT_BACKOFF: dict[str, float] = {"base": 1.0, "factor": 2.0, "max": 300.0}
-DEFAULT_ALERTS: dict[str, float] = {
-    # Fraction of acquire attempts that found the lock busy, over WINDOW seconds.
-    "CONTENTION_RATIO": 0.5,
-    # Renewal failures within WINDOW seconds.
-    "RENEW_FAILURES": 5,
-    # A lock held this many times longer than its family's usual (p95) hold time.
-    "HOLD_FACTOR": 10,
-    # Active locks growing monotonically for this many seconds.
-    "ACTIVE_GROWTH": 1800,
-    # The sliding window the rates above are computed over.
-    "WINDOW": 300,
-}
-
-DEFAULTS: dict[str, Any] = {
-    "REDIS_ALIAS": "default",
-    "KEY_PREFIX": "joblock",
-    "LOCK_TTL": 30.0,
-    "HEARTBEAT_INTERVAL": None,  # None = LOCK_TTL / 3
-    "MAX_HOLD": None,
-    "ACQUIRE_WAIT": 0.0,
-    # How long a waiting acquire keeps its place in line without a sign of life, and how long a
-    # lock handed to a waiter lives until that waiter renews it: a waiter that dies (or stops)
-    # delays the line by at most this long. Waiters refresh their ticket every quarter of it
-    # (at most every second).
-    "WAITER_TTL": 2.0,
-    "ON_LOCK_LOST": "abort",
-    "REQUEUE_BACKOFF": DEFAULT_BACKOFF,
-    "REQUEUE_MAX_WAIT": 3600.0,
-    "IDEMPOTENCY_TTL": 7 * DAY,
-    "IDEMPOTENCY_LEASE": 300.0,
-    "STUCK_AFTER": 900.0,
-    "ALERTS": DEFAULT_ALERTS,
-    # Upper bound of the socket timeout the renewal thread uses (it also stays below TTL/5).
-    "RENEW_TIMEOUT": 2.0,
-    # Metrics in Redis: on/off, and how long the per-minute buckets are kept.
-    "METRICS": True,
-    "METRICS_RETENTION": DAY,
-    # Bearer token that may read the Prometheus view without a staff login (None: staff only).
-    "METRICS_TOKEN": None,
-}
-
-ON_LOCK_LOST_CHOICES = ("abort", "flag")
-_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
-
-# The range of every number a user gives, in settings and in arguments (``lock(ttl=...)``,
-# ``@locked_job(max_wait=...)``...). Finite always: NaN passes every comparison, so a NaN
-# interval would silently stop renewals, and an infinite or absurd TTL cannot be sent to Redis.
+# Finite always: NaN passes every comparison, so a NaN interval would silently stop renewals,
+# and an infinite or absurd TTL cannot be sent to Redis.
 MAX_TTL = 7 * DAY  # longest lock TTL / lease: how long a crashed holder can block a resource
 MAX_DURATION = 365 * DAY  # longest wait, hold, window or retention
 
 
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of one number: from ``low`` (excluded if ``open_low``) to ``high``."""
-
-    low: float
-    high: float
-    open_low: bool = False
-    unit: str = "seconds"
-
-    def describe(self) -> str:
-        unit = f" {self.unit}" if self.unit else ""
-        return f"{'>' if self.open_low else '>='} {self.low:g} and <= {self.high:g}{unit}"
-
-    def problem(self, value: object) -> str:
-        """Why ``value`` is not allowed ("" if it is)."""
-        kind = f"number of {self.unit}" if self.unit else "number"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be a {kind}, got {value!r}"
-        # Only floats can be NaN or infinite (math.isfinite would overflow on a huge int).
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite {kind}, got {value!r}"
-        if value < self.low or (self.open_low and value == self.low) or value > self.high:
-            return f"must be {self.describe()}, got {value!r}"
-        return ""
-
-    def check(self, what: str, value: object) -> float:
-        """``value`` as a float, or ``ValueError`` naming ``what`` and the allowed range."""
-        problem = self.problem(value)
-        if problem:
-            raise ValueError(f"{what} {problem}.")
-        assert isinstance(value, (int, float))
-        return float(value)
+def _setting(default: Any, rule: Rule, doc: str, *, optional: bool = False) -> Any:
+    """Declare one key: its default, its rule (None allowed with ``optional``) and its docs."""
+    meta = {"rule": rule, "doc": doc, "optional": optional}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 TTL_RANGE = Range(0.01, MAX_TTL)
@@ -117,70 +54,151 @@ HOLD_RANGE = Range(0.0, MAX_DURATION, open_low=True)
 MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
 LEASE_RANGE = Range(0.01, MAX_TTL)
 WAITER_TTL_RANGE = Range(0.1, 3600.0)
+ON_LOCK_LOST_CHOICES = ("abort", "flag")
 
-# Top-level numbers; None is also allowed for the keys in _OPTIONAL.
-_NUMBERS: dict[str, Range] = {
-    "LOCK_TTL": TTL_RANGE,
-    "HEARTBEAT_INTERVAL": Range(0.001, MAX_TTL),
-    "MAX_HOLD": HOLD_RANGE,
-    "ACQUIRE_WAIT": WAIT_RANGE,
-    "WAITER_TTL": WAITER_TTL_RANGE,
-    "REQUEUE_MAX_WAIT": WAIT_RANGE,
-    "IDEMPOTENCY_TTL": Range(1.0, 10 * 365 * DAY),
-    "IDEMPOTENCY_LEASE": LEASE_RANGE,
-    "STUCK_AFTER": Range(0.0, MAX_DURATION, open_low=True),
-    "RENEW_TIMEOUT": Range(0.001, 60.0),
-    # Buckets are a minute long and expire after the retention (EXPIRE takes whole seconds).
-    "METRICS_RETENTION": Range(60.0, MAX_DURATION),
-}
-_OPTIONAL = frozenset({"HEARTBEAT_INTERVAL", "MAX_HOLD"})
-_SUB_NUMBERS: dict[str, dict[str, Range]] = {
-    "REQUEUE_BACKOFF": {
-        "base": Range(0.0, DAY, open_low=True),
-        "factor": Range(1.0, 100.0, unit=""),
-        "max": Range(0.0, DAY, open_low=True),
-    },
-    "ALERTS": {
-        "CONTENTION_RATIO": Range(0.0, 1.0, open_low=True, unit=""),
-        "RENEW_FAILURES": Range(1.0, 1e9, unit=""),
-        "HOLD_FACTOR": Range(1.0, 1e6, unit=""),
-        "ACTIVE_GROWTH": Range(0.0, MAX_DURATION, open_low=True),
-        "WINDOW": Range(60.0, DAY),
-    },
-}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding about the setting: a check id suffix (``E003``), the key and a message."""
-
-    id: str
-    key: str
-    message: str
+BACKOFF = Mapping(
+    {
+        "base": SubKey(1.0, Range(0.0, DAY, open_low=True), "ceiling of the first delay"),
+        "factor": SubKey(2.0, Range(1.0, 100.0, unit=""), "growth of the ceiling per requeue"),
+        "max": SubKey(300.0, Range(0.0, DAY, open_low=True), "largest ceiling"),
+    }
+)
+ALERT_RULES = Mapping(
+    {
+        "CONTENTION_RATIO": SubKey(
+            0.5,
+            Range(0.0, 1.0, open_low=True, unit=""),
+            "fraction of a family's acquire attempts that found the lock busy over `WINDOW` "
+            "(needs 20+ attempts)",
+            alert="contention",
+        ),
+        "RENEW_FAILURES": SubKey(
+            5.0, Range(1.0, 1e9, unit=""), "failed renewals within `WINDOW`", "renew_failures"
+        ),
+        "HOLD_FACTOR": SubKey(
+            10.0,
+            Range(1.0, 1e6, unit=""),
+            "a lock held this many times its family's p95 hold time (and over 5 s)",
+            alert="long_hold",
+        ),
+        "ACTIVE_GROWTH": SubKey(
+            1800.0,
+            Range(0.0, MAX_DURATION, open_low=True),
+            "active locks grew without falling for this many seconds",
+            alert="active_growth",
+        ),
+        "WINDOW": SubKey(
+            300.0, Range(60.0, DAY), "the sliding window of the rates above (seconds)"
+        ),
+    }
+)
 
 
 @dataclass(frozen=True)
 class JoblockSettings:
-    """The validated ``JOBLOCK`` setting. Durations in seconds."""
+    """The validated ``JOBLOCK`` setting, one field per key. Durations in seconds."""
 
-    REDIS_ALIAS: str
-    KEY_PREFIX: str
-    LOCK_TTL: float
-    HEARTBEAT_INTERVAL: float | None
-    MAX_HOLD: float | None
-    ACQUIRE_WAIT: float
-    WAITER_TTL: float
-    ON_LOCK_LOST: str
-    REQUEUE_BACKOFF: dict[str, float]
-    REQUEUE_MAX_WAIT: float
-    IDEMPOTENCY_TTL: float
-    IDEMPOTENCY_LEASE: float
-    STUCK_AFTER: float
-    ALERTS: dict[str, float]
-    RENEW_TIMEOUT: float
-    METRICS: bool
-    METRICS_RETENTION: float
-    METRICS_TOKEN: str | None
+    REDIS_ALIAS: str = _setting(
+        "default",
+        Text(),
+        "the django-redis cache whose connection the locks, metrics and (without django-rq) "
+        "the queues use",
+    )
+    KEY_PREFIX: str = _setting(
+        "joblock",
+        Text(r"[A-Za-z0-9_.-]{1,64}", "`[A-Za-z0-9_.-]`, 1 to 64 characters"),
+        "prefix of every Redis key",
+    )
+    LOCK_TTL: float = _setting(
+        30.0,
+        TTL_RANGE,
+        "TTL of a lock when `lock(ttl=...)` / `@locked_job(ttl=...)` is not given",
+    )
+    HEARTBEAT_INTERVAL: float | None = _setting(
+        None,
+        Range(0.001, MAX_TTL),
+        "renewal interval; `None` = TTL / 3; a value is capped at TTL / 2 per lock; must be "
+        "< `LOCK_TTL` (E004)",
+        optional=True,
+    )
+    MAX_HOLD: float | None = _setting(
+        None,
+        HOLD_RANGE,
+        "stop renewing a lock after this long (a hung holder cannot keep it forever; "
+        "`renew()` stops too, so a lock is held at most `MAX_HOLD` + TTL); `None` = no limit, "
+        "because RQ's `job_timeout` already bounds a hung job (see "
+        "[locks.md](locks.md#rules-process-context-restart-clock))",
+        optional=True,
+    )
+    ACQUIRE_WAIT: float = _setting(
+        0.0,
+        WAIT_RANGE,
+        "default `wait` of `lock()`, of inline `@locked_job` calls and of jobs on a "
+        "synchronous queue (`is_async=False`); 0 = one try. Jobs run by a worker try once (a "
+        "parked job handed the resource waits up to 0.5 s for the job before it to let go), "
+        "then apply `on_conflict`",
+    )
+    WAITER_TTL: float = _setting(
+        2.0,
+        WAITER_TTL_RANGE,
+        "how long a waiting acquire keeps its place in line without a sign of life (it "
+        "refreshes its ticket every quarter of this, at most every second), and the TTL a lock "
+        "is handed over to a waiter with until the waiter renews it: a waiter that dies delays "
+        "the line by at most this long. Longer tolerates longer pauses (GC, an overloaded "
+        "host) before a waiter loses its place; see [locks.md](locks.md#waiting-for-a-lock)",
+    )
+    ON_LOCK_LOST: str = _setting(
+        "abort",
+        Choice(ON_LOCK_LOST_CHOICES),
+        'what `@locked_job` does when the lock is lost mid-job: `"abort"` raises `LockLost` '
+        'in the job; `"flag"` only sets `lock.lost`',
+    )
+    # _setting returns a dataclasses.field with a default_factory (a fresh dict per instance).
+    REQUEUE_BACKOFF: dict[str, float] = _setting(  # noqa: RUF009
+        BACKOFF.defaults(), BACKOFF, "requeue delays on contention, see below"
+    )
+    REQUEUE_MAX_WAIT: float = _setting(
+        3600.0,
+        WAIT_RANGE,
+        "give up on a busy lock after this long: the job fails with `LockContentionTimeout` "
+        "(per job: `max_wait=`, > 0)",
+    )
+    IDEMPOTENCY_TTL: float = _setting(
+        7 * DAY,
+        Range(1.0, 10 * 365 * DAY),
+        "a record expires this long after it was claimed, or after its success; "
+        "`joblock_purge` deletes expired ones",
+    )
+    IDEMPOTENCY_LEASE: float = _setting(
+        300.0,
+        LEASE_RANGE,
+        "lease of a running claim; another claim waits (`IdempotencyInProgress`) until it "
+        "ends, then takes over",
+    )
+    STUCK_AFTER: float = _setting(
+        900.0,
+        Range(0.0, MAX_DURATION, open_low=True),
+        "a lock held longer than this is shown as `overdue` (dashboard, `joblock_locks --stuck`)",
+    )
+    ALERTS: dict[str, float] = _setting(  # noqa: RUF009
+        ALERT_RULES.defaults(), ALERT_RULES, "alert thresholds"
+    )
+    RENEW_TIMEOUT: float = _setting(
+        2.0,
+        Range(0.001, 60.0),
+        "upper bound of the renewal thread's socket timeout (it also stays below TTL / 5)",
+    )
+    METRICS: bool = _setting(True, Flag(), "record metrics in Redis (`False` turns it off)")
+    # Buckets are a minute long and expire after the retention (EXPIRE takes whole seconds).
+    METRICS_RETENTION: float = _setting(
+        DAY, Range(60.0, MAX_DURATION), "how long per-minute metric buckets are kept"
+    )
+    METRICS_TOKEN: str | None = _setting(
+        None,
+        Secret(),
+        "bearer token for the Prometheus view; `None`: staff users only",
+        optional=True,
+    )
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def heartbeat_interval(self, ttl: float) -> float:
@@ -194,31 +212,113 @@ class JoblockSettings:
         return ttl / 3
 
 
-def _check_number(key: str, value: object, allowed: Range, *, optional: bool) -> list[Problem]:
-    if value is None and optional:
+# Every key's declaration (a dataclasses.Field: default, metadata "rule", "doc", "optional").
+KEYS = {f.name: f for f in dataclasses.fields(JoblockSettings) if f.name != "raw"}
+
+
+def default_of(key: str) -> Any:
+    """The default of ``key`` (a fresh copy for the dict settings)."""
+    declared = KEYS[key]
+    if declared.default_factory is not dataclasses.MISSING:
+        return declared.default_factory()
+    return declared.default
+
+
+DEFAULTS: dict[str, Any] = {key: default_of(key) for key in KEYS}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding about the setting: a check id suffix (``E003``), the key and a message."""
+
+    id: str
+    key: str
+    message: str
+
+
+def _value_problems(key: str, value: object) -> list[Problem]:
+    declared = KEYS[key]
+    rule: Rule = declared.metadata["rule"]
+    if value is None and declared.metadata["optional"]:
         return []
-    problem = allowed.problem(value)
-    return [Problem("E003", key, f"JOBLOCK[{key!r}] {problem}.")] if problem else []
-
-
-def _check_mapping(key: str, value: object, defaults: dict[str, float]) -> list[Problem]:
-    if not isinstance(value, dict):
-        return [Problem("E003", key, f"JOBLOCK[{key!r}] must be a dict, got {value!r}.")]
-    found = [
-        Problem(
-            "E002",
-            f"{key}.{sub}",
-            f"Unknown key JOBLOCK[{key!r}][{sub!r}]; known: {', '.join(sorted(defaults))}.",
-        )
-        for sub in value
-        if sub not in defaults
-    ]
+    problem = rule.problem(value)
+    if problem:
+        return [Problem("E003", key, f"JOBLOCK[{key!r}] {problem}.")]
+    if not isinstance(rule, Mapping):
+        return []
+    assert isinstance(value, dict)
+    found = []
     for sub, sub_value in value.items():
-        if sub in defaults:
-            found += _check_number(
-                f"{key}.{sub}", sub_value, _SUB_NUMBERS[key][sub], optional=False
+        if sub not in rule.keys:
+            found.append(
+                Problem(
+                    "E002",
+                    f"{key}.{sub}",
+                    f"Unknown key JOBLOCK[{key!r}][{sub!r}]; known: "
+                    f"{', '.join(sorted(rule.keys))}.",
+                )
             )
+            continue
+        problem = rule.keys[sub].range.problem(sub_value)
+        if problem:
+            found.append(Problem("E003", f"{key}.{sub}", f"JOBLOCK[{key!r}][{sub!r}] {problem}."))
     return found
+
+
+def _heartbeat(merged: dict[str, Any]) -> list[Problem]:
+    ttl, interval = merged["LOCK_TTL"], merged["HEARTBEAT_INTERVAL"]
+    if interval is not None and interval >= ttl:
+        return [
+            Problem(
+                "E004",
+                "HEARTBEAT_INTERVAL",
+                f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) must be shorter than "
+                f"LOCK_TTL ({ttl}s), or the lock expires between renewals.",
+            )
+        ]
+    if interval is not None and interval > ttl / 2:
+        return [
+            Problem(
+                "W001",
+                "HEARTBEAT_INTERVAL",
+                f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) is more than half of "
+                f"LOCK_TTL ({ttl}s): one slow renewal loses the lock. Use TTL/3.",
+            )
+        ]
+    return []
+
+
+def _idempotency_ttl(merged: dict[str, Any]) -> list[Problem]:
+    found = []
+    ttl = merged["IDEMPOTENCY_TTL"]
+    if ttl < merged["REQUEUE_MAX_WAIT"]:
+        found.append(
+            Problem(
+                "W003",
+                "IDEMPOTENCY_TTL",
+                f"JOBLOCK['IDEMPOTENCY_TTL'] ({ttl}s) is shorter than REQUEUE_MAX_WAIT "
+                f"({merged['REQUEUE_MAX_WAIT']}s): a requeued duplicate could outlive the "
+                "record that blocks it.",
+            )
+        )
+    if ttl < merged["IDEMPOTENCY_LEASE"]:
+        found.append(
+            Problem(
+                "W005",
+                "IDEMPOTENCY_TTL",
+                f"JOBLOCK['IDEMPOTENCY_TTL'] ({ttl}s) is shorter than IDEMPOTENCY_LEASE "
+                f"({merged['IDEMPOTENCY_LEASE']}s): a record would expire while its claim may "
+                "still be running.",
+            )
+        )
+    return found
+
+
+# Checks between keys, run once every key on its own is valid.
+_CROSS_CHECKS: tuple[Callable[[dict[str, Any]], list[Problem]], ...] = (
+    _heartbeat,
+    _idempotency_ttl,
+)
 
 
 def problems(raw: object) -> list[Problem]:
@@ -227,116 +327,32 @@ def problems(raw: object) -> list[Problem]:
         return []
     if not isinstance(raw, dict):
         return [Problem("E001", "JOBLOCK", f"JOBLOCK must be a dict, got {type(raw).__name__}.")]
-    found: list[Problem] = [
+    found = [
         Problem(
             "E002",
             str(key),
-            f"Unknown key JOBLOCK[{key!r}]; known keys: {', '.join(sorted(DEFAULTS))}.",
+            f"Unknown key JOBLOCK[{key!r}]; known keys: {', '.join(sorted(KEYS))}.",
         )
         for key in raw
-        if key not in DEFAULTS
+        if key not in KEYS
     ]
-    for key, allowed in _NUMBERS.items():
+    for key in KEYS:
         if key in raw:
-            found += _check_number(key, raw[key], allowed, optional=key in _OPTIONAL)
-    for key in ("REDIS_ALIAS", "KEY_PREFIX"):
-        value = raw.get(key, DEFAULTS[key])
-        if not isinstance(value, str) or not value:
-            found.append(
-                Problem("E003", key, f"JOBLOCK[{key!r}] must be a non-empty string, got {value!r}.")
-            )
-    prefix = raw.get("KEY_PREFIX", DEFAULTS["KEY_PREFIX"])
-    if isinstance(prefix, str) and prefix and not _PREFIX_RE.match(prefix):
-        found.append(
-            Problem(
-                "E003",
-                "KEY_PREFIX",
-                f"JOBLOCK['KEY_PREFIX'] {prefix!r} may only use [A-Za-z0-9_.-] (at most 64).",
-            )
-        )
-    if not isinstance(raw.get("METRICS", True), bool):
-        found.append(
-            Problem(
-                "E003",
-                "METRICS",
-                f"JOBLOCK['METRICS'] must be True or False, got {raw['METRICS']!r}.",
-            )
-        )
-    token = raw.get("METRICS_TOKEN")
-    if token is not None and (not isinstance(token, str) or len(token) < 16):
-        found.append(
-            Problem(
-                "E003",
-                "METRICS_TOKEN",
-                "JOBLOCK['METRICS_TOKEN'] must be None or "
-                "a secret string of at least 16 characters.",
-            )
-        )
-    on_lost = raw.get("ON_LOCK_LOST", DEFAULTS["ON_LOCK_LOST"])
-    if on_lost not in ON_LOCK_LOST_CHOICES:
-        found.append(
-            Problem(
-                "E003",
-                "ON_LOCK_LOST",
-                f"JOBLOCK['ON_LOCK_LOST'] must be one of {ON_LOCK_LOST_CHOICES}, got {on_lost!r}.",
-            )
-        )
-    if "REQUEUE_BACKOFF" in raw:
-        found += _check_mapping("REQUEUE_BACKOFF", raw["REQUEUE_BACKOFF"], DEFAULT_BACKOFF)
-    if "ALERTS" in raw:
-        found += _check_mapping("ALERTS", raw["ALERTS"], DEFAULT_ALERTS)
+            found += _value_problems(key, raw[key])
     if any(p.id.startswith("E") for p in found):
         return found
     merged = _merge(raw)
-    ttl, interval = merged["LOCK_TTL"], merged["HEARTBEAT_INTERVAL"]
-    if interval is not None and interval >= ttl:
-        found.append(
-            Problem(
-                "E004",
-                "HEARTBEAT_INTERVAL",
-                f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) must be shorter than "
-                f"LOCK_TTL ({ttl}s), or the lock expires between renewals.",
-            )
-        )
-    elif interval is not None and interval > ttl / 2:
-        found.append(
-            Problem(
-                "W001",
-                "HEARTBEAT_INTERVAL",
-                f"JOBLOCK['HEARTBEAT_INTERVAL'] ({interval}s) is more than half of "
-                f"LOCK_TTL ({ttl}s): one slow renewal loses the lock. Use TTL/3.",
-            )
-        )
-    if merged["IDEMPOTENCY_TTL"] < merged["REQUEUE_MAX_WAIT"]:
-        found.append(
-            Problem(
-                "W003",
-                "IDEMPOTENCY_TTL",
-                f"JOBLOCK['IDEMPOTENCY_TTL'] ({merged['IDEMPOTENCY_TTL']}s) is "
-                f"shorter than REQUEUE_MAX_WAIT ({merged['REQUEUE_MAX_WAIT']}s): a "
-                "requeued duplicate could outlive the record that blocks it.",
-            )
-        )
-    if merged["IDEMPOTENCY_TTL"] < merged["IDEMPOTENCY_LEASE"]:
-        found.append(
-            Problem(
-                "W005",
-                "IDEMPOTENCY_TTL",
-                f"JOBLOCK['IDEMPOTENCY_TTL'] ({merged['IDEMPOTENCY_TTL']}s) is shorter than "
-                f"IDEMPOTENCY_LEASE ({merged['IDEMPOTENCY_LEASE']}s): a record would expire "
-                "while its claim may still be running.",
-            )
-        )
+    for cross in _CROSS_CHECKS:
+        found += cross(merged)
     return found
 
 
 def _merge(raw: dict[str, Any]) -> dict[str, Any]:
-    merged = {**DEFAULTS, **raw}
-    merged["REQUEUE_BACKOFF"] = {**DEFAULT_BACKOFF, **raw.get("REQUEUE_BACKOFF", {})}
-    merged["ALERTS"] = {**DEFAULT_ALERTS, **raw.get("ALERTS", {})}
-    for key in _NUMBERS:
-        if merged[key] is not None:
-            merged[key] = float(merged[key])
+    """Defaults overlaid with the (valid) raw values, cleaned (numbers as floats)."""
+    merged = dict(DEFAULTS)
+    for key, value in raw.items():
+        rule: Rule = KEYS[key].metadata["rule"]
+        merged[key] = None if value is None else rule.clean(value)
     return merged
 
 
