@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from . import active_index, lua
-from .backend import pack
+from .lean import pack
 
 L = TypeVar("L")
 

@@ -37,11 +37,12 @@ from types import TracebackType
 from typing import Any
 
 from . import active_index, conf, lua, metrics, waiting
-from .backend import REDIS_ERRORS, connection, execute, unavailable
+from .backend import REDIS_ERRORS, connection, unavailable
 from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from .holders import holder_details
 from .holding import Holding, LockState, drift
 from .keys import LockKeys, validate_resource
+from .lean import execute
 from .logs import log_lock, logger
 from .renewal import renewer
 from .signals import lock_acquired, lock_contended, lock_lost, lock_released

@@ -13,7 +13,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .backend import execute, execute_many
+from .lean import execute, execute_many
 from .scripts import (
     ACQUIRE,
     FENCE_COUNTER_TTL_MS,
@@ -102,7 +102,7 @@ def run_args(client: Any, command: list[Any]) -> Any:
 def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:
     """``EVALSHA`` one script on the lean path, loading it if the server forgot it.
 
-    A connection that fails mid-call is retried once (see :func:`backend.execute_packed`):
+    A connection that fails mid-call is retried once (see :func:`lean.execute_packed`):
     every script is safe to run twice (acquire and wait recognise their own token, renew
     replaces the TTL, release compares the token and finds a lock it handed over taken, leave
     removes what is already gone; metrics may count an increment twice).

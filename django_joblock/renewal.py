@@ -36,9 +36,10 @@ from typing import Any, Protocol
 from redis.exceptions import NoScriptError
 
 from . import conf, lua, metrics
-from .backend import connection, execute_packed, renewal_client
+from .backend import connection, renewal_client
 from .heartbeat import Entry, RenewalStats, batch
 from .holding import LockState
+from .lean import execute_packed
 from .logs import logger
 
 

@@ -40,20 +40,14 @@ script itself, atomically with the release.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, NamedTuple
 
 from . import conf, lua
-from .backend import REDIS_ERRORS, drop_if_stale, pack, per_pool
+from .backend import REDIS_ERRORS
 from .keys import LockKeys
+from .lean import MAX_BLOCK, blocking_pop
 
-# Longest single BLPOP of a waiting acquire (s); its connection's socket timeout is this plus
-# the pool's own socket timeout, so a block never reads as a dead server.
-MAX_BLOCK = 1.0
-# Idle blocking connections kept per process and pool for the next waiter (see _Blocking).
-IDLE_BLOCKING_CONNECTIONS = 2
-_BLOCKING_ATTRIBUTE = "_django_joblock_blocking"
 # Encoded once: the WAIT script's last argument.
 _LAST, _NOT_LAST = b"1", b"0"
 # A release finding someone unexpected first in line asks again at most this many times (each
@@ -201,73 +195,3 @@ def release(
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class _Blocking:
-    """Connections for blocking pops (``BLPOP``) to one pool's server, in this process.
-
-    A blocked ``BLPOP`` holds its connection for the whole block, so a waiting acquire never
-    uses one of the pool's connections (a few waiters would starve a capped pool and with it
-    the Django cache) nor one of the lean path's (shared by every thread's acquire and
-    release). Each blocking call takes a connection of its own, made like the pool's but with
-    a socket timeout that covers the block; up to :data:`IDLE_BLOCKING_CONNECTIONS` are kept
-    for the next waiter, the others closed. N threads waiting at once use N of them.
-    """
-
-    __slots__ = ("__weakref__", "idle", "pid")
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.idle: list[Any] = []
-
-    def take(self, pool: Any) -> Any:
-        try:
-            return self.idle.pop()
-        except IndexError:
-            kwargs = dict(pool.connection_kwargs)
-            slack = kwargs.get("socket_timeout") or 5.0
-            kwargs["socket_timeout"] = MAX_BLOCK + slack
-            return pool.connection_class(**kwargs)
-
-    def give(self, conn: Any) -> None:
-        if len(self.idle) < IDLE_BLOCKING_CONNECTIONS:
-            self.idle.append(conn)
-        else:
-            conn.disconnect()
-
-    def close(self) -> None:
-        for conn in list(self.idle):
-            try:
-                conn.disconnect()
-            except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
-                pass
-
-
-def blocking_pop(client: Any, key: str, timeout: float) -> Any:
-    """``BLPOP key`` for up to ``timeout`` seconds (at most :data:`MAX_BLOCK`; at least 1 ms,
-    since 0 would block forever). The element popped, or None on timeout.
-
-    Runs on a connection of its own (see :class:`_Blocking`), never on one of the pool's. An
-    idle connection the server closed is replaced before sending; a failure raises redis-py's
-    ``ConnectionError`` / ``TimeoutError`` and the connection is closed, never reused half-read
-    (an interrupted block, e.g. by a signal handler that raises, likewise). Clients without a
-    plain connection pool (e.g. Redis Cluster) use their own ``blpop``.
-    """
-    seconds = b"%.3f" % min(max(timeout, 0.001), MAX_BLOCK)
-    pool = getattr(client, "connection_pool", None)
-    if not hasattr(pool, "connection_kwargs"):
-        popped = client.blpop([key], timeout=float(seconds))
-        return None if popped is None else popped[1]
-    blocking = per_pool(pool, _BLOCKING_ATTRIBUTE, _Blocking)
-    conn = blocking.take(pool)
-    try:
-        if conn._sock is not None:
-            drop_if_stale(conn)
-        conn.send_packed_command([pack(("BLPOP", key, seconds))], check_health=False)
-        reply = conn.read_response()
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        blocking.give(conn)
-    return None if reply is None else reply[1]
