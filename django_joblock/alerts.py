@@ -95,14 +95,14 @@ def _long_holds(factor: float) -> list[Alert]:
     history = metrics.totals()
     usual: dict[str, float | None] = {}
     worst: dict[str, list[Any]] = {}
-    for held in monitoring.active_locks(limit=LONG_HOLD_SAMPLE):
-        if held.family not in usual:
-            counts = history.merged_histogram("hold_seconds", held.family)
+    for active in monitoring.active_locks(limit=LONG_HOLD_SAMPLE):
+        if active.family not in usual:
+            counts = history.merged_histogram("hold_seconds", active.family)
             enough = sum(counts) >= MIN_HOLD_SAMPLES
-            usual[held.family] = metrics.percentile(counts, 0.95) if enough else None
-        p95 = usual[held.family]
-        if p95 is not None and held.held_for > max(MIN_HOLD, factor * p95):
-            worst.setdefault(held.family, []).append(held)
+            usual[active.family] = metrics.percentile(counts, 0.95) if enough else None
+        p95 = usual[active.family]
+        if p95 is not None and active.held_for > max(MIN_HOLD, factor * p95):
+            worst.setdefault(active.family, []).append(active)
     fired = []
     for fam, held_long in sorted(worst.items()):
         longest = max(held_long, key=lambda lock: lock.held_for)

@@ -217,23 +217,23 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
     Each release is refused if the lock was renewed after it was judged dead. Raises
     :class:`LockBackendUnavailable` when Redis does not answer.
     """
-    held = active_locks(limit=10_000)
-    health = lock_health(held)
+    rows = active_locks(limit=10_000)
+    health = lock_health(rows)
     done = []
-    for lock in held:
-        state = health.get(lock.resource)
+    for active in rows:
+        state = health.get(active.resource)
         if state is None or state.state is not DEAD:
             continue
         if dry_run:
-            done.append((lock.resource, f"would release (holder dead: {state.why})"))
+            done.append((active.resource, f"would release (holder dead: {state.why})"))
             continue
         result = force_release(
-            lock.resource,
-            owner=lock.owner,
+            active.resource,
+            owner=active.owner,
             actor=actor,
             action=AuditAction.REAP,
             reason=f"holder dead: {state.why}",
-            renewed_ms=lock.renewed_ms,
+            renewed_ms=active.renewed_ms,
         )
-        done.append((lock.resource, result.outcome))
+        done.append((active.resource, result.outcome))
     return done

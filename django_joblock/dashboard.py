@@ -98,16 +98,16 @@ def build(
     locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
     health = lock_health(locks)
     rows = []
-    for held in locks:
-        state = health.get(held.resource)
+    for active in locks:
+        state = health.get(active.resource)
         if health_filter and (state is None or state.state.value != health_filter):
             continue
         rows.append(
             {
-                "lock": held,
+                "lock": active,
                 "health": state.state.value if state is not None else HEALTHY.value,
                 "why": state.why if state is not None else "",
-                "ttl_left": max(0.0, held.pttl_ms / 1000),
+                "ttl_left": max(0.0, active.pttl_ms / 1000),
             }
         )
     fired = alerts.evaluate()

@@ -151,12 +151,12 @@ def _read_rq(locks: list[ActiveLock]) -> dict[int, _Seen]:
     queues: dict[str, Any] = {}
     everywhere: list[_Place] | None = None
     asks: dict[tuple[Any, ...], tuple[_Place, list[tuple[int, bool]]]] = {}
-    for index, held in enumerate(locks):
-        if not held.job_id:
+    for index, active in enumerate(locks):
+        if not active.job_id:
             continue
-        if held.job_func not in queues:
-            queues[held.job_func] = job_queue(held.job_func)
-        queue = queues[held.job_func]
+        if active.job_func not in queues:
+            queues[active.job_func] = job_queue(active.job_func)
+        queue = queues[active.job_func]
         if queue is not None:
             candidates, known = [_place(queue)], True
         else:
@@ -170,10 +170,10 @@ def _read_rq(locks: list[ActiveLock]) -> dict[int, _Seen]:
     for place, wanted in asks.values():
         pipe = place.connection.pipeline(transaction=False)
         for index, _known in wanted:
-            held = locks[index]
-            pipe.hget(place.job_key(held.job_id), "status")
-            if held.worker:
-                pipe.exists(place.worker_key(held.worker))
+            active = locks[index]
+            pipe.hget(place.job_key(active.job_id), "status")
+            if active.worker:
+                pipe.exists(place.worker_key(active.worker))
             else:
                 pipe.echo("1")
         replies = pipe.execute()
@@ -189,17 +189,17 @@ def _read_rq(locks: list[ActiveLock]) -> dict[int, _Seen]:
     return seen
 
 
-def _evidence(held: ActiveLock, seen: _Seen | None) -> list[str]:
+def _evidence(active: ActiveLock, seen: _Seen | None) -> list[str]:
     found = []
-    if held.job_id and seen is not None:
+    if active.job_id and seen is not None:
         if seen.job_found and seen.status != "started":
-            found.append(f"RQ job {held.job_id} is {seen.status}, not started")
+            found.append(f"RQ job {active.job_id} is {seen.status}, not started")
         elif not seen.job_found and seen.known:
-            found.append(f"RQ job {held.job_id} is gone")
-        if held.worker and (seen.job_found or seen.known) and seen.worker_found is False:
-            found.append(f"RQ worker {held.worker} is gone")
-    if held.host == _HOST and held.pid is not None and not _pid_exists(held.pid):
-        found.append(f"process {held.pid} on {held.host} is gone")
+            found.append(f"RQ job {active.job_id} is gone")
+        if active.worker and (seen.job_found or seen.known) and seen.worker_found is False:
+            found.append(f"RQ worker {active.worker} is gone")
+    if active.host == _HOST and active.pid is not None and not _pid_exists(active.pid):
+        found.append(f"process {active.pid} on {active.host} is gone")
     return found
 
 
@@ -210,23 +210,23 @@ def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
     seen = _read_rq(locks)
     stuck_after = conf.get().STUCK_AFTER
     found = {}
-    for index, held in enumerate(locks):
+    for index, active in enumerate(locks):
         # Both times come from the lock's Redis server clock.
-        since_renewal = max(0, held.read_ms - (held.renewed_ms or held.acquired_ms or 0))
+        since_renewal = max(0, active.read_ms - (active.renewed_ms or active.acquired_ms or 0))
         # A renewal in the last half TTL proves a live renewal thread (e.g. an orphaned work
         # horse whose worker died); a lock never renewed proves nothing either way.
-        renewing = bool(held.renewals) and since_renewal < (held.ttl_ms or 0) / 2
-        evidence = _evidence(held, seen.get(index))
+        renewing = bool(active.renewals) and since_renewal < (active.ttl_ms or 0) / 2
+        evidence = _evidence(active, seen.get(index))
         if evidence and not renewing:
-            never = " (never renewed)" if not held.renewals else ""
+            never = " (never renewed)" if not active.renewals else ""
             why = "; ".join([*evidence, f"not renewed for {since_renewal / 1000:.0f}s{never}"])
-            found[held.resource] = LockHealth(DEAD, why)
-        elif held.held_for > stuck_after:
-            found[held.resource] = LockHealth(
-                OVERDUE, f"held {held.held_for:.0f}s, longer than STUCK_AFTER {stuck_after:g}s"
+            found[active.resource] = LockHealth(DEAD, why)
+        elif active.held_for > stuck_after:
+            found[active.resource] = LockHealth(
+                OVERDUE, f"held {active.held_for:.0f}s, longer than STUCK_AFTER {stuck_after:g}s"
             )
         else:
-            found[held.resource] = LockHealth(HEALTHY)
+            found[active.resource] = LockHealth(HEALTHY)
     return found
 
 

@@ -61,6 +61,7 @@ from .exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
 )
+from .factories import factory
 from .idempotency_inputs import (
     MAX_KEY_LENGTH,
     MAX_SCOPE_LENGTH,
@@ -85,6 +86,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_SCOPE_LENGTH",
     "Claim",
+    "Idempotent",
     "check_result",
     "claim",
     "fingerprint_of",
@@ -201,8 +203,9 @@ class Claim:
         )
 
 
-class idempotent:
+class Idempotent:
     """Claim ``key`` (within ``scope``) for the duration of the block; see the module docs.
+    Made by :func:`idempotent`.
 
     ``fingerprint``: any JSON-serialisable value describing the arguments (hashed with
     sha256); the same key with another fingerprint raises :class:`IdempotencyKeyMismatch`.
@@ -255,7 +258,15 @@ class idempotent:
             held.succeed(None)
 
 
-def claim(spec: idempotent, *, guard: bool = False, finished: bool = False) -> Claim:
+idempotent = factory(
+    Idempotent,
+    "idempotent",
+    """``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:`` claims
+    ``key`` for the block (see :class:`Idempotent` and the module docs).""",
+)
+
+
+def claim(spec: Idempotent, *, guard: bool = False, finished: bool = False) -> Claim:
     """Claim ``spec.key`` race-free; see the module docs for the protocol.
 
     ``guard`` and ``finished`` are for a claim inside a job's transaction

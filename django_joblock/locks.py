@@ -39,6 +39,7 @@ from typing import Any
 from . import active_index, conf, lua, metrics, waiting
 from .backend import REDIS_ERRORS, connection, unavailable
 from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
+from .factories import factory
 from .holders import holder_details
 from .holding import Holding, LockState, drift
 from .keys import LockKeys, validate_resource
@@ -436,29 +437,15 @@ class Lock(Holding):
             )
 
 
-def lock(
-    resource: str,
-    *,
-    ttl: float | None = None,
-    wait: float | None = None,
-    heartbeat: bool = True,
-    max_hold: float | None = None,
-    on_lost: OnLost | None = None,
-    using: str | None = None,
-) -> Lock:
-    """A :class:`Lock` on ``resource``; ``with lock("order:1") as held: ...``.
+lock = factory(
+    Lock,
+    "lock",
+    """A :class:`Lock` on ``resource``, with :class:`Lock`'s keywords:
+    ``with lock("order:1") as held: ...``.
 
     Entering raises :class:`LockNotAcquired` if the lock stayed busy for ``wait`` seconds.
-    """
-    return Lock(
-        resource,
-        ttl=ttl,
-        wait=wait,
-        heartbeat=heartbeat,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        using=using,
-    )
+    """,
+)
 
 
 def current_lock() -> Lock | None:

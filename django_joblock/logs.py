@@ -1,8 +1,12 @@
 """Structured log records on the ``django_joblock`` logger.
 
-Every record carries the same ``extra`` fields so that a log pipeline can follow one lock:
-``job_id``, ``resource``, ``lock_key``, ``lock_owner`` (a short hash of the token, never the token),
-``lock_ttl`` (seconds), ``fence``, ``outcome`` and ``reason``.
+Every lock event (acquired, contended, renewed, renew_failed, released, lost) is logged by
+:func:`log_lock` with the same ``extra`` fields, so that a log pipeline can follow one lock:
+``job_id``, ``resource``, ``lock_key``, ``lock_owner`` (a short hash of the token, never the
+token), ``lock_ttl`` (seconds), ``fence``, ``outcome`` and ``reason``. A job run's one line
+(:mod:`django_joblock.outcomes`) has its own: ``job_id``, ``resource``, ``idempotency_key``,
+``outcome``, ``reason``, ``holder`` and ``waited``; a lock dropped while held, ``resource``,
+``lock_key`` and ``outcome="dropped"``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from . import conf
 from .choices import RecordStatus
 from .exceptions import IdempotencyClaimLost, IdempotencyError, IdempotencyInProgress
 from .holders import job_context
-from .idempotency import Claim, claim, idempotent
+from .idempotency import Claim, Idempotent, claim
 from .idempotency_inputs import check_result
 from .idempotency_store import in_progress_on_busy, insert, set_result, try_guard
 
@@ -34,7 +34,7 @@ def _record_model() -> Any:
     return IdempotencyRecord
 
 
-def claim_in_transaction(spec: idempotent) -> Claim:
+def claim_in_transaction(spec: Idempotent) -> Claim:
     """Claim ``spec.key`` inside the caller's transaction, for the one-commit flow (§4.9).
 
     The claim row is inserted (or taken over) by the first statement of the caller's
@@ -99,7 +99,7 @@ def record_result(held: Claim, result: Any) -> None:
         set_result(_record_model(), held.using, held.record_id, held.token, result)
 
 
-def record_failure(spec: idempotent, error: str) -> None:
+def record_failure(spec: Idempotent, error: str) -> None:
     """After a one-commit run raised (and its transaction rolled back, claim included), leave a
     ``failed`` record with the error, as a separate claim does: best effort, in its own short
     transaction, never over a record another run has claimed or finished meanwhile (and never

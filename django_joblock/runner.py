@@ -3,7 +3,9 @@
 1. acquire the lock on the *resource* (not the job id) -> the renewal thread heartbeats it;
 2. claim the idempotency key -> if an earlier run succeeded, return its stored result;
 3. run the function inside ``transaction.atomic()`` and record success **in that same
-   transaction** as its effect, committing only if the lock is still held (``ensure_held()``);
+   transaction** as its effect; just before the commit, ``ensure_held()`` rolls everything
+   back if the lock is no longer held (a loss in the instant between that check and the
+   commit is what the fence and the record's unique key are for);
 4. return (RQ acknowledges the job), release the lock if still ours, and hand the resource's
    admission slot to the next waiting job (:mod:`django_joblock.admission`).
 
@@ -52,7 +54,7 @@ from .exceptions import (
     LockContentionTimeout,
     LockLost,
 )
-from .idempotency import fingerprint_of, idempotent
+from .idempotency import Idempotent, fingerprint_of, idempotent
 from .jobspec import JobSpec
 from .locks import Lock, reset_current_lock, set_current_lock
 from .logs import logger
@@ -241,7 +243,7 @@ def _claim_and_run(
 
 
 def _one_commit(
-    state: Run, claim_spec: idempotent, args: tuple[Any, ...], kwargs: dict[str, Any], held: Lock
+    state: Run, claim_spec: Idempotent, args: tuple[Any, ...], kwargs: dict[str, Any], held: Lock
 ) -> Ending:
     """Claim, effect and success record in one transaction (see the module docs)."""
     spec = state.spec

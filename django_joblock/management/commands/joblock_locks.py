@@ -42,9 +42,9 @@ class Command(BaseCommand):
         locks = active_locks(family=options["family"], limit=options["limit"])
         health = lock_health(locks)
         rows = []
-        for held in locks:
-            state = health.get(held.resource, LockHealth(HEALTHY))
-            row = {**held.as_dict(), "health": state.state.value, "why": state.why}
+        for active in locks:
+            state = health.get(active.resource, LockHealth(HEALTHY))
+            row = {**active.as_dict(), "health": state.state.value, "why": state.why}
             for internal in ("read_ms",):
                 row.pop(internal, None)
             rows.append(row)
@@ -59,7 +59,7 @@ class Command(BaseCommand):
         for row in rows:
             self.stdout.write(
                 f"{row['resource']:40} {row['health']:12} fence={row['fence']} "
-                f"held={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
+                f"active={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
                 f"holder={row['host']}:{row['pid']} job={row['job_id'] or '-'} "
                 f"worker={row['worker'] or '-'} owner={row['owner']}"
                 + (f" why={row['why']}" if row["why"] else "")
