@@ -154,7 +154,10 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
         bars.append(
             Bar(label, value, f"{value}", x=x, y=bottom - height, width=width, height=height)
         )
-        if at.minute % TICK_EVERY == 0 or index == minutes - 1:
+        last = index == minutes - 1
+        # A quarter-hour label too close to the last minute's would print over it.
+        crowded = minutes - 1 - index < TICK_EVERY / 3
+        if last or (at.minute % TICK_EVERY == 0 and not crowded):
             ticks.append(Tick(round(x + step / 2, 1), bottom + 14, label))
     zone_name = timezone.localtime(timezone.now(), zone).tzname() or ""
     ticks.append(Tick(PLOT_LEFT + plot_width / 2, bottom + 30, f"time ({zone_name})"))

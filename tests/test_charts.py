@@ -39,3 +39,15 @@ def test_bar_chart_has_a_value_axis_and_readable_tick_labels():
     assert chart.bars[0].width > chart.bars[1].width > 0
     assert [tick.text for tick in chart.ticks] == ["0", "96.2", "% busy"]
     assert len(chart.axes) == 2
+
+
+def test_a_quarter_hour_label_next_to_the_last_minute_is_left_out():
+    """The last minute is always labelled; a quarter-hour label within 5 minutes of it would
+    print over it (seen as "07:4546" in the browser screenshot)."""
+    start = 1_700_000_000 // 3600 * 3600 - 14 * MINUTE  # ends at hh:45 + 1 minute
+    series = [(start + i * MINUTE, 1) for i in range(60)]
+    with timezone.override("UTC"):
+        texts = [tick.text for tick in minute_chart("Requeues", series, axis="n").ticks]
+    minutes = [text for text in texts if ":" in text]
+    assert minutes[-1].endswith(":46") and not any(text.endswith(":45") for text in minutes)
+    assert any(text.endswith(":30") for text in minutes)
