@@ -1,4 +1,5 @@
-"""fenced_update: the database rejects a superseded holder's write (PostgreSQL and SQLite)."""
+"""fenced_update: the database rejects a superseded holder's write (PostgreSQL and SQLite). (The
+fences themselves, strictly increasing per resource, are tests/test_fence_counter.py.)"""
 
 from __future__ import annotations
 
