@@ -154,6 +154,16 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.01) -> bool:
         time.sleep(interval)
 
 
+def wait_expired(client: Any, key: str, ttl: float) -> None:
+    """Poll until ``key`` has expired on the server; fail if it outlives its ``ttl`` (s) by 5 s.
+
+    For tests whose holder must be past its TTL: a sleep of "a bit more than the TTL" ends
+    before the expiry whenever the reply of the acquire is late, polling cannot.
+    """
+    gone = wait_for(lambda: client.exists(key) == 0, ttl + 5.0)
+    assert gone, f"{key} still exists {ttl + 5.0:g}s after a {ttl:g}s TTL"
+
+
 def expire_now(client: Any, key: str) -> None:
     """``PEXPIRE key 1`` until the key is really gone.
 
