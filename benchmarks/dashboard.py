@@ -180,7 +180,7 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=1_000_000)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    redis_url, proc = private_redis()
+    redis_url, server = private_redis()
     pg_url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     name, admin = setup(redis_url, pg_url)
     try:
@@ -212,8 +212,8 @@ def main() -> int:
 
         connections.close_all()
         admin.execute(f'DROP DATABASE IF EXISTS "{name}"')  # type: ignore[attr-defined]
-        if proc is not None:
-            proc.kill()
+        if server is not None:
+            server.stop()
     return 0
 
 

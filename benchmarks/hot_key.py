@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +42,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from locks import private_redis  # noqa: E402
+
+from django_joblock.testing.workers import WorkerProcesses  # noqa: E402
 
 QUEUE = "hot"
 
@@ -146,9 +146,10 @@ def main() -> int:
         worker_main(args.url, args.db, args.worker)
         return 0
 
-    url, redis_proc = private_redis()
+    url, server = private_redis()
     db = tempfile.NamedTemporaryFile(suffix=".sqlite3", delete=False)
-    procs: list[subprocess.Popen[bytes]] = []
+    crew = WorkerProcesses(cwd=HERE.parent)
+    drained = False
     try:
         setup(url, db.name, migrate=True)
         from bench_jobs import hot_locked, hot_plain, hot_requeue
@@ -159,18 +160,15 @@ def main() -> int:
 
         queue = get_queue(QUEUE)
         for index in range(args.workers):
-            command = [sys.executable, __file__, "--worker", str(index), "--url", url]
-            procs.append(
-                subprocess.Popen(
-                    [*command, "--db", db.name], cwd=HERE.parent, start_new_session=True
-                )
+            crew.start(
+                [sys.executable, __file__, "--worker", str(index), "--url", url, "--db", db.name]
             )
         deadline = time.monotonic() + 60
         while len(Worker.all(queue=queue)) < args.workers or not queue.connection.exists(
             RQScheduler.get_locking_key(QUEUE)
         ):
             if time.monotonic() > deadline:
-                raise SystemExit("workers did not start")
+                raise SystemExit(f"workers did not start:\n{crew.logs()}")
             time.sleep(0.1)
 
         contenders: dict[str, Callable[..., Any]] = {
@@ -225,12 +223,15 @@ def main() -> int:
                     f"{quantile(waits, 0.5):8.2f}s {quantile(waits, 0.99):8.2f}s",
                     flush=True,
                 )
+        drained = True
     finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker and its scheduler process
-            proc.wait()
-        if redis_proc is not None:
-            redis_proc.kill()
+        crew.stop()  # each worker and its scheduler process
+        if drained:
+            crew.remove_logs()
+        else:
+            print(f"worker logs kept in {crew.log_dir}", file=sys.stderr)
+        if server is not None:
+            server.stop()
         os.unlink(db.name)
     return 0
 

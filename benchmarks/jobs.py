@@ -117,7 +117,7 @@ def main() -> int:
         help="a PostgreSQL server to create a throwaway database on, or 'sqlite'",
     )
     args = parser.parse_args()
-    url, proc = private_redis()
+    url, server = private_redis()
     db, drop = database(args.database_url)
     try:
         setup(url, db)
@@ -173,8 +173,8 @@ def main() -> int:
                 print(f"{label:13} {kind:42} {statistics.median(values):8.0f} {ratio:8.2f}x")
     finally:
         drop()
-        if proc is not None:
-            proc.kill()
+        if server is not None:
+            server.stop()
     return 0
 
 

@@ -32,12 +32,9 @@ import argparse
 import json
 import os
 import secrets
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,46 +42,23 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from django_joblock.testing import redis_server
+from django_joblock.testing.redis_server import RedisServer
+
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
 
-def private_redis() -> tuple[str, subprocess.Popen[bytes] | None]:
-    if os.environ.get("REDIS_URL") or not shutil.which("redis-server"):
+def private_redis() -> tuple[str, RedisServer | None]:
+    """``REDIS_URL`` if set; else a private redis-server on a free port when the binary is on
+    PATH (the caller stops it); else the default local Redis."""
+    if os.environ.get("REDIS_URL") or not redis_server.available():
         return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), None
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="joblock-bench-")
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    return f"redis://127.0.0.1:{port}/0", proc
+    server = RedisServer()
+    server.start()
+    return server.url(), server
 
 
 def setup_django(url: str, metrics: bool | None = None) -> None:
@@ -432,7 +406,7 @@ def main() -> int:
     if args.hot_child:
         hot_child(args.hot_child, args.url, args.hot_cycles, args.hot_hold)
         return 0
-    url, proc = private_redis()
+    url, server = private_redis()
     try:
         setup_django(url)
         import redis
@@ -448,8 +422,8 @@ def main() -> int:
         if args.hold_locks:
             hold_many(args.hold_locks, args.hold_ttl)
     finally:
-        if proc is not None:
-            proc.kill()
+        if server is not None:
+            server.stop()
     return 0
 
 

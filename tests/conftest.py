@@ -11,9 +11,15 @@ from typing import Any
 import pytest
 import redis
 
-from tests import harness
+from tests import harness, workers
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Worker processes log under pytest's temporary directory, not into the repository."""
+    workers.LOG_ROOT = tmp_path_factory.mktemp("worker-logs")
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +85,7 @@ def clean_redis(redis_server: harness.RedisServer | None) -> Iterator[None]:
     yield
     for held in renewer().held_locks():
         renewer().remove(held)
-    if redis_server is not None and redis_server.proc is None:
+    if redis_server is not None and not redis_server.running:
         redis_server.start()  # a test that killed Redis must not break the next one
     client = redis.Redis.from_url(harness.redis_url())
     client.config_set("maxmemory", 0)

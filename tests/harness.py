@@ -1,5 +1,6 @@
-"""Real services for the tests: a throwaway redis-server the tests may kill, restart and
-reconfigure, and a TCP proxy that can delay or black-hole traffic to it.
+"""Real services for the tests: the ports of the throwaway redis-server the tests may kill,
+restart and reconfigure (:class:`~django_joblock.testing.redis_server.RedisServer`), a TCP proxy
+that can delay or black-hole traffic to it, and the environment of child processes.
 
 Ports are chosen once by the pytest process and handed to every child process through the
 environment, so subprocesses started by a test talk to the same server.
@@ -7,28 +8,23 @@ environment, so subprocesses started by a test talk to the same server.
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-import redis
+from django_joblock.testing.redis_server import RedisServer, available, free_port
+
+__all__ = ["Proxy", "RedisServer", "child_env", "free_port", "managed", "redis_url", "wait_for"]
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PORT_ENV = "JOBLOCK_TEST_REDIS_PORT"
 PROXY_PORT_ENV = "JOBLOCK_TEST_PROXY_PORT"
 DEAD_PORT_ENV = "JOBLOCK_TEST_DEAD_PORT"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _port_from_env(name: str) -> int:
@@ -39,7 +35,7 @@ def _port_from_env(name: str) -> int:
 
 def managed() -> bool:
     """True when the tests run their own redis-server (the binary is on PATH)."""
-    return shutil.which("redis-server") is not None and not os.environ.get("JOBLOCK_TEST_EXTERNAL")
+    return available() and not os.environ.get("JOBLOCK_TEST_EXTERNAL")
 
 
 def redis_url() -> str:
@@ -58,77 +54,19 @@ def dead_url() -> str:
     return f"redis://127.0.0.1:{_port_from_env(DEAD_PORT_ENV)}/0"
 
 
-def _die_with_parent() -> None:
-    # Linux: SIGTERM the server if the test process dies, so no orphan keeps the port.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def child_env(
+    joblock: dict[str, Any] | None = None, settings_module: str = "tests.settings"
+) -> dict[str, str]:
+    """The environment of a child process of a test: this process's environment (the ports
+    above included), the test settings, the project on ``PYTHONPATH``, the test database the
+    pytest process created, and the test's ``JOBLOCK`` (read by tests/settings.py)."""
+    from django.db import connection
 
-
-class RedisServer:
-    """A redis-server on a fixed port, owned by the test process.
-
-    Without persistence by default (a restart loses everything); ``persistent=True`` keeps an
-    fsync'ed append-only file, so a restart keeps the queues, as RQ needs in production.
-    """
-
-    def __init__(self, port: int, *, persistent: bool = False) -> None:
-        self.port = port
-        self.persistent = persistent
-        self.dir = tempfile.mkdtemp(prefix="joblock-redis-")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        aof = ["yes", "--appendfsync", "always"] if self.persistent else ["no"]
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                *aof,
-                "--dir",
-                self.dir,
-                "--daemonize",
-                "no",
-                "--logfile",
-                os.path.join(self.dir, "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
-        client = self.client()
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
-                time.sleep(0.02)
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def kill(self) -> None:
-        """SIGKILL the server: everything in memory is gone (no persistence)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-    def stop(self) -> None:
-        self.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE=settings_module)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["JOBLOCK_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
+    env["JOBLOCK_TEST_SETTINGS"] = json.dumps(joblock or {})
+    return env
 
 
 class Proxy:
@@ -214,6 +152,16 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.01) -> bool:
         if value or time.monotonic() > deadline:
             return bool(value)
         time.sleep(interval)
+
+
+def wait_expired(client: Any, key: str, ttl: float) -> None:
+    """Poll until ``key`` has expired on the server; fail if it outlives its ``ttl`` (s) by 5 s.
+
+    For tests whose holder must be past its TTL: a sleep of "a bit more than the TTL" ends
+    before the expiry whenever the reply of the acquire is late, polling cannot.
+    """
+    gone = wait_for(lambda: client.exists(key) == 0, ttl + 5.0)
+    assert gone, f"{key} still exists {ttl + 5.0:g}s after a {ttl:g}s TTL"
 
 
 def expire_now(client: Any, key: str) -> None:

@@ -131,7 +131,7 @@ def test_csrf_is_enforced(rconn):
 
 
 def test_lock_that_changed_owner_since_the_page_is_refused(rconn):
-    first = held_lock(ttl=0.5)
+    first = held_lock()
     operator = user("operator", can_release=True)
     shown_owner = first.owner
     assert operator.get(RELEASE, {"resource": "order:1", "owner": shown_owner}).status_code == 200

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from django_joblock import locked_job
+from django_joblock import checks, locked_job
 from django_joblock.jobs import registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,3 +204,69 @@ def test_command_arguments_are_checked():
         call_command("joblock_locks", "--family", "<b>")
     with pytest.raises(CommandError, match="--max-jobs must be >= 1"):
         call_command("joblock_worker", "default", "--max-jobs", "0")
+
+
+def _warning_jobs() -> None:
+    @locked_job("default", lock="x:{a}", ttl=30, heartbeat=False, job_timeout=600)
+    def slow(a: int) -> None: ...  # W002
+
+    @locked_job("default", lock="x:{a}", idempotency_key="k:{a}", max_wait=7200)
+    def late(a: int) -> None: ...  # W004 (and W012: it requeues, and no scheduler runs)
+
+    @locked_job("default", idempotency_key="k:{a}", job_timeout=600)
+    def long_claim(a: int) -> None: ...  # W006
+
+
+def _job_on_unknown_queue() -> None:
+    @locked_job("low", lock="x:{a}")
+    def job_on_low(a: int) -> None: ...  # E006
+
+
+# Settings (and jobs) under which ``check --deploy`` must report each id; errors stop the
+# later checks, so each error has a run of its own.
+TAGGED_RUNS: list[tuple[object, Any, set[str]]] = [
+    (["not", "a", "dict"], None, {"E001"}),
+    ({"LOCK_TLL": 30}, None, {"E002"}),
+    ({"LOCK_TTL": -1}, None, {"E003"}),
+    ({"LOCK_TTL": 10, "HEARTBEAT_INTERVAL": 10}, None, {"E004"}),
+    ({"REDIS_ALIAS": "locmem"}, None, {"E005"}),
+    ({}, _job_on_unknown_queue, {"E006"}),
+    ({"REDIS_ALIAS": "down"}, None, {"W010"}),
+    (
+        {
+            "LOCK_TTL": 10,
+            "HEARTBEAT_INTERVAL": 6,  # W001
+            "IDEMPOTENCY_TTL": 60,  # W003 (< REQUEUE_MAX_WAIT), W005 (< IDEMPOTENCY_LEASE)
+            "IDEMPOTENCY_LEASE": 300,
+            "REQUEUE_MAX_WAIT": 3600,
+        },
+        _warning_jobs,  # W002, W004, W006, W012; W011 from the server's eviction policy
+        {"W001", "W002", "W003", "W004", "W005", "W006", "W011", "W012"},
+    ),
+]
+
+
+def test_all_checks_registered_under_the_app_tag(scratch_registry, settings, server, rconn):
+    """``manage.py check --tag django_joblock --deploy`` reports every id the checks module
+    documents: a check registered without the app's tag (or not at all) would be missing."""
+    documented = set(re.findall(r"^([EW]\d{3})\s", checks.__doc__ or "", re.M))
+    reported: set[str] = set()
+    rconn.config_set("maxmemory", 512 * 1024 * 1024)
+    for joblock, declare, expected in TAGGED_RUNS:
+        settings.JOBLOCK = joblock
+        registry.clear()
+        if declare is not None:
+            declare()
+        policy = "allkeys-lru" if "W011" in expected else "noeviction"
+        rconn.config_set("maxmemory-policy", policy)
+        out = StringIO()
+        try:
+            call_command("check", tags=[checks.TAG], deploy=True, stdout=out, stderr=out)
+        except SystemCheckError as exc:
+            out.write(str(exc))
+        finally:
+            rconn.config_set("maxmemory-policy", "noeviction")
+        found = set(re.findall(r"django_joblock\.([EW]\d{3})", out.getvalue()))
+        assert found == expected, (joblock, out.getvalue())
+        reported |= found
+    assert reported == documented, f"documented, never reported: {documented - reported}"

@@ -19,10 +19,6 @@ def test_default_settings_are_clean():
     assert check_redis_alias() == []
 
 
-def test_all_checks_registered_under_the_app_tag():
-    assert "django_joblock" in checks.registry.registry.tags_available()
-
-
 @override_settings(JOBLOCK=["not", "a", "dict"])
 def test_e001_joblock_not_a_dict():
     assert ids(check_settings()) == ["django_joblock.E001"]

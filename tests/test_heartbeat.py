@@ -8,7 +8,7 @@ import time
 from django_joblock import LockState, lock
 from django_joblock.renewal import renewer
 from django_joblock.signals import lock_lost
-from tests.harness import expire_now, wait_for
+from tests.harness import expire_now, wait_expired, wait_for
 
 
 class LostRecorder:
@@ -22,10 +22,15 @@ class LostRecorder:
         self.event.set()
 
 
+# TTL 2 s: the renewal thread has 4/3 s (TTL minus one heartbeat interval) of slack before a
+# lock expires, ample on a loaded 2-core machine.
+HEARTBEAT_TTL = 2.0
+
+
 def test_heartbeat_keeps_the_lock_through_5x_its_ttl(rconn):
-    held = lock("report:1", ttl=0.6)
+    held = lock("report:1", ttl=HEARTBEAT_TTL)
     assert held.acquire()
-    end = time.monotonic() + 3.0
+    end = time.monotonic() + 5 * held.ttl
     while time.monotonic() < end:
         assert rconn.hget(held.key, "token").decode() == held.token
         assert held.held
@@ -37,10 +42,9 @@ def test_heartbeat_keeps_the_lock_through_5x_its_ttl(rconn):
 
 def test_without_heartbeat_the_same_hold_loses_the_lock(rconn):
     """Negative control for the test above."""
-    held = lock("report:1", ttl=0.6, heartbeat=False)
+    held = lock("report:1", ttl=HEARTBEAT_TTL, heartbeat=False)
     assert held.acquire()
-    time.sleep(1.0)
-    assert rconn.exists(held.key) == 0
+    wait_expired(rconn, held.key, held.ttl)
     assert held.lost
 
 
@@ -81,8 +85,8 @@ def test_black_holed_redis_is_declared_lost_before_another_holder_can_enter(prox
     recorder = LostRecorder()
     held = lock("report:4", ttl=2.0, using="proxied", on_lost=recorder)
     assert held.acquire()
-    time.sleep(0.8)  # one renewal through the proxy
-    assert int(rconn.hget(held.key, "renewals")) >= 1
+    renewed = wait_for(lambda: int(rconn.hget(held.key, "renewals") or 0) >= 1, held.ttl)
+    assert renewed, "no renewal through the proxy"
     proxy.set("blackhole")
     other_at = None
     deadline = time.monotonic() + 6
@@ -105,7 +109,7 @@ def test_black_holed_redis_is_declared_lost_before_another_holder_can_enter(prox
 
 def test_dropped_connection_is_retried_and_the_lock_survives(rconn):
     recorder = LostRecorder()
-    held = lock("report:5", ttl=1.2, on_lost=recorder)
+    held = lock("report:5", ttl=3.0, on_lost=recorder)
     assert held.acquire()
 
     def renewer_ids() -> set[int]:
@@ -113,10 +117,17 @@ def test_dropped_connection_is_retried_and_the_lock_survives(rconn):
 
     assert wait_for(renewer_ids, 2.0), "the renewal thread should have connected"
     before = renewer_ids()
+    renewals = int(rconn.hget(held.key, "renewals") or 0)
     for client_id in before:
         rconn.client_kill_filter(_id=client_id)
-    time.sleep(held.ttl * 2.5)
+    dropped_at = time.monotonic()
+    # Two renewals after the drop, and past the TTL the lock had when the connection dropped.
+    resumed = wait_for(
+        lambda: int(rconn.hget(held.key, "renewals") or 0) >= renewals + 2, 3 * held.ttl
+    )
+    time.sleep(max(0.0, dropped_at + held.ttl - time.monotonic()))
     after = renewer_ids()
+    assert resumed, "renewals did not resume after the drop"
     assert after and not (after & before), "negative control: the connection was really dropped"
     assert held.held and not recorder.event.is_set()
     assert rconn.hget(held.key, "token").decode() == held.token
@@ -125,12 +136,13 @@ def test_dropped_connection_is_retried_and_the_lock_survives(rconn):
 
 def test_max_hold_stops_renewing(rconn):
     recorder = LostRecorder()
-    held = lock("report:6", ttl=0.5, max_hold=0.8, on_lost=recorder)
+    held = lock("report:6", ttl=1.5, max_hold=2.0, on_lost=recorder)
     assert held.acquire()
-    assert recorder.event.wait(3.0)
-    assert recorder.reason.startswith("max_hold")
+    assert held.max_hold is not None
+    assert recorder.event.wait(2 * (held.max_hold + held.ttl))
+    assert recorder.reason.startswith("max_hold"), recorder.reason
     # Declared lost locally a little *before* the server expires it (drift margin).
-    assert wait_for(lambda: rconn.exists(held.key) == 0, 1.0)
+    assert wait_for(lambda: rconn.exists(held.key) == 0, held.ttl)
     assert int(renewer().stats().renewed) >= 1, "it was renewed until max_hold"
 
 

@@ -21,7 +21,7 @@ from django_joblock import (
     idempotent,
 )
 from django_joblock.signals import duplicate_blocked
-from tests import multiproc
+from tests import racers
 from tests.testapp.models import Account
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -98,7 +98,7 @@ def test_16_threads_exactly_one_runs():
 
 
 def test_16_processes_exactly_one_runs(rconn):
-    outputs = multiproc.run_all(rconn, [("claim", "refund:procs", "0.3")] * 16)
+    outputs = racers.run_all(rconn, [("claim", "refund:procs", "0.3")] * 16)
     outcomes = [out.strip() for out in outputs]
     assert outcomes.count("ran") == 1, outcomes
     assert set(outcomes) <= {"ran", "replay", "in_progress"}
@@ -150,7 +150,7 @@ def test_leaving_block_without_succeed_records_success_none():
 
 
 def test_sigkilled_claimer_blocks_until_lease_expires_then_is_taken_over(rconn):
-    proc = multiproc.start("claim_and_hang", "refund:killed", "2.0")
+    proc = racers.start("claim_and_hang", "refund:killed", "2.0")
     try:
         line = proc.stdout.readline().strip()  # type: ignore[union-attr]
         assert line == "claimed", proc.stderr.read()  # type: ignore[union-attr]
@@ -176,7 +176,9 @@ def test_sigkilled_claimer_blocks_until_lease_expires_then_is_taken_over(rconn):
 def test_taken_over_claim_cannot_succeed():
     with pytest.raises(IdempotencyClaimLost, match="taken over"):
         with idempotent("refund:slow", lease=0.2) as slow:
-            time.sleep(0.3)  # the lease runs out while this claim is still working
+            # The lease runs out while this claim is still working.
+            lease = IdempotencyRecord.objects.get(key="refund:slow").lease_expires_at
+            time.sleep(max(0.0, (lease - timezone.now()).total_seconds()) + 0.1)
             with idempotent("refund:slow") as fresh:
                 assert fresh.attempts == 2
                 fresh.succeed({"by": "fresh"})

@@ -16,7 +16,7 @@ from rq.job import JobStatus
 from django_joblock import lock, metrics
 from django_joblock.idempotency_inputs import key_family
 from tests import admission_jobs, settings_logging
-from tests.workers import ROOT, Workers, wait_status
+from tests.workers import Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,8 +32,8 @@ class LoggingWorkers(Workers):
 
     def lines(self) -> list[tuple[str, str, str, str]]:
         found = []
-        for index in range(len(self.procs)):
-            for line in (ROOT / f".worker-{index}.log").read_text().splitlines():
+        for path in self.log_paths:
+            for line in path.read_text().splitlines():
                 match = LINE.search(line)
                 if match:
                     found.append(match.groups())  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ from django_joblock import (
 from django_joblock.renewal import renewer
 from tests import harness
 from tests.droppers import ReplyDropper
-from tests.harness import expire_now, wait_for
+from tests.harness import expire_now, wait_expired, wait_for
 
 
 def _cache(location: str, **options: Any) -> dict[str, Any]:
@@ -309,7 +309,7 @@ def test_a_lock_nobody_references_stops_being_renewed_and_expires(rconn, caplog)
 def test_leaving_the_block_after_the_lock_expired_raises_lock_lost(rconn):
     with pytest.raises(LockLost) as info:
         with lock("exit:1", ttl=0.3, heartbeat=False) as held:
-            time.sleep(0.6)
+            wait_expired(rconn, held.key, held.ttl)
     assert info.value.resource == "exit:1"
     assert held.lost and held.lost_reason, "lost and its reason stay visible after the exit"
 
@@ -324,8 +324,8 @@ def test_leaving_the_block_after_another_owner_took_it_raises_lock_lost(rconn):
 
 def test_the_blocks_own_exception_wins_over_lock_lost(rconn):
     with pytest.raises(KeyError):
-        with lock("exit:3", ttl=0.3, heartbeat=False):
-            time.sleep(0.6)
+        with lock("exit:3", ttl=0.3, heartbeat=False) as held:
+            wait_expired(rconn, held.key, held.ttl)
             raise KeyError("the block's own error")
 
 
@@ -343,12 +343,14 @@ def test_an_acquire_answered_after_the_ttl_ran_out_is_not_acquired(proxy, rconn)
 
 
 def test_renew_by_the_holder_stops_at_max_hold(rconn):
-    held = lock("maxhold:1", ttl=1.0, max_hold=0.6, heartbeat=False)
+    held = lock("maxhold:1", ttl=2.0, max_hold=1.5, heartbeat=False)
     assert held.acquire()
+    acquired = time.monotonic()  # max_hold counts from before the acquire was sent
     assert held.renew() is True, "negative control: before max_hold a renew works"
-    time.sleep(0.7)
+    assert held.max_hold is not None
+    time.sleep(max(0.0, acquired + held.max_hold - time.monotonic()) + 0.1)
     assert held.renew() is False, "past max_hold the holder cannot keep renewing"
-    assert wait_for(lambda: rconn.exists(held.key) == 0, 3.0), "the lock runs out"
+    wait_expired(rconn, held.key, held.ttl)  # the lock runs out
 
 
 # atomic=False: these tests are about signals and run without database access (pytest-django
@@ -406,9 +408,9 @@ def test_a_forward_clock_step_shows_as_early_expiry_and_is_reported(rconn):
     # view cannot see it. Simulated by expiring the key on the server, which is what the
     # step does: the next renewal finds it gone, and leaving the block says so.
     with pytest.raises(LockLost, match="expired"):
-        with lock("clock:1", ttl=0.9) as held:
+        with lock("clock:1", ttl=3) as held:
             expire_now(rconn, held.key)
-            assert wait_for(lambda: held.lost, 1.0), "found at the next renewal (ttl/3)"
+            assert wait_for(lambda: held.lost, held.ttl), "found at the next renewal (ttl/3)"
 
 
 # -- 9. Introspection --------------------------------------------------------------------------

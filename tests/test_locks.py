@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from django_joblock import (
@@ -14,6 +12,7 @@ from django_joblock import (
     lock,
     lua,
 )
+from tests.harness import wait_expired
 
 
 def test_acquire_contend_release(rconn):
@@ -77,7 +76,7 @@ def test_renew_with_foreign_token_is_refused(rconn):
 def test_stale_holder_cannot_release_the_new_holders_lock(rconn):
     old = lock("order:5", ttl=0.2, heartbeat=False)
     assert old.acquire()
-    time.sleep(0.3)
+    wait_expired(rconn, old.key, old.ttl)
     new = lock("order:5", ttl=10)
     assert new.acquire()
     assert old.release() is False
@@ -99,8 +98,7 @@ def test_renew_replaces_the_ttl(rconn):
 def test_expiry_frees_the_lock(rconn):
     held = lock("order:7", ttl=0.2, heartbeat=False)
     assert held.acquire()
-    time.sleep(0.35)
-    assert rconn.exists(held.key) == 0
+    wait_expired(rconn, held.key, held.ttl)
     assert held.lost and not held.held
     with pytest.raises(Exception) as info:
         held.ensure_held()

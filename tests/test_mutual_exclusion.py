@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from tests import multiproc
+from tests import racers
 
 PROCS, ROUNDS = 4, 25
 
 
 def test_lock_gives_the_exact_count(rconn):
-    multiproc.run_all(rconn, [("increment", str(ROUNDS), "lock")] * PROCS)
+    racers.run_all(rconn, [("increment", str(ROUNDS), "lock")] * PROCS)
     assert int(rconn.get("test:counter")) == PROCS * ROUNDS
 
 
 def test_without_the_lock_updates_are_lost(rconn):
     """Negative control: the same workload without the lock really races."""
-    multiproc.run_all(rconn, [("increment", str(ROUNDS), "nolock")] * PROCS)
+    racers.run_all(rconn, [("increment", str(ROUNDS), "nolock")] * PROCS)
     assert int(rconn.get("test:counter")) < PROCS * ROUNDS

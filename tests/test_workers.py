@@ -11,9 +11,11 @@ from collections.abc import Iterator
 import pytest
 from rq import Retry
 from rq.job import JobStatus
+from rq.results import Result
 
 from django_joblock import IdempotencyRecord, lock
 from django_joblock.backoff import ceiling
+from django_joblock.requeue import delay_for
 from tests import jobs
 from tests.harness import wait_for
 from tests.testapp.models import Account
@@ -47,6 +49,12 @@ def _pid(rconn, label: str, timeout: float = 20) -> int:  # type: ignore[no-unty
     return int(rconn.get(f"test:pid:{label}"))
 
 
+def _ceiling(attempt: int) -> int:
+    """The largest whole-second delay the workers' REQUEUE_BACKOFF allows for ``attempt``."""
+    cap = ceiling(attempt, base=BACKOFF["base"], factor=BACKOFF["factor"], max_delay=BACKOFF["max"])
+    return max(1, math.ceil(cap))
+
+
 def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers, rconn):
     """The requeue path (admission=False, and every job on rq 2.x)."""
     workers.start(scheduler=True)
@@ -62,11 +70,34 @@ def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers
     state = second.get_meta(refresh=True)["joblock"]
     delays = state["delays"]
     assert state["requeues"] == len(delays) >= 2, state
+    # RQ's own record of the tries (not our meta): one "retried" result per requeue, then the
+    # run that succeeded, oldest first.
+    second.refresh()
+    tries = list(reversed(second.results()))
+    kinds = [result.type for result in tries]
+    assert kinds == [Result.Type.RETRIED] * len(delays) + [Result.Type.SUCCESSFUL], kinds
+    assert second.number_of_retries == len(delays)
+    # The holder heartbeats, so each delay is the backoff's own draw: whole seconds, at least
+    # 1, under the ceiling the workers' REQUEUE_BACKOFF gives that attempt (1, 2, 4, 8 s).
     for attempt, delay in enumerate(delays):
-        # Sized from the holder's remaining TTL (at most the 2 s TTL), then doubling.
-        cap = ceiling(attempt, base=2, factor=2, max_delay=8)
-        assert 1 <= delay <= max(1, math.ceil(cap)), (attempt, delay, delays)
+        assert 1 <= delay <= _ceiling(attempt), (attempt, delay, delays)
+    # Each try after a requeue came no sooner than its delay allowed: the job waited, it did
+    # not spin on the busy lock. Slack by design: RQ schedules at whole seconds (up to 1 s
+    # early) and a result's time is when Redis stored it (the worker's pipeline, 0.5 s here).
+    for delay, before, after in zip(delays, tries, tries[1:], strict=False):
+        gap = (after.created_at - before.created_at).total_seconds()
+        assert gap >= delay - 1.5, (delay, gap, delays)
     assert second.retries_left is None, "contention must not spend the exception-retry budget"
+
+
+def test_requeue_delay_ceilings_grow_with_each_attempt(settings):
+    """The backoff the test above sees one sample of: over many draws, attempt n's delays
+    cover exactly 1 .. its ceiling, and the ceilings double (1, 2, 4, 8 s) up to the cap."""
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": BACKOFF}
+    seen = {attempt: {delay_for(attempt, None, 3600) for _ in range(500)} for attempt in range(5)}
+    assert [max(seen[attempt]) for attempt in range(5)] == [1, 2, 4, 8, 8], seen
+    assert all(min(draws) == 1 for draws in seen.values()), seen
+    assert all(draws == set(range(1, _ceiling(n) + 1)) for n, draws in seen.items()), seen
 
 
 def test_duplicate_delivery_applies_the_effect_once(workers, rconn):

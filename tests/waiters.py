@@ -20,10 +20,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness import ROOT, child_env
 
 
 class Waiters:
@@ -34,16 +33,10 @@ class Waiters:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, *args: str) -> subprocess.Popen[str]:
-        from django.db import connection
-
-        env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env["JOBLOCK_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
-        env["JOBLOCK_TEST_SETTINGS"] = json.dumps(self.joblock)
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.waiters", *args],
             cwd=ROOT,
-            env=env,
+            env=child_env(self.joblock),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

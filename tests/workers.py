@@ -1,20 +1,25 @@
 """Real RQ worker processes for the tests: ``python -m django joblock_worker`` (or django-rq's
-``rqworker``) on the test settings, test Redis and test database."""
+``rqworker``) on the test settings, test Redis and test database, started and stopped by
+:class:`~django_joblock.testing.workers.WorkerProcesses`, logging under pytest's temporary
+directory (never into the repository)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from rq.job import Job, JobStatus
 
-ROOT = Path(__file__).resolve().parent.parent
+from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args
+from tests.harness import ROOT, child_env
+
+__all__ = ["ROOT", "Workers", "intervals", "wait_status"]
+
+#: Where worker logs go: set once per run by the session fixture in tests/conftest.py.
+LOG_ROOT: Path | None = None
 
 
 class Workers:
@@ -25,16 +30,19 @@ class Workers:
     ) -> None:
         self.joblock = joblock or {}
         self.extra_args = list(extra_args or [])  # appended to every worker's command line
-        self.procs: list[subprocess.Popen[str]] = []
+        log_dir = tempfile.mkdtemp(prefix="workers-", dir=LOG_ROOT)
+        self.crew = WorkerProcesses(cwd=ROOT, log_dir=log_dir)
+
+    @property
+    def procs(self) -> list[subprocess.Popen[str]]:
+        return self.crew.procs
+
+    @property
+    def log_paths(self) -> list[Path]:
+        return self.crew.log_paths
 
     def env(self) -> dict[str, str]:
-        from django.db import connection
-
-        env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env["JOBLOCK_CHILD_DB_NAME"] = str(connection.settings_dict["NAME"])
-        env["JOBLOCK_TEST_SETTINGS"] = json.dumps(self.joblock)
-        return env
+        return child_env(self.joblock)
 
     def start(
         self,
@@ -44,44 +52,27 @@ class Workers:
         burst: bool = False,
         command: str = "joblock_worker",
     ) -> subprocess.Popen[str]:
-        args = [sys.executable, "-m", "django", command, *(queues or ("default",))]
+        extra = []
         if simple:
-            args.append(
+            extra.append(
                 "--simple" if command == "joblock_worker" else "--worker-class=rq.SimpleWorker"
             )
         elif command == "rqworker":  # the django-rq way docs/jobs.md gives
-            args.append("--worker-class=django_joblock.worker.JoblockWorker")
-        if scheduler:
-            args.append("--with-scheduler")
-        if burst:
-            args.append("--burst")
-        args += self.extra_args
-        log = open(ROOT / f".worker-{len(self.procs)}.log", "w")
-        proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
+            extra.append("--worker-class=django_joblock.worker.JoblockWorker")
+        args = joblock_worker_args(
+            *queues,
+            command=command,
+            with_scheduler=scheduler,
+            burst=burst,
+            extra=[*extra, *self.extra_args],
         )
-        self.procs.append(proc)
-        return proc
+        return self.crew.start(args, env=self.env())
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the worker and its horses
-                except ProcessLookupError:
-                    pass
-                proc.wait(10)
+        self.crew.stop()
 
     def logs(self) -> str:
-        return "\n".join(
-            (ROOT / f".worker-{i}.log").read_text()[-3000:] for i in range(len(self.procs))
-        )
+        return self.crew.logs()
 
 
 def wait_status(job: Job, statuses: set[JobStatus], timeout: float) -> JobStatus:

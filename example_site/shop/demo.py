@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -20,6 +16,10 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, TextIO
+
+from django_joblock.testing import redis_server
+from django_joblock.testing.redis_server import RedisServer, RedisServerError, answering
+from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PAUSE = 6.0  # seconds a work horse is stopped (its lock TTL is 2 s)
@@ -43,53 +43,26 @@ class Report:
             self.failures.append(label)
 
 
-def redis_url_or_private(out: TextIO) -> tuple[str, subprocess.Popen[bytes] | None]:
-    """``REDIS_URL`` (default 127.0.0.1:6379/0) if it answers; else a private redis-server."""
-    import redis
-
+def redis_url_or_private(out: TextIO) -> tuple[str, RedisServer | None]:
+    """``REDIS_URL`` (default 127.0.0.1:6379/0) if it answers; else a private redis-server,
+    returned so that the caller stops it."""
     url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    if answering(url):
         return url, None
-    except redis.RedisError:
-        pass
-    if not shutil.which("redis-server"):
+    if not redis_server.available():
         raise DemoError(
             f"No Redis answers at {url} and redis-server is not installed.\n"
             "Install Redis (Debian/Ubuntu: sudo apt-get install redis-server; macOS: brew "
             "install redis) or point REDIS_URL at one, then run the demo again."
         )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="joblock-demo-redis-")
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    private = f"redis://127.0.0.1:{port}/0"
-    for _ in range(200):
-        try:
-            redis.Redis.from_url(private).ping()
-            out.write(f"No Redis at {url}: started a private redis-server on port {port}.\n")
-            return private, proc
-        except redis.RedisError:
-            time.sleep(0.02)
-    proc.kill()
-    raise DemoError("redis-server did not start")
+    private = RedisServer()
+    try:
+        private.start()
+    except RedisServerError as exc:
+        private.stop()
+        raise DemoError(str(exc)) from exc
+    out.write(f"No Redis at {url}: started a private redis-server on port {private.port}.\n")
+    return private.url(), private
 
 
 class Demo:
@@ -97,8 +70,7 @@ class Demo:
         self.out = out
         self.short = short
         self.redis_url = redis_url
-        self.logdir = Path(tempfile.mkdtemp(prefix="joblock-demo-"))
-        self.workers: list[subprocess.Popen[str]] = []
+        self.crew = WorkerProcesses(cwd=ROOT, log_dir=tempfile.mkdtemp(prefix="joblock-demo-"))
         self.jobs: list[Any] = []
         self.expected_refunds: dict[str, tuple[int, Decimal]] = {}
         self.faults: list[str] = []
@@ -142,46 +114,18 @@ class Demo:
     def start_workers(self, count: int) -> None:
         env = dict(os.environ, REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
         for index in range(count):
-            args = [
-                sys.executable,
-                str(ROOT / "manage.py"),
-                "joblock_worker",
+            args = joblock_worker_args(
                 "demo",
-                "--name",
-                f"demo-{os.getpid()}-{index}",
-            ]
-            if index == 0:
-                args.append("--with-scheduler")
-            log = open(self.logdir / f"worker-{index}.log", "w")
-            self.workers.append(
-                subprocess.Popen(
-                    args,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
+                manage_py=ROOT / "manage.py",
+                name=f"demo-{os.getpid()}-{index}",
+                with_scheduler=index == 0,
             )
+            self.crew.start(args, env=env)
 
     def stop_workers(self) -> None:
         # SIGTERM first: a warm shutdown lets the scheduler give its lock back, so the next
         # demo run gets a scheduler at once. Then make sure nothing is left behind.
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.workers:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
+        self.crew.stop(grace=10)
 
     def enqueue(self, tenants: list[int], orders: list[int]) -> None:
         from rq import Retry
@@ -209,7 +153,7 @@ class Demo:
         from django_redis import get_redis_connection
 
         client = get_redis_connection("default")
-        worker_pids = {proc.pid for proc in self.workers}
+        worker_pids = {proc.pid for proc in self.crew.procs}
         for raw in reversed(client.lrange("demo:started", -20, -1)):
             pid_s, name, _at = raw.decode().split("|")
             pid = int(pid_s)
@@ -402,7 +346,7 @@ class Demo:
         before = metrics.totals()
         self.say(
             f"Seeded {len(tenants)} tenants and {len(orders)} orders. Starting 4 RQ "
-            f"workers on queue {QUEUE!r} (logs in {self.logdir})."
+            f"workers on queue {QUEUE!r} (logs in {self.crew.log_dir})."
         )
         self.start_workers(4)
         started = time.monotonic()

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,15 +42,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.harness import Proxy, RedisServer, free_port  # noqa: E402
+from django_joblock.testing.redis_server import RedisServer, free_port  # noqa: E402
+from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args  # noqa: E402
+from tests.harness import Proxy  # noqa: E402
 
 
 class Chaos:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.safe = not args.negative
-        self.logdir = Path(tempfile.mkdtemp(prefix="joblock-chaos-"))
-        self.workers: list[subprocess.Popen[str]] = []
+        self.crew = WorkerProcesses(cwd=ROOT, log_dir=tempfile.mkdtemp(prefix="joblock-chaos-"))
+        self.workers = self.crew.procs
         self.faults: list[str] = []
         self.hit: set[int] = set()
         self.rng = random.Random(args.seed)
@@ -64,7 +65,7 @@ class Chaos:
         import dj_database_url
         import psycopg
 
-        self.redis = RedisServer(free_port(), persistent=True)
+        self.redis = RedisServer(persistent=True)  # a restart keeps the queues, as RQ needs
         self.redis.start()
         self.proxy = Proxy(free_port(), self.redis.port)
         base_url = os.environ.get("DATABASE_URL") or "postgres://postgres@127.0.0.1:5432/postgres"
@@ -103,41 +104,16 @@ class Chaos:
         self.redis.stop()
 
     def start_worker(self, scheduler: bool = False) -> None:
-        index = len(self.workers)
-        args = [
-            sys.executable,
-            "-m",
-            "django",
-            "joblock_worker",
+        args = joblock_worker_args(
             "chaos",
-            "--name",
-            f"chaos-{os.getpid()}-{index}",
-            "--maintenance-interval",
-            "5",
-        ]
-        if scheduler:
-            args.append("--with-scheduler")
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        log = open(self.logdir / f"worker-{index}.log", "w")
-        self.workers.append(
-            subprocess.Popen(
-                args,
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
+            name=f"chaos-{os.getpid()}-{len(self.workers)}",
+            with_scheduler=scheduler,
+            extra=["--maintenance-interval", "5"],
         )
+        self.crew.start(args, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
     def stop_workers(self) -> None:
-        for proc in self.workers:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
+        self.crew.stop()
 
     # -- workload ------------------------------------------------------------------------
     def resources(self, phase: str) -> tuple[list[str], list[float]]:
@@ -511,7 +487,7 @@ def main() -> int:
             print(
                 f"phase {phase}: {len(deliveries)} deliveries of {jobs} logical jobs over "
                 f"{len(chaos.resources(phase)[0])} resources; {args.workers} workers; logs in "
-                f"{chaos.logdir}",
+                f"{chaos.crew.log_dir}",
                 flush=True,
             )
             elapsed, phase_counts = chaos.drain(phase, deliveries)

@@ -34,7 +34,7 @@ class Command(BaseCommand):
                 report = self.run_demo(url, short=options["short"])
         finally:
             if private is not None:
-                private.kill()
+                private.stop()
         self.stdout.write("\nReport")
         self.stdout.write("------")
         width = max(len(label) for label, _ in report.lines)

@@ -1,15 +1,54 @@
-"""Child-process bodies for multi-process tests: ``python -m tests.procs MODE ARGS``.
+"""Processes that race each other, for the multi-process tests.
 
-Each child waits for the ``go`` key so that all start racing at the same moment.
+``python -m tests.racers MODE ARGS`` is one racer (the functions below are their bodies); each
+waits for the ``go`` key so that all start racing at the same moment. In the test process,
+:func:`start` starts one and :func:`run_all` starts many, sends ``go`` once all are ready and
+returns their outputs.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import django
+
+from tests.harness import ROOT, child_env
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    """Start ``python -m tests.racers ARGS`` on the test settings and test database."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.racers", *args],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def run_all(client: Any, commands: list[tuple[str, ...]], timeout: float = 120) -> list[str]:
+    """Start every racer, wait until all are ready, send ``go``; their stdouts (all exit 0)."""
+    procs = [start(*cmd) for cmd in commands]
+    deadline = time.monotonic() + timeout
+    while int(client.get("test:ready") or 0) < len(procs):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.01)
+    client.set("test:go", 1)
+    failures, outputs = [], []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        outputs.append(out)
+        if proc.returncode != 0:
+            failures.append(f"exit {proc.returncode}: {err[-2000:]}")
+    assert not failures, "\n".join(failures)
+    return outputs
 
 
 def _wait_for_go(client) -> None:  # type: ignore[no-untyped-def]
@@ -87,17 +126,18 @@ def claim_and_hang(key: str, lease: float) -> None:
         time.sleep(600)
 
 
+# mode -> the body, called with the command line's strings
+MODES: dict[str, Callable[..., None]] = {
+    "fence_race": lambda rounds: fence_race(int(rounds)),
+    "increment": lambda rounds, how: increment(int(rounds), how == "lock"),
+    "claim": lambda key, hold: claim(key, float(hold)),
+    "claim_and_hang": lambda key, lease: claim_and_hang(key, float(lease)),
+}
+
 if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
     django.setup()
     mode, *args = sys.argv[1:]
-    if mode == "fence_race":
-        fence_race(int(args[0]))
-    elif mode == "increment":
-        increment(int(args[0]), args[1] == "lock")
-    elif mode == "claim":
-        claim(args[0], float(args[1]))
-    elif mode == "claim_and_hang":
-        claim_and_hang(args[0], float(args[1]))
-    else:
+    if mode not in MODES:
         raise SystemExit(f"unknown mode {mode!r}")
+    MODES[mode](*args)

@@ -1,11 +1,14 @@
-"""Fences are strictly increasing per resource, whatever happens to Redis in between."""
+"""The fence counter in Redis: the fences handed to successive holders of a resource are strictly
+increasing, whatever happens to Redis in between. (The database side, ``fenced_update``
+rejecting a superseded holder's write, is tests/test_fenced_update.py.)"""
 
 from __future__ import annotations
 
 import time
 
 from django_joblock import lock
-from tests import multiproc
+from tests import racers
+from tests.harness import wait_expired
 
 
 def _fence_of_new_holder(resource: str = "order:1") -> int:
@@ -25,8 +28,7 @@ def test_fence_increases_across_release():
 def test_fence_increases_across_expiry(rconn):
     first = lock("order:1", ttl=0.1, heartbeat=False)
     assert first.acquire()
-    time.sleep(0.2)
-    assert rconn.exists(first.key) == 0, "negative control: the first lock really expired"
+    wait_expired(rconn, first.key, first.ttl)  # negative control: the first lock really expired
     assert _fence_of_new_holder() > first.fence
 
 
@@ -54,7 +56,7 @@ def test_fence_increases_after_redis_restart_without_persistence(server, rconn):
 
 
 def test_fences_from_8_racing_processes_are_distinct_and_increasing(rconn):
-    multiproc.run_all(rconn, [("fence_race", "10")] * 8)
+    racers.run_all(rconn, [("fence_race", "10")] * 8)
     rows = [row.decode().split(":") for row in rconn.lrange("test:fences", 0, -1)]
     assert len(rows) == 80
     by_order = sorted((int(order), int(fence)) for order, fence, _pid in rows)

@@ -11,6 +11,14 @@ They need a real Redis (the one the project's django-redis cache points at) and 
 writes that commit, i.e. ``TransactionTestCase`` or ``@pytest.mark.django_db(transaction=True)``:
 the job's transaction and the idempotency record commit as in production, and the outcome the
 job leaves in ``job.meta`` is written after that commit.
+
+Two submodules start real processes, for suites (this project's own), demos and benchmarks that
+need them; importing this package does not import them:
+
+- :mod:`django_joblock.testing.redis_server`: a throwaway ``redis-server`` on a free port that
+  its owner may stop, SIGKILL and restart (optionally with an fsync'ed append-only file);
+- :mod:`django_joblock.testing.workers`: ``joblock_worker`` (or any RQ worker) subprocesses,
+  each in a process group of its own with its log in a file, stopped together.
 """
 
 from __future__ import annotations
@@ -23,9 +31,9 @@ from typing import Any
 from rq import SimpleWorker
 from rq.job import Job, JobStatus
 
-from .admission import PARKED
-from .queues import get_queue
-from .renewal import renewer
+from ..admission import PARKED
+from ..queues import get_queue
+from ..renewal import renewer
 
 MAX_ROUNDS = 100
 

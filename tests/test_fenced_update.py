@@ -1,12 +1,12 @@
-"""fenced_update: the database rejects a superseded holder's write (PostgreSQL and SQLite)."""
+"""fenced_update: the database rejects a superseded holder's write (PostgreSQL and SQLite). (The
+fences themselves, strictly increasing per resource, are tests/test_fence_counter.py.)"""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
 from django_joblock import StaleFence, fenced_update, lock
+from tests.harness import wait_expired
 from tests.testapp.models import Account
 
 pytestmark = pytest.mark.django_db
@@ -53,7 +53,7 @@ def test_expired_holder_write_is_rejected_after_new_holder_wrote(rconn):
     qs = Account.objects.filter(name="acct")
     old = lock("account:acct", ttl=0.2, heartbeat=False)
     assert old.acquire()
-    time.sleep(0.3)  # the old holder "pauses" past its TTL
+    wait_expired(rconn, old.key, old.ttl)  # the old holder "pauses" past its TTL
     with lock("account:acct", ttl=5) as new:
         fenced_update(qs, new.fence, balance=100)
     with pytest.raises(StaleFence):
@@ -67,7 +67,7 @@ def test_without_fencing_the_stale_write_lands(rconn):
     qs = Account.objects.filter(name="acct")
     old = lock("account:acct", ttl=0.2, heartbeat=False)
     assert old.acquire()
-    time.sleep(0.3)
+    wait_expired(rconn, old.key, old.ttl)
     with lock("account:acct", ttl=5):
         qs.update(balance=100)
     qs.update(balance=-1)
