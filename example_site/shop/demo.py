@@ -185,7 +185,11 @@ class Demo:
         pid, order = found
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        # Another refund of the same order gets the lock once the paused one's TTL runs out.
+        # Another refund of the same order, enqueued now. Admission parks it behind the paused
+        # job, which keeps the order's slot: it runs once the paused job, resumed, has been
+        # aborted (its lock expired meanwhile). A holder outside admission would take the
+        # expired lock instead and the fence would refuse the paused one's late write: the
+        # chaos suite (docs/chaos.md) shows that case.
         refund_id = f"R-{order}-late"
         self.expected_refunds[refund_id] = (order, Decimal("1.00"))
         self.jobs.append(refund_order.enqueue((order, refund_id, "1.00"), at_front=True))
