@@ -170,7 +170,9 @@ def test_waiting_jobs_run_after_the_releasing_horse_dies_between_hand_off_and_re
     for job in waiters:
         assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
     spans = intervals(rconn)
-    assert spans["dying"][1] <= min(spans[f"w{i}"][0] for i in range(3)), spans
+    if RATE_LIMITED:  # FIFO: the waiters were parked behind it
+        assert spans["dying"][1] <= min(spans[f"w{i}"][0] for i in range(3)), spans
+    # rq 2.x (requeue only): any order, never two at once (the dead horse's lock is waited out)
     _no_overlap(rconn)
 
 
