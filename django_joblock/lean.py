@@ -39,6 +39,32 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
+_LIB_VERSION = redis.__version__
+_TAKES_LIB_VERSION: dict[type, bool] = {}
+
+
+def new_connection(pool: Any, **overrides: Any) -> Any:
+    """A connection of ``pool``'s class with the pool's arguments (and ``overrides``), not
+    connected yet and outside the pool's books.
+
+    redis-py 8 looks its own version up in the installed package metadata for every new
+    connection (milliseconds: a waiter's first block, a work horse's first lock call would
+    pay it); the version is passed in instead, as the pool's connections report it.
+    """
+    kwargs = {**pool.connection_kwargs, **overrides}
+    cls = pool.connection_class
+    takes = _TAKES_LIB_VERSION.get(cls)
+    if takes is None:
+        try:
+            takes = "lib_version" in inspect.signature(cls.__init__).parameters
+        except (TypeError, ValueError):
+            takes = False
+        _TAKES_LIB_VERSION[cls] = takes
+    if takes:
+        kwargs.setdefault("lib_version", _LIB_VERSION)
+    return cls(**kwargs)
+
+
 def usable(client: Any) -> bool:
     """True when ``client``'s pool can serve the lean path (a plain ``ConnectionPool``)."""
     return hasattr(getattr(client, "connection_pool", None), "connection_kwargs")
@@ -245,7 +271,7 @@ class _Lean:
             self.calls += 1
             if self.made < LEAN_CONNECTIONS and self.calls > LEAN_AFTER:
                 self.made += 1
-                return pool.connection_class(**pool.connection_kwargs), True
+                return new_connection(pool), True
         if _NO_COMMAND_NAME:
             return pool.get_connection(), False
         return pool.get_connection("EVALSHA"), False
@@ -342,10 +368,8 @@ class _Blocking:
         try:
             return self.idle.pop()
         except IndexError:
-            kwargs = dict(pool.connection_kwargs)
-            slack = kwargs.get("socket_timeout") or 5.0
-            kwargs["socket_timeout"] = MAX_BLOCK + slack
-            return pool.connection_class(**kwargs)
+            slack = pool.connection_kwargs.get("socket_timeout") or 5.0
+            return new_connection(pool, socket_timeout=MAX_BLOCK + slack)
 
     def give(self, conn: Any) -> None:
         if len(self.idle) < IDLE_BLOCKING_CONNECTIONS:

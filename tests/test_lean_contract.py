@@ -111,3 +111,19 @@ def test_clients_without_a_plain_pool_take_redis_pys_own_path():
     assert lean.usable(redis.Redis.from_url(URL))
     assert not lean.usable(types.SimpleNamespace(connection_pool=object()))
     assert not lean.usable(object())
+
+
+def _version_reported(conn: object) -> object:
+    info = getattr(conn, "driver_info", None)  # redis-py >= 8
+    return getattr(info, "lib_version", None) if info is not None else conn.lib_version  # type: ignore[attr-defined]
+
+
+def test_new_connections_report_the_same_library_version_without_looking_it_up(redis_server):
+    pool = _pool()
+    made = lean.new_connection(pool, socket_timeout=3.0)
+    assert _version_reported(made) == _version_reported(
+        pool.connection_class(**pool.connection_kwargs)
+    )
+    assert made.socket_timeout == 3.0
+    made.send_packed_command([lean.pack(("PING",))])
+    assert made.read_response() in (b"PONG", "PONG")
