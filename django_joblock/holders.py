@@ -74,15 +74,10 @@ DETAIL_FIELDS = FIELDS[2:]
 
 
 @dataclass(frozen=True)
-class LockHash:
-    """The lock hash ``P:{resource}:lock`` as stored: the one decoder of its fields.
+class Holder:
+    """Who holds a lock, as its hash records it (no token). Times are Unix ms on the Redis
+    server's clock."""
 
-    Times are Unix ms on the Redis server's clock. ``token`` is the owner's secret: only the
-    operator release (:mod:`django_joblock.control`) uses it, for its compare-and-delete;
-    everything shown or logged uses :attr:`owner`.
-    """
-
-    token: str
     fence: int | None
     host: str
     pid: int | None
@@ -93,6 +88,26 @@ class LockHash:
     renewed_ms: int | None
     renewals: int
     ttl_ms: int | None
+
+    def holder(self) -> dict[str, Any]:
+        """These fields as keyword arguments (to build a row that extends them)."""
+        return {name: getattr(self, name) for name in Holder.__dataclass_fields__}
+
+    def seconds_held(self, server_ms: int) -> float:
+        """Seconds since the acquisition, at ``server_ms`` on the same server's clock."""
+        return max(0.0, (server_ms - self.acquired_ms) / 1000) if self.acquired_ms else 0.0
+
+
+@dataclass(frozen=True)
+class LockHash(Holder):
+    """The lock hash ``P:{resource}:lock`` as stored: the one decoder of its fields.
+
+    ``token`` is the owner's secret: only the operator release
+    (:mod:`django_joblock.control`) uses it, for its compare-and-delete; everything shown or
+    logged uses :attr:`owner`.
+    """
+
+    token: str
 
     @classmethod
     def decode(cls, raw: dict[Any, Any]) -> LockHash | None:
@@ -126,10 +141,6 @@ class LockHash:
             for name in DETAIL_FIELDS
             if getattr(self, name) not in (None, "")
         }
-
-    def held_for(self, server_ms: int) -> float:
-        """Seconds since the acquisition, at ``server_ms`` on the same server's clock."""
-        return max(0.0, (server_ms - self.acquired_ms) / 1000) if self.acquired_ms else 0.0
 
 
 @dataclass(frozen=True)
@@ -191,7 +202,7 @@ def info(resource: str, found: LockHash, pttl: int, server_ms: int) -> LockInfo:
         acquired_at=_server_time(found.acquired_ms),
         renewed_at=_server_time(found.renewed_ms),
         renewals=found.renewals,
-        held_for=found.held_for(server_ms),
+        held_for=found.seconds_held(server_ms),
     )
 
 

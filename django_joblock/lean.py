@@ -38,7 +38,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-
 _LIB_VERSION = redis.__version__
 _TAKES_LIB_VERSION: dict[type, bool] = {}
 
@@ -284,11 +283,15 @@ class _Lean:
 
     def close(self) -> None:
         """Close the idle connections' sockets (they stay, and reconnect when next used)."""
-        for conn in list(self.idle):
-            try:
-                conn.disconnect()
-            except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
-                pass
+        _disconnect(self.idle)
+
+
+def _disconnect(connections: list[Any]) -> None:
+    for conn in list(connections):
+        try:
+            conn.disconnect()
+        except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
+            pass
 
 
 class Stash(Protocol):
@@ -378,11 +381,7 @@ class _Blocking:
             conn.disconnect()
 
     def close(self) -> None:
-        for conn in list(self.idle):
-            try:
-                conn.disconnect()
-            except Exception:  # noqa: BLE001 - closing a dead socket; nothing to save
-                pass
+        _disconnect(self.idle)
 
 
 def blocking_pop(client: Any, key: str, timeout: float) -> Any:

@@ -18,7 +18,7 @@ from rq.scheduler import RQScheduler
 from . import active_index, conf
 from .backend import connection
 from .exceptions import JoblockConfigError
-from .holders import LockHash
+from .holders import Holder, LockHash
 from .jobs import registered_jobs
 from .jobspec import OnConflict
 from .keys import LockKeys
@@ -35,25 +35,15 @@ def decode(value: Any) -> str:
 
 
 # -- active locks ----------------------------------------------------------------------------
-@dataclass
-class ActiveLock:
+@dataclass(frozen=True)
+class ActiveLock(Holder):
     """One row of the active-lock pages: a held lock, its holder and how long it was held."""
 
     resource: str
     family: str
     owner: str
-    fence: int | None
-    host: str
-    pid: int | None
-    job_id: str
-    job_func: str
-    worker: str
-    acquired_ms: int | None
-    renewed_ms: int | None
-    renewals: int
-    ttl_ms: int | None
     pttl_ms: int
-    held_for: float
+    held_for: float  # seconds, on the lock server's clock
     # The lock server's clock (Unix ms, ``TIME``) when this row was read: acquired / renewed
     # times are compared with it, never with this machine's clock.
     read_ms: int = 0
@@ -109,21 +99,12 @@ def active_locks(
             continue
         found.append(
             ActiveLock(
+                **held.holder(),
                 resource=resource,
                 family=fam,
                 owner=owner,
-                fence=held.fence,
-                host=held.host,
-                pid=held.pid,
-                job_id=held.job_id,
-                job_func=held.job_func,
-                worker=held.worker,
-                acquired_ms=held.acquired_ms,
-                renewed_ms=held.renewed_ms,
-                renewals=held.renewals,
-                ttl_ms=held.ttl_ms,
                 pttl_ms=int(details[2 * index + 1]),
-                held_for=held.held_for(server_ms),
+                held_for=held.seconds_held(server_ms),
                 read_ms=server_ms,
             )
         )
