@@ -26,6 +26,7 @@ PLOT_LEFT = 40  # minute charts: room for the count labels
 PLOT_TOP = 8
 PLOT_HEIGHT = 100
 TICK_EVERY = 15  # minutes between time labels
+LAST_LABEL_MINUTES = 8  # no quarter-hour label this close to the (right-aligned) last one
 
 
 @dataclass
@@ -155,9 +156,12 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
             Bar(label, value, f"{value}", x=x, y=bottom - height, width=width, height=height)
         )
         last = index == minutes - 1
-        # A quarter-hour label too close to the last minute's would print over it.
-        crowded = minutes - 1 - index < TICK_EVERY / 3
-        if last or (at.minute % TICK_EVERY == 0 and not crowded):
+        # A quarter-hour label this close to the last minute's (about a label's width at the
+        # chart's width and font) would print over it.
+        crowded = minutes - 1 - index < LAST_LABEL_MINUTES
+        if last:  # right-aligned to the plot's end, so the SVG never clips it
+            ticks.append(Tick(round(x + step, 1), bottom + 14, label, "end"))
+        elif at.minute % TICK_EVERY == 0 and not crowded:
             ticks.append(Tick(round(x + step / 2, 1), bottom + 14, label))
     zone_name = timezone.localtime(timezone.now(), zone).tzname() or ""
     ticks.append(Tick(PLOT_LEFT + plot_width / 2, bottom + 30, f"time ({zone_name})"))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from django.utils import timezone
 
-from django_joblock.charts import bar_chart, minute_chart
+from django_joblock.charts import WIDTH, bar_chart, minute_chart
 
 MINUTE = 60
 
@@ -41,13 +42,17 @@ def test_bar_chart_has_a_value_axis_and_readable_tick_labels():
     assert len(chart.axes) == 2
 
 
-def test_a_quarter_hour_label_next_to_the_last_minute_is_left_out():
-    """The last minute is always labelled; a quarter-hour label within 5 minutes of it would
-    print over it (seen as "07:4546" in the browser screenshot)."""
-    start = 1_700_000_000 // 3600 * 3600 - 13 * MINUTE  # 60 minutes ending at hh:46
+@pytest.mark.parametrize(("end", "quarter_shown"), [(46, False), (52, False), (54, True)])
+def test_a_quarter_hour_label_next_to_the_last_minute_is_left_out(end, quarter_shown):
+    """The last minute is always labelled, right-aligned to the plot's end (centred, the SVG
+    clipped it); a quarter-hour label less than 8 minutes before it would print over it
+    (seen as "07:4546" in the browser screenshot)."""
+    start = 1_700_000_000 // 3600 * 3600 - (59 - end) * MINUTE  # 60 minutes ending at hh:end
     series = [(start + i * MINUTE, 1) for i in range(60)]
     with timezone.override("UTC"):
-        texts = [tick.text for tick in minute_chart("Requeues", series, axis="n").ticks]
-    minutes = [text for text in texts if ":" in text]
-    assert minutes[-1].endswith(":46") and not any(text.endswith(":45") for text in minutes)
-    assert any(text.endswith(":30") for text in minutes)
+        chart = minute_chart("Requeues", series, axis="n")
+    minutes = [tick for tick in chart.ticks if ":" in tick.text]
+    assert minutes[-1].text.endswith(f":{end}") and minutes[-1].anchor == "end"
+    assert abs(minutes[-1].x - (WIDTH - 8)) < 1, "at the plot's right end"
+    assert any(tick.text.endswith(":45") for tick in minutes) is quarter_shown
+    assert any(tick.text.endswith(":30") for tick in minutes)
