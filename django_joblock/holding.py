@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import threading
 import time
 
 from .exceptions import LockLost
@@ -56,8 +57,13 @@ class Holding:
     # max_hold as a monotonic deadline: no renewal (by the thread or renew()) after it.
     _hold_until: float
     _owner: tuple[str, str]
+    _transition: threading.Lock
 
     def _reset_view(self) -> None:
+        # Transitions can race between the owner's thread and the renewal thread (both may
+        # find the lock lost at once): each check-and-set runs under this, so a loss is
+        # marked, and announced, once.
+        self._transition = threading.Lock()
         self.fence = None
         self.state = LockState.UNLOCKED
         self.lost_reason = ""
@@ -74,6 +80,10 @@ class Holding:
         a release lives a shorter hand-over TTL until its first renewal).
         """
         valid_for = self.ttl if valid_for is None else valid_for
+        if self.pid != os.getpid():
+            # First holding in this process (a forked child may have copied the guard while
+            # the parent's renewal thread held it).
+            self._transition = threading.Lock()
         self.fence = fence
         self.acquired_at = sent
         self.pid = os.getpid()
@@ -85,29 +95,33 @@ class Holding:
     def confirm_renewed(self, sent: float) -> None:
         """Record a renewal confirmed by Redis that was sent at monotonic time ``sent``
         (SUSPECT -> HELD)."""
-        self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
-        if self.state is LockState.SUSPECT:
-            self.state = LockState.HELD
+        with self._transition:
+            self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
+            if self.state is LockState.SUSPECT:
+                self.state = LockState.HELD
 
     def mark_suspect(self) -> bool:
         """HELD -> SUSPECT (renewals are failing). True if the state changed."""
-        if self.state is LockState.HELD:
-            self.state = LockState.SUSPECT
-            return True
-        return False
+        with self._transition:
+            if self.state is LockState.HELD:
+                self.state = LockState.SUSPECT
+                return True
+            return False
 
     def mark_lost(self, reason: str) -> bool:
         """HELD / SUSPECT -> LOST with ``reason``. True if the state changed (once per
         holding); the caller then announces it (:meth:`Lock.announce_lost`)."""
-        if self.state not in (LockState.HELD, LockState.SUSPECT):
-            return False
-        self.state = LockState.LOST
-        self.lost_reason = reason
-        return True
+        with self._transition:
+            if self.state not in (LockState.HELD, LockState.SUSPECT):
+                return False
+            self.state = LockState.LOST
+            self.lost_reason = reason
+            return True
 
     def mark_released(self) -> None:
         """Any state -> RELEASED (``lost_reason`` is kept: ``lost`` still says so)."""
-        self.state = LockState.RELEASED
+        with self._transition:
+            self.state = LockState.RELEASED
 
     @property
     def valid_until(self) -> float:
