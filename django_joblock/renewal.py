@@ -43,8 +43,8 @@ from .lean import execute_packed
 from .logs import logger
 
 
-class Lock(Protocol):
-    """What the renewal thread needs of a lock (:class:`django_joblock.Lock`). The lock
+class Renewable(Protocol):
+    """What the renewal thread needs of a lock (a :class:`django_joblock.Lock`). The lock
     changes its own state; this thread only decides when, and calls it."""
 
     resource: str
@@ -83,8 +83,8 @@ IDLE_STOP = 60.0  # ... for this long; after that the thread sleeps until a lock
 
 
 # (entry, its lock, whether to renew it): one item of a batch sent to Redis.
-_Work = tuple["_Entry", Lock, bool]
-_Entry = Entry[Lock]
+_Work = tuple["_Entry", Renewable, bool]
+_Entry = Entry[Renewable]
 
 
 class Renewer:
@@ -111,7 +111,7 @@ class Renewer:
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
-    def add(self, held: Lock, *, renew_within: float = math.inf) -> None:
+    def add(self, held: Renewable, *, renew_within: float = math.inf) -> None:
         """Start keeping ``held`` (just acquired); renew it first within ``renew_within``
         seconds if that is sooner than its interval (a lock handed over by a release is valid
         for less than its TTL until renewed)."""
@@ -141,7 +141,7 @@ class Renewer:
             if when < self._wake_at:
                 self._cond.notify()
 
-    def _pop(self, held: Lock) -> _Entry | None:
+    def _pop(self, held: Renewable) -> _Entry | None:
         """Remove and return ``held``'s entry (caller holds the condition)."""
         entry = self._entries.get(id(held))
         if entry is None or entry.ref() is not held:
@@ -149,13 +149,13 @@ class Renewer:
         del self._entries[entry.lock_id]
         return entry
 
-    def remove(self, held: Lock) -> bool:
+    def remove(self, held: Renewable) -> bool:
         """Stop keeping ``held``; True if its active-index entry had been written."""
         with self._cond:
             entry = self._pop(held)
         return entry is not None and entry.indexed
 
-    def held_locks(self) -> list[Lock]:
+    def held_locks(self) -> list[Renewable]:
         """The locks this process holds (acquired, not yet released, lost or dropped)."""
         with self._cond:
             found = [entry.ref() for entry in self._entries.values()]
@@ -166,7 +166,7 @@ class Renewer:
             return replace(self._stats)
 
     # -- thread ---------------------------------------------------------------------------
-    def _ensure_client(self, held: Lock) -> None:
+    def _ensure_client(self, held: Renewable) -> None:
         """Note the socket timeout ``held`` needs (caller holds the condition). The client
         itself is made by the thread when it first sends (:meth:`_client`): most locks are
         released before that, and a short-lived work horse never pays for one."""
@@ -186,7 +186,7 @@ class Renewer:
     def _timeout(self, alias: str) -> float:
         return float(self._clients[alias][1])
 
-    def _schedule(self, entry: _Entry, held: Lock) -> float:
+    def _schedule(self, entry: _Entry, held: Renewable) -> float:
         """Push ``entry`` at its next moment (caller holds the condition)."""
         when = held.valid_until
         if held.state is LockState.SUSPECT:
@@ -197,7 +197,7 @@ class Renewer:
         heapq.heappush(self._heap, (when, next(self._seq), entry))
         return when
 
-    def _mark_lost(self, held: Lock, reason: str) -> bool:
+    def _mark_lost(self, held: Renewable, reason: str) -> bool:
         """Ask ``held`` to become LOST (caller holds the condition); True if it did."""
         if held.mark_lost(reason):
             self._stats.lost += 1
@@ -254,17 +254,17 @@ class Renewer:
 
     def _gather(
         self, now: float
-    ) -> tuple[list[tuple[Lock, str]], dict[str, list[_Work]], list[_Entry]]:
+    ) -> tuple[list[tuple[Renewable, str]], dict[str, list[_Work]], list[_Entry]]:
         """Pop what is due (caller holds the condition): (lost, work per alias, dropped).
 
         Everything due within a quarter interval of the first due lock joins one batch:
         renewing a little early is harmless (renew replaces the TTL) and turns a stream of
         individual deadlines into a few pipelines per interval.
         """
-        lost: list[tuple[Lock, str]] = []
+        lost: list[tuple[Renewable, str]] = []
         work: dict[str, list[_Work]] = defaultdict(list)
         dropped: list[_Entry] = []
-        later: list[tuple[_Entry, Lock]] = []
+        later: list[tuple[_Entry, Renewable]] = []
         horizon = now
         if self._heap and self._heap[0][0] <= now:
             horizon = now + COALESCE * self._heap[0][2].interval
@@ -336,7 +336,7 @@ class Renewer:
         self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
         self._wake_at = -math.inf  # awake: add() need not notify
 
-    def _lost_reason(self, entry: _Entry, held: Lock, now: float) -> str:
+    def _lost_reason(self, entry: _Entry, held: Renewable, now: float) -> str:
         if now >= held.valid_until:
             if not held.heartbeat:
                 return "ttl expired (heartbeat off)"
@@ -352,7 +352,7 @@ class Renewer:
         """One round trip (see :func:`heartbeat.batch`), never retried here: a failure makes
         the locks SUSPECT, and they are retried soon."""
         client = self._client(alias)
-        renewing: list[tuple[_Entry, Lock]] = []
+        renewing: list[tuple[_Entry, Renewable]] = []
         for entry, held, renew in items:
             entry.encode(held.token, held.owner)
             if renew:
@@ -375,9 +375,9 @@ class Renewer:
         self._renewed(renewing, replies[: len(renewing)], sent, client)
 
     def _renewed(
-        self, items: list[tuple[_Entry, Lock]], replies: list[Any], sent: float, client: Any
+        self, items: list[tuple[_Entry, Renewable]], replies: list[Any], sent: float, client: Any
     ) -> None:
-        lost: list[tuple[Lock, str]] = []
+        lost: list[tuple[Renewable, str]] = []
         renewed: dict[tuple[str, str], int] = defaultdict(int)
         reload = False
         with self._cond:
@@ -412,7 +412,7 @@ class Renewer:
         for held, reason in lost:
             held.announce_lost(reason)
 
-    def _failed(self, items: list[tuple[_Entry, Lock]], sent: float, exc: Exception) -> None:
+    def _failed(self, items: list[tuple[_Entry, Renewable]], sent: float, exc: Exception) -> None:
         with self._cond:
             self._stats.round_trips += 1
             for entry, held in items:
@@ -421,7 +421,7 @@ class Renewer:
                     metrics.count("renew_failed", held.family, held.job_func)
                     self._suspect(entry, held, exc)
 
-    def _suspect(self, entry: _Entry, held: Lock, exc: BaseException) -> None:
+    def _suspect(self, entry: _Entry, held: Renewable, exc: BaseException) -> None:
         entry.failures += 1
         held.renewal_failed(exc)
         # Retry soon, but do not hammer a server that just timed out.
