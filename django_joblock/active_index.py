@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import conf
-from .backend import connection
+from .backend import connection, text
 from .keys import active_index_key, families_key
 
 
@@ -37,8 +37,7 @@ def member(resource: str, owner: str) -> str:
 
 def parse_member(raw: Any) -> tuple[str, str]:
     """``(resource, owner)`` of an index member (bytes or str)."""
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    resource, _, owner = text.rpartition("#")
+    resource, _, owner = text(raw).rpartition("#")
     return resource, owner
 
 
@@ -65,13 +64,9 @@ def _client() -> Any:
     return connection(conf.get().REDIS_ALIAS)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def families() -> list[str]:
     """The families with index entries (maybe expired ones), sorted."""
-    return sorted(_text(f) for f in _client().smembers(families_key(conf.get().KEY_PREFIX)))
+    return sorted(text(f) for f in _client().smembers(families_key(conf.get().KEY_PREFIX)))
 
 
 def active_counts() -> dict[str, int]:

@@ -92,6 +92,11 @@ def _lookup(alias: str) -> Any:
         ) from exc
 
 
+def text(reply: Any) -> str:
+    """A Redis reply (bytes, or str with ``decode_responses``) as text."""
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
 def is_unavailable(exc: BaseException) -> bool:
     """True when ``exc`` means Redis could not serve the request (down, timeout, OOM...)."""
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, *_UNAVAILABLE_CLASSES)):

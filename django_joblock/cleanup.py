@@ -19,8 +19,7 @@ from typing import Any
 
 from . import conf
 from .active_index import active_counts
-from .backend import connection
-from .monitoring import decode
+from .backend import connection, text
 
 BATCH = 500
 
@@ -59,7 +58,7 @@ def purge_redis(*, dry_run: bool = False, client: Any = None) -> Purge:
     result = Purge()
     batch: list[str] = []
     for raw in client.scan_iter(match=f"{prefix}:*", count=1000):
-        key = decode(raw)
+        key = text(raw)
         result.kinds[_kind(key, prefix)] += 1
         if dry_run:
             continue

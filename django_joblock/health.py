@@ -39,10 +39,11 @@ from rq import Worker
 from rq.registry import StartedJobRegistry
 
 from . import conf
+from .backend import text
 from .choices import RecordStatus
 from .exceptions import JoblockConfigError
 from .jobs import registered_jobs, registry
-from .monitoring import ActiveLock, decode
+from .monitoring import ActiveLock
 from .queues import configured_names, get_queue, queue_name, server_of
 
 _HOST = socket.gethostname()
@@ -182,7 +183,7 @@ def _read_rq(locks: list[ActiveLock]) -> dict[int, _Seen]:
             entry = seen[index]
             entry.known = entry.known or known
             if status is not None and not entry.job_found:
-                entry.job_found, entry.status = True, decode(status)
+                entry.job_found, entry.status = True, text(status)
                 entry.worker_found = bool(int(worker))
             elif known:
                 entry.worker_found = bool(int(worker))

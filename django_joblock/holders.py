@@ -20,7 +20,7 @@ from typing import Any
 from rq import get_current_job as _get_current_job
 
 from . import conf
-from .backend import REDIS_ERRORS, connection, unavailable
+from .backend import REDIS_ERRORS, connection, text, unavailable
 from .keys import LockKeys, owner_hash, validate_resource
 
 HOST = socket.gethostname()[:255].encode()  # encoded once: redis-py passes bytes through
@@ -52,25 +52,6 @@ def holder_details() -> tuple[str, str, list[bytes | str]]:
     function, worker name) for a lock taken now, in this process and thread."""
     job_id, job_func, worker = job_context()
     return job_id, job_func, [HOST, pid_bytes(), job_id, job_func, worker]
-
-
-# The lock hash's fields, as the scripts of :mod:`django_joblock.scripts` write them (ACQUIRE
-# and the hand-over in RELEASE write all of them, RENEW the renewal ones).
-FIELDS = (
-    "token",
-    "fence",
-    "host",
-    "pid",
-    "job_id",
-    "job_func",
-    "worker",
-    "acquired_ms",
-    "renewed_ms",
-    "renewals",
-    "ttl_ms",
-)
-# The holder details an operator is shown and the audit log keeps (never the token).
-DETAIL_FIELDS = FIELDS[2:]
 
 
 @dataclass(frozen=True)
@@ -109,10 +90,13 @@ class LockHash(Holder):
 
     token: str
 
+    # The hash holds these fields and the token, as the scripts of :mod:`django_joblock.scripts`
+    # write them (ACQUIRE and the hand-over in RELEASE all of them, RENEW the renewal ones).
+
     @classmethod
     def decode(cls, raw: dict[Any, Any]) -> LockHash | None:
         """The hash from an ``HGETALL`` reply (bytes or str), or None when it holds no lock."""
-        fields = {_text(k): _text(v) for k, v in raw.items()}
+        fields = {text(k): text(v) for k, v in raw.items()}
         if not fields.get("token"):
             return None
         return cls(
@@ -135,11 +119,12 @@ class LockHash(Holder):
         return owner_hash(self.token)
 
     def details(self) -> dict[str, str]:
-        """The holder details (no token), as text, for the audit log."""
+        """The holder details the audit log keeps (no token, no fence: it has its own column),
+        as text."""
         return {
-            name: str(getattr(self, name))
-            for name in DETAIL_FIELDS
-            if getattr(self, name) not in (None, "")
+            name: str(value)
+            for name, value in self.holder().items()
+            if name != "fence" and value not in (None, "")
         }
 
 
@@ -169,21 +154,36 @@ class LockInfo:
     held_for: float = 0.0  # seconds since the acquisition, on the server's clock
 
 
-def read(client: Any, resource: str) -> tuple[LockHash | None, int, int]:
-    """``(the lock hash or None, its PTTL in ms, the server's clock in Unix ms)`` of
-    ``resource``, in one round trip (``MULTI`` of ``TIME``, ``HGETALL``, ``PTTL``).
+def read_many(
+    client: Any, resources: list[str], *, atomic: bool = False
+) -> tuple[list[tuple[LockHash | None, int]], int]:
+    """``([(lock hash or None, its PTTL in ms)] per resource, the server's clock in Unix
+    ms)``, in one round trip (``TIME``, then ``HGETALL`` + ``PTTL`` per lock; a ``MULTI`` with
+    ``atomic``, for one lock or locks of one hash tag).
 
     Raises redis-py's errors (callers map them with :func:`backend.unavailable`).
     """
-    key = LockKeys(conf.get().KEY_PREFIX, resource).lock
-    pipe = client.pipeline(transaction=True)
+    prefix = conf.get().KEY_PREFIX
+    pipe = client.pipeline(transaction=atomic)
     pipe.time()
-    pipe.hgetall(key)
-    pipe.pttl(key)
-    clock, raw, pttl = pipe.execute()
+    for resource in resources:
+        key = LockKeys(prefix, resource).lock
+        pipe.hgetall(key)
+        pipe.pttl(key)
+    clock, *replies = pipe.execute()
     server_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
-    found = LockHash.decode(raw) if int(pttl) != -2 else None
-    return found, int(pttl), server_ms
+    found = []
+    for index in range(len(resources)):
+        raw, pttl = replies[2 * index], int(replies[2 * index + 1])
+        found.append((LockHash.decode(raw) if pttl != -2 else None, pttl))
+    return found, server_ms
+
+
+def read(client: Any, resource: str) -> tuple[LockHash | None, int, int]:
+    """``(the lock hash or None, its PTTL in ms, the server's clock in Unix ms)`` of
+    ``resource``, in one round trip (a ``MULTI``: see :func:`read_many`)."""
+    ((found, pttl),), server_ms = read_many(client, [resource], atomic=True)
+    return found, pttl, server_ms
 
 
 def info(resource: str, found: LockHash, pttl: int, server_ms: int) -> LockInfo:
@@ -222,10 +222,6 @@ def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
         key = LockKeys(settings.KEY_PREFIX, resource).lock
         raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
     return None if found is None else info(resource, found, pttl, server_ms)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _int(value: str | None) -> int | None:

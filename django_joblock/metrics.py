@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import conf, lua
-from .backend import REDIS_ERRORS, connection
+from .backend import REDIS_ERRORS, connection, text
 from .keys import active_samples_key, metric_bucket_key, metric_totals_key
 
 
@@ -306,10 +306,6 @@ def _client() -> Any:
     return connection(conf.get().REDIS_ALIAS)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 Labels = tuple[str, str]  # (family, function)
 
 
@@ -331,7 +327,7 @@ class Series:
     def add(self, raw: dict[Any, Any]) -> None:
         """Add one bucket's (or the totals') hash, as read from Redis."""
         for raw_field, raw_value in raw.items():
-            name, family, func = _text(raw_field).split("|", 2)
+            name, family, func = text(raw_field).split("|", 2)
             value = int(raw_value)
             metric, _, part = name.partition(":")
             label = (family, func)
@@ -432,6 +428,6 @@ def active_samples(since: float) -> list[tuple[float, int]]:
     raw = _client().zrangebyscore(active_samples_key(conf.get().KEY_PREFIX), since, "+inf")
     out = []
     for member in raw:
-        at, _, total = _text(member).partition(":")
+        at, _, total = text(member).partition(":")
         out.append((float(at), int(total)))
     return out

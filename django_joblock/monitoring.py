@@ -18,20 +18,14 @@ from rq.scheduler import RQScheduler
 from . import active_index, conf
 from .backend import connection
 from .exceptions import JoblockConfigError
-from .holders import Holder, LockHash
+from .holders import Holder, read_many
 from .jobs import registered_jobs
 from .jobspec import OnConflict
-from .keys import LockKeys
 from .queues import get_queue, queue_name
 
 
 def _client() -> Any:
     return connection(conf.get().REDIS_ALIAS)
-
-
-def decode(value: Any) -> str:
-    """A Redis reply (bytes or str) as text."""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # -- active locks ----------------------------------------------------------------------------
@@ -76,24 +70,15 @@ def active_locks(
     shown, never by how many locks exist. Index entries whose lock hash is gone or owned by
     someone else are skipped (and dropped from the index).
     """
-    prefix = conf.get().KEY_PREFIX
     names = [family] if family else active_index.families()
     if total is not None and names:
         limit = max(1, min(limit, -(-total // len(names))))
     entries = active_index.members(names, limit)
     if not entries:
         return []
-    pipe = _client().pipeline(transaction=False)
-    pipe.time()
-    for _fam, resource, _owner in entries:
-        key = LockKeys(prefix, resource).lock
-        pipe.hgetall(key)
-        pipe.pttl(key)
-    clock, *details = pipe.execute()
-    server_ms = int(clock[0]) * 1000 + int(clock[1]) // 1000
+    hashes, server_ms = read_many(_client(), [resource for _fam, resource, _owner in entries])
     found, stale = [], []
-    for index, (fam, resource, owner) in enumerate(entries):
-        held = LockHash.decode(details[2 * index])
+    for (fam, resource, owner), (held, pttl) in zip(entries, hashes, strict=True):
         if held is None or held.owner != owner:
             stale.append((fam, resource, owner))
             continue
@@ -103,7 +88,7 @@ def active_locks(
                 resource=resource,
                 family=fam,
                 owner=owner,
-                pttl_ms=int(details[2 * index + 1]),
+                pttl_ms=pttl,
                 held_for=held.seconds_held(server_ms),
                 read_ms=server_ms,
             )

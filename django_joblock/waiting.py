@@ -44,7 +44,7 @@ import time
 from typing import Any, NamedTuple
 
 from . import conf, lua
-from .backend import REDIS_ERRORS
+from .backend import REDIS_ERRORS, text
 from .keys import LockKeys
 from .lean import MAX_BLOCK, blocking_pop
 
@@ -106,7 +106,7 @@ def wait_in_line(
                 client, lua.WAIT_SHA, script_keys, [*script_args, _LAST if last else _NOT_LAST]
             )
             if fence > 0:
-                return Turn(int(fence), sent, None, _text(place))
+                return Turn(int(fence), sent, None, text(place))
             if last:
                 return Turn(-1 - int(pttl_ms), sent, None, "")
             now = time.monotonic()
@@ -128,7 +128,7 @@ def wait_in_line(
                 continue
             if element is None:
                 continue
-            fence_s, _, after = _text(element).partition(" ")
+            fence_s, _, after = text(element).partition(" ")
             short = hand_ttl_ms < int(args[1])
             valid_for = hand_ttl_ms / 1000
             # Renew it here when no heartbeat will, or when this process woke so late that
@@ -188,10 +188,6 @@ def release(
         also = []
         if not isinstance(reply, (bytes, str)):
             return lua.Outcome(reply), retried
-        expected = _text(reply)
+        expected = text(reply)
     reply, retried = lua.release(client, [keys.lock], [token], [])
     return lua.Outcome(reply), retried
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
