@@ -150,7 +150,8 @@ def _release(
     client: Any, keys: LockKeys, token: str, note: tombstones.OperatorRelease, ttl: int | None
 ) -> bool:
     """Compare-and-delete with the owner's own release (which hands the lock to the first
-    live waiter in line, see :func:`waiting.release`), the note written just before it.
+    live waiter in line, see :func:`waiting.release`) and the removal of its index entry, the
+    note written just before it.
 
     The note goes first so that a holder noticing the loss always finds it; when nothing was
     released the note is taken back.
@@ -158,18 +159,15 @@ def _release(
     note_key = tombstones.key(keys.prefix, keys.resource)
     encoded = note.encode()
     client.set(note_key, encoded, px=tombstones.ttl_ms(ttl))
-    outcome, retried = waiting.release(client, keys, token, "", [])
+    # The holding's index entry goes in the same round trip; removing it is right either way
+    # (entries are per owner: if the release finds the lock gone or another's, it is stale).
+    unindex = active_index.remove_command(keys.index, keys.resource, owner_hash(token))
+    outcome, retried = waiting.release(client, keys, token, "", [unindex])
     # Sent twice (its connection failed): GONE may be our own first run's release.
     if outcome is not lua.Outcome.OK and not (retried and outcome is lua.Outcome.GONE):
         if client.get(note_key) == encoded.encode():
             client.delete(note_key)  # nothing was released: no note about it
         return False
-    try:
-        client.execute_command(
-            *active_index.remove_command(keys.index, keys.resource, owner_hash(token))
-        )
-    except REDIS_ERRORS:
-        pass  # a hint only: readers prune index entries whose lock is gone
     return True
 
 
