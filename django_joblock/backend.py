@@ -1,7 +1,9 @@
 """The Redis connection behind the locks, and the mapping of Redis failures to one exception.
 
 The connection is django-redis' ``get_redis_connection(alias, write=True)`` (never
-``cache.lock()``). The lock scripts go through the lean command path of
+``cache.lock()``), or, for the ``REDIS_ALIAS`` alias when ``JOBLOCK["REDIS_CLIENT"]`` names a
+factory, the client that factory returns (a ``RedisCluster``: django-redis has no Cluster
+client). The lock scripts go through the lean command path of
 :mod:`django_joblock.lean` on that client's server. The renewal thread gets its *own* client on
 the same server with short socket timeouts and no client-side retries
 (:func:`renewal_client`), because redis-py's defaults can block for about a minute on a
@@ -16,6 +18,7 @@ import redis
 from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
+from django.utils.module_loading import import_string
 from django_redis import get_redis_connection
 from redis import exceptions as redis_exceptions
 from redis.backoff import NoBackoff
@@ -24,7 +27,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import lean
+from . import conf, lean
 from .exceptions import JoblockConfigError, LockBackendUnavailable
 
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
@@ -77,6 +80,40 @@ def _on_setting_changed(setting: str, **kwargs: Any) -> None:
 
 
 def _lookup(alias: str) -> Any:
+    current = conf.get()
+    if current.REDIS_CLIENT is not None and alias == current.REDIS_ALIAS:
+        return client_from_factory(current.REDIS_CLIENT)
+    return cache_connection(alias)
+
+
+def client_from_factory(path: str) -> Any:
+    """The client made by the factory at dotted ``path`` (``JOBLOCK["REDIS_CLIENT"]``).
+
+    Raises :class:`JoblockConfigError` naming the setting when it cannot be imported, is not
+    callable, raises, or returns something that is not a redis-py client.
+    """
+    what = f"JOBLOCK['REDIS_CLIENT'] = {path!r}"
+    try:
+        factory = import_string(path)
+    except ImportError as exc:
+        raise JoblockConfigError(f"{what} cannot be imported: {exc}") from exc
+    if not callable(factory):
+        raise JoblockConfigError(f"{what} is not callable (a {type(factory).__name__})")
+    try:
+        client = factory()
+    except Exception as exc:
+        raise JoblockConfigError(f"{what} raised {type(exc).__name__}: {exc}") from exc
+    if not callable(getattr(client, "execute_command", None)):
+        raise JoblockConfigError(
+            f"{what} returned {type(client).__name__}, not a redis-py client "
+            "(redis.Redis or redis.cluster.RedisCluster)"
+        )
+    return client
+
+
+def cache_connection(alias: str) -> Any:
+    """The django-redis connection of cache ``alias`` (write side), never the
+    ``REDIS_CLIENT`` factory's: what RQ queues without django-rq use."""
     caches = getattr(settings, "CACHES", {})
     if alias not in caches:
         raise JoblockConfigError(
@@ -126,8 +163,20 @@ def unavailable(
     )
 
 
-def renewal_client(base: Any, timeout: float) -> redis.Redis:
-    """A client on ``base``'s server with ``timeout``-second sockets and no retries."""
+def is_cluster(client: Any) -> bool:
+    """True for a Redis Cluster client."""
+    return isinstance(client, redis.RedisCluster)
+
+
+def renewal_client(base: Any, timeout: float) -> Any:
+    """A client on ``base``'s server with ``timeout``-second sockets and no retries.
+
+    On a Sentinel-managed pool its connections still ask the sentinels for the primary (they
+    share the pool's ``connection_pool`` argument); on Redis Cluster it is a new
+    ``RedisCluster`` on the same nodes, which routes each key to its node.
+    """
+    if is_cluster(base):
+        return _cluster_renewal_client(base, timeout)
     pool = base.connection_pool
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(
@@ -141,3 +190,14 @@ def renewal_client(base: Any, timeout: float) -> redis.Redis:
     kwargs.pop("retry_on_error", None)
     new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     return redis.Redis(connection_pool=new_pool)
+
+
+def _cluster_renewal_client(base: Any, timeout: float) -> Any:
+    from redis.cluster import ClusterNode
+
+    kwargs = dict(base.nodes_manager.connection_kwargs)
+    for name in ("host", "port", "retry", "retry_on_error", "retry_on_timeout"):
+        kwargs.pop(name, None)
+    kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=0)
+    nodes = [ClusterNode(node.host, node.port) for node in base.get_nodes()]  # type: ignore[no-untyped-call]
+    return redis.RedisCluster(startup_nodes=nodes, **kwargs)

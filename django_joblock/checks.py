@@ -7,6 +7,7 @@ E003       a ``JOBLOCK`` value has the wrong type or range
 E004       ``HEARTBEAT_INTERVAL`` >= ``LOCK_TTL``
 E005       ``REDIS_ALIAS`` is not a django-redis cache in ``CACHES``
 E006       a ``@locked_job`` queue name is not in ``RQ_QUEUES`` while django-rq is installed
+E007       ``REDIS_CLIENT`` cannot be imported, is not callable, or does not make a client
 W001       ``HEARTBEAT_INTERVAL`` > ``LOCK_TTL / 2``
 W002       a ``@locked_job`` with heartbeat off has a lock TTL shorter than its RQ job timeout
 W003       ``IDEMPOTENCY_TTL`` shorter than ``REQUEUE_MAX_WAIT``
@@ -32,7 +33,7 @@ from django.conf import settings
 from django.core.checks import ERROR, CheckMessage, Error, Tags, Warning, register
 
 from . import conf
-from .backend import REDIS_ERRORS, connection, renewal_client
+from .backend import REDIS_ERRORS, client_from_factory, connection, renewal_client
 from .exceptions import JoblockConfigError
 from .jobs import job_timeout, registered_jobs, timeout_findings
 from .jobspec import OnConflict
@@ -83,10 +84,33 @@ def check_redis_alias(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     return []
 
 
+@register(Tags.caches, TAG)
+def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """E007: ``REDIS_CLIENT`` names a factory that makes a redis-py client (it is called: a
+    client connects lazily, so making one talks to no server)."""
+    if _serious(check_settings()):
+        return []
+    path = conf.get().REDIS_CLIENT
+    if path is None:
+        return []
+    try:
+        client_from_factory(path)
+    except JoblockConfigError as exc:
+        return [
+            _message(
+                "E007",
+                str(exc),
+                hint="Name a function of yours that returns e.g. "
+                "redis.cluster.RedisCluster(startup_nodes=...); see docs/topologies.md.",
+            )
+        ]
+    return []
+
+
 @register(Tags.caches, TAG, deploy=True)
 def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W010: Redis answers; W011: its eviction policy cannot silently drop locks."""
-    if _serious(check_settings()) or check_redis_alias():
+    if _serious(check_settings()) or check_redis_alias() or check_redis_client():
         return []
     alias = conf.get().REDIS_ALIAS
     try:

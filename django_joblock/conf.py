@@ -30,7 +30,18 @@ from django.core.signals import setting_changed
 from django.dispatch import receiver
 
 from .exceptions import JoblockConfigError
-from .setting_rules import DAY, Choice, Flag, Mapping, Range, Rule, Secret, SubKey, Text
+from .setting_rules import (
+    DAY,
+    Choice,
+    Count,
+    Flag,
+    Mapping,
+    Range,
+    Rule,
+    Secret,
+    SubKey,
+    Text,
+)
 
 __all__ = ["DAY", "JoblockSettings", "Problem", "Range", "get", "problems", "reset"]
 
@@ -103,6 +114,32 @@ class JoblockSettings:
         Text(),
         "the django-redis cache whose connection the locks, metrics and (without django-rq) "
         "the queues use",
+    )
+    REDIS_CLIENT: str | None = _setting(
+        None,
+        Text(
+            r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+",
+            "a dotted path (`pkg.module.name`)",
+        ),
+        "dotted path of a callable taking no arguments that returns the redis-py client of the "
+        "locks and metrics, in place of the `REDIS_ALIAS` cache's connection: the way to put "
+        "the locks on Redis Cluster (a `redis.cluster.RedisCluster`). Queues then come from "
+        "django-rq's `RQ_QUEUES` (RQ does not run on Cluster); see "
+        "[topologies.md](topologies.md#redis-cluster)",
+        optional=True,
+    )
+    REPLICA_ACKS: int = _setting(
+        0,
+        Count(0, 32, "replicas"),
+        "replicas that must have a new lock before an acquire succeeds (Redis `WAIT`); 0 = do "
+        "not wait. Narrows the window in which a Sentinel failover forgets a lock; see "
+        "[topologies.md](topologies.md#redis-sentinel)",
+    )
+    REPLICA_ACK_TIMEOUT: float = _setting(
+        0.5,
+        Range(0.001, 60.0),
+        "how long an acquire waits for `REPLICA_ACKS` replicas; when fewer acknowledge, the "
+        "lock is given back and the acquire raises `LockBackendUnavailable`",
     )
     KEY_PREFIX: str = _setting(
         "joblock",

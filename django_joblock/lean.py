@@ -175,8 +175,8 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
     for attempt in (0, 1):
         conn, own = lean.take(pool)
         try:
-            if own and conn._sock is not None:
-                drop_if_stale(conn)
+            if own:
+                ready(conn)
             conn.send_packed_command([packed], check_health=False)
             replies = Replies()
             for _ in range(count):
@@ -197,6 +197,20 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
         replies.retried = bool(attempt)
         return replies
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def ready(conn: Any) -> None:
+    """Make a connection of the lean path ready to send: closed first if stale (see
+    :func:`drop_if_stale`), then connected through its own ``connect()``.
+
+    ``connect()`` is where a Sentinel-managed connection asks the sentinels for the current
+    primary; redis-py 8's ``send_packed_command`` connects a closed connection to the last
+    address instead, which after a failover is the dead (or demoted) primary.
+    """
+    if conn._sock is not None:
+        drop_if_stale(conn)
+    if conn._sock is None:
+        conn.connect()
 
 
 def drop_if_stale(conn: Any) -> None:
@@ -402,8 +416,7 @@ def blocking_pop(client: Any, key: str, timeout: float) -> Any:
     blocking = per_pool(pool, _BLOCKING_ATTRIBUTE, _Blocking)
     conn = blocking.take(pool)
     try:
-        if conn._sock is not None:
-            drop_if_stale(conn)
+        ready(conn)
         conn.send_packed_command([pack(("BLPOP", key, seconds))], check_health=False)
         reply = conn.read_response()
     except BaseException:

@@ -266,6 +266,9 @@ class Lock(Holding):
             valid_for = self.ttl if turn.valid_for is None else turn.valid_for
             if now - sent >= valid_for - drift(valid_for):
                 raise self._too_late(client, now - sent)
+            acks = conf.get().REPLICA_ACKS
+            if acks:
+                self._await_replicas(client, acks)
             self._next_ticket = turn.next_ticket
             waited = now - started if wait > 0 else 0.0  # one try waits for nothing
             metrics.record_acquire(self.family, self.job_func, waited, acquired=True)
@@ -282,6 +285,35 @@ class Lock(Holding):
             reason=f"held, pttl={lua.busy_pttl_ms(reply)}ms",
         )
         return False
+
+    def _await_replicas(self, client: Any, acks: int) -> None:
+        """Return once ``acks`` replicas have the new lock (``REPLICA_ACKS``); otherwise give
+        it back and raise :class:`LockBackendUnavailable`: a lock only the primary knows is
+        one a failover would forget."""
+        timeout = conf.get().REPLICA_ACK_TIMEOUT
+        try:
+            acked = lua.replicated(
+                client, self.key, self.token, self.ttl_ms, acks, max(1, int(timeout * 1000))
+            )
+        except REDIS_ERRORS as exc:
+            acked, error = 0, f"{type(exc).__name__}: {exc}"
+        else:
+            error = "lost before it was replicated" if acked < 0 else ""
+        if acked >= acks:
+            return
+        metrics.count("acquire_attempts", self.family, self.job_func)
+        metrics.count("acquire_errors", self.family, self.job_func)
+        try:
+            waiting.release(client, self._keys, self.token, "", [])
+        except REDIS_ERRORS:
+            pass  # it expires on its own
+        raise LockBackendUnavailable(
+            f"the lock reached {max(acked, 0)} of the {acks} replicas JOBLOCK['REPLICA_ACKS'] "
+            f"asks for within {timeout:g}s ({error or 'WAIT timed out'}); not acquired",
+            resource=self.resource,
+            key=self.key,
+            owner=self.owner,
+        )
 
     def _too_late(self, client: Any, took: float) -> LockBackendUnavailable:
         """The error for an acquire whose reply came after the lock's validity ran out.

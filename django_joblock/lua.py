@@ -38,6 +38,7 @@ __all__ = [
     "busy_pttl_ms",
     "load_all",
     "release",
+    "replicated",
     "run",
     "run_args",
     "sha",
@@ -132,3 +133,26 @@ def release(
         elif isinstance(reply, Exception):
             raise reply
     return replies[0], replies.retried
+
+
+def replicated(client: Any, key: str, token: str, ttl_ms: int, acks: int, timeout_ms: int) -> int:
+    """How many replicas acknowledged the lock at ``key`` (``token``'s), waiting up to
+    ``timeout_ms`` for ``acks`` of them; -1 if the lock is no longer ``token``'s.
+
+    One round trip: RENEW (a write of this connection, after the acquire or the hand-over in
+    the replication stream) then ``WAIT acks timeout_ms``, which returns once the replicas
+    acknowledged every write up to it. A handed-over lock was written by the releaser's
+    connection, which ``WAIT`` alone would not cover; the renew makes it this connection's.
+    """
+    commands: list[list[Any]] = [
+        ["EVALSHA", RENEW_SHA, 1, key, token, ttl_ms],
+        ["WAIT", acks, timeout_ms],
+    ]
+    replies = execute_many(client, commands)
+    if isinstance(replies[0], NoScriptError):
+        execute(client, "SCRIPT", "LOAD", RENEW)
+        replies = execute_many(client, commands)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return int(replies[1]) if replies[0] == Outcome.OK else -1

@@ -22,7 +22,7 @@ from django.conf import settings
 from rq import Queue
 
 from . import conf
-from .backend import connection
+from .backend import cache_connection
 from .exceptions import JoblockConfigError
 
 
@@ -70,7 +70,7 @@ def get_queue(queue: Any) -> Queue:
 
         found: Queue = django_rq.get_queue(name)
         return found
-    return Queue(name, connection=connection(conf.get().REDIS_ALIAS))
+    return Queue(name, connection=cache_connection(conf.get().REDIS_ALIAS))
 
 
 def queue_name(queue: Any) -> str:
@@ -78,10 +78,14 @@ def queue_name(queue: Any) -> str:
 
 
 def server_of(client: Any) -> tuple[Any, ...]:
-    """Identity of the Redis server *and database* a client talks to (for grouping reads)."""
+    """Identity of the Redis server *and database* a client talks to (for grouping reads).
+
+    A Sentinel-managed pool is named by its service (its host changes with each failover).
+    """
     pool = getattr(client, "connection_pool", None)
     kwargs = getattr(pool, "connection_kwargs", {}) or {}
     return (
+        getattr(pool, "service_name", None),
         kwargs.get("host"),
         kwargs.get("port"),
         kwargs.get("path"),

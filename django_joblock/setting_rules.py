@@ -89,6 +89,30 @@ class Text:
 
 
 @dataclass(frozen=True)
+class Count:
+    """A whole number from ``low`` to ``high`` (a bool or a float such as 1.5 is refused)."""
+
+    low: int
+    high: int
+    unit: str = ""
+
+    def allowed(self) -> str:
+        return f"{self.low} to {self.high}"
+
+    def problem(self, value: object) -> str:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be a whole number, got {value!r}"
+        if not self.low <= value <= self.high:
+            return f"must be >= {self.low} and <= {self.high} {self.unit}".rstrip() + (
+                f", got {value!r}"
+            )
+        return ""
+
+    def clean(self, value: Any) -> Any:
+        return int(value)
+
+
+@dataclass(frozen=True)
 class Choice:
     values: tuple[str, ...]
 
@@ -161,4 +185,4 @@ class Mapping:
         return {**self.defaults(), **{k: float(v) for k, v in value.items()}}
 
 
-Rule = Range | Text | Choice | Flag | Secret | Mapping
+Rule = Range | Count | Text | Choice | Flag | Secret | Mapping

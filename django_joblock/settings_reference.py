@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import conf
-from .setting_rules import Mapping, Range, Rule, Secret, Text, number
+from .setting_rules import Count, Mapping, Range, Rule, Secret, Text, number
 
 
 def reference() -> str:
@@ -21,7 +21,7 @@ def reference() -> str:
             lines.append(f"| `{key}` | {shown} | {declared.metadata['doc']} |")
             continue
         text = declared.metadata["doc"]
-        if isinstance(rule, Range | Text) and rule.allowed():
+        if isinstance(rule, Range | Count | Text) and rule.allowed():
             text += f"; {rule.allowed()}"
         elif isinstance(rule, Secret):
             text = f"{text} ({rule.allowed()})"

@@ -72,6 +72,13 @@ def assert_warning(check_id: str, text: str, *, deploy: bool = False) -> None:
         ({"LOCK_TTL": 10, "HEARTBEAT_INTERVAL": 10}, "E004", "HEARTBEAT_INTERVAL"),
         ({"REDIS_ALIAS": "locmem"}, "E005", "locmem"),
         ({"REDIS_ALIAS": "nope"}, "E005", "nope"),
+        ({"REPLICA_ACKS": 1.5}, "E003", "REPLICA_ACKS"),
+        ({"REPLICA_ACKS": -1}, "E003", "REPLICA_ACKS"),
+        ({"REPLICA_ACK_TIMEOUT": float("nan")}, "E003", "REPLICA_ACK_TIMEOUT"),
+        ({"REDIS_CLIENT": "not a path"}, "E003", "REDIS_CLIENT"),
+        ({"REDIS_CLIENT": "tests.nowhere.make"}, "E007", "cannot be imported"),
+        ({"REDIS_CLIENT": "tests.settings.REDIS_URL"}, "E007", "is not callable"),
+        ({"REDIS_CLIENT": "builtins.dict"}, "E007", "not a redis-py client"),
     ],
 )
 def test_setting_errors_stop_manage_py_check(settings, joblock, check_id, text):
@@ -231,6 +238,7 @@ TAGGED_RUNS: list[tuple[object, Any, set[str]]] = [
     ({"LOCK_TTL": 10, "HEARTBEAT_INTERVAL": 10}, None, {"E004"}),
     ({"REDIS_ALIAS": "locmem"}, None, {"E005"}),
     ({}, _job_on_unknown_queue, {"E006"}),
+    ({"REDIS_CLIENT": "builtins.dict"}, None, {"E007"}),
     ({"REDIS_ALIAS": "down"}, None, {"W010"}),
     (
         {

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,9 @@ class RedisServer:
     ``persistent``: keep an fsync'ed append-only file, read again on restart; it is read at each
     :meth:`start`, so it may be switched between a kill and the next start.
     ``startup_timeout``: seconds :meth:`start` waits for ``PING`` to be answered.
+    ``extra_args``: more ``redis-server`` arguments (``--replicaof``, ``--cluster-enabled``...).
+    ``config``: the text of a configuration file written to the server's directory and given
+    first (a sentinel needs one it can rewrite; see :mod:`django_joblock.testing.topologies`).
     """
 
     def __init__(
@@ -82,8 +86,12 @@ class RedisServer:
         *,
         persistent: bool = False,
         startup_timeout: float = STARTUP_TIMEOUT,
+        extra_args: Sequence[str] = (),
+        config: str | None = None,
     ) -> None:
         self.port = free_port() if port is None else port
+        self.extra_args = list(extra_args)
+        self.config = config
         self.persistent = persistent
         self.startup_timeout = startup_timeout
         self.dir = Path(tempfile.mkdtemp(prefix="joblock-redis-"))
@@ -113,9 +121,15 @@ class RedisServer:
             raise RedisServerError("redis-server is not on PATH")
         aof = ["yes", "--appendfsync", "always"] if self.persistent else ["no"]
         self.dir.mkdir(parents=True, exist_ok=True)
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args = [binary]
+        if self.config is not None:
+            conf = self.dir / "redis.conf"
+            if not conf.exists():  # a sentinel rewrites its file: a restart keeps what it learnt
+                conf.write_text(self.config)
+            args.append(str(conf))
+        args += ["--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", *aof, "--dir", str(self.dir), "--daemonize", "no"]
-        args += ["--logfile", str(self.log_path)]
+        args += ["--logfile", str(self.log_path), *self.extra_args]
         self.proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
