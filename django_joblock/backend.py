@@ -192,12 +192,52 @@ def renewal_client(base: Any, timeout: float) -> Any:
     return redis.Redis(connection_pool=new_pool)
 
 
+# Arguments redis-py's RedisCluster puts among its nodes' connection arguments itself (bound
+# to that client, or its retry policy): a new client must not inherit them.
+_CLUSTER_OWN_KWARGS = (
+    "host",
+    "port",
+    "retry",
+    "retry_on_error",
+    "retry_on_timeout",
+    "redis_connect_func",
+    "oss_cluster_maint_notifications_handler",
+    "maint_notifications_config",
+)
+# redis-py >= 6 retries cluster commands by its ``retry`` object; 5.x counts them with
+# ``cluster_error_retry_attempts`` and gives ``retry`` to the nodes' connections.
+_CLUSTER_RETRY_OBJECT = int(redis.__version__.split(".")[0]) >= 6
+
+
 def _cluster_renewal_client(base: Any, timeout: float) -> Any:
     from redis.cluster import ClusterNode
 
     kwargs = dict(base.nodes_manager.connection_kwargs)
-    for name in ("host", "port", "retry", "retry_on_error", "retry_on_timeout"):
+    for name in _CLUSTER_OWN_KWARGS:
         kwargs.pop(name, None)
     kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=0)
+    kwargs.update(retry=Retry(NoBackoff(), 0))
+    if not _CLUSTER_RETRY_OBJECT:
+        kwargs.update(cluster_error_retry_attempts=0)
     nodes = [ClusterNode(node.host, node.port) for node in base.get_nodes()]  # type: ignore[no-untyped-call]
     return redis.RedisCluster(startup_nodes=nodes, **kwargs)
+
+
+def close(client: Any) -> None:
+    """Close ``client``'s connections (a short-lived client made by :func:`renewal_client`)."""
+    if is_cluster(client):
+        client.close()
+    else:
+        client.connection_pool.disconnect()
+
+
+def server_infos(client: Any, section: str) -> dict[str, dict[str, Any]]:
+    """``INFO section`` of every server behind ``client``, by ``host:port``: the one server of
+    a plain client, every primary of a Redis Cluster (each asked on its own)."""
+    if not is_cluster(client):
+        kwargs = client.connection_pool.connection_kwargs
+        name = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        if kwargs.get("path"):
+            name = str(kwargs["path"])
+        return {name: client.info(section)}
+    return {node.name: client.info(section, target_nodes=node) for node in client.get_primaries()}

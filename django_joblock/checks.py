@@ -33,7 +33,14 @@ from django.conf import settings
 from django.core.checks import ERROR, CheckMessage, Error, Tags, Warning, register
 
 from . import conf
-from .backend import REDIS_ERRORS, client_from_factory, connection, renewal_client
+from .backend import (
+    REDIS_ERRORS,
+    client_from_factory,
+    close,
+    connection,
+    renewal_client,
+    server_infos,
+)
 from .exceptions import JoblockConfigError
 from .jobs import job_timeout, registered_jobs, timeout_findings
 from .jobspec import OnConflict
@@ -113,9 +120,10 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     if _serious(check_settings()) or check_redis_alias() or check_redis_client():
         return []
     alias = conf.get().REDIS_ALIAS
+    client = None
     try:
         client = renewal_client(connection(alias), timeout=2.0)
-        memory = client.info("memory")
+        memories = server_infos(client, "memory")
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
         return [
             _message(
@@ -124,19 +132,25 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
                 hint="Locks cannot be taken; every acquire raises LockBackendUnavailable.",
             )
         ]
-    policy = str(memory.get("maxmemory_policy", "noeviction"))
-    maxmemory = int(memory.get("maxmemory", 0) or 0)
-    if maxmemory and policy != "noeviction":
-        return [
-            _message(
-                "W011",
-                f"Redis of cache {alias!r} has maxmemory={maxmemory} with maxmemory-policy="
-                f"{policy!r}: under memory pressure it may evict a held lock and let a second "
-                "holder in.",
-                hint="Use a Redis with maxmemory-policy noeviction (or no maxmemory) for locks.",
+    finally:
+        if client is not None:
+            close(client)
+    found = []
+    for server, memory in memories.items():
+        policy = str(memory.get("maxmemory_policy", "noeviction"))
+        maxmemory = int(memory.get("maxmemory", 0) or 0)
+        if maxmemory and policy != "noeviction":
+            where = f"Redis of cache {alias!r}" + (f" ({server})" if len(memories) > 1 else "")
+            found.append(
+                _message(
+                    "W011",
+                    f"{where} has maxmemory={maxmemory} with maxmemory-policy={policy!r}: under "
+                    "memory pressure it may evict a held lock and let a second holder in.",
+                    hint="Use a Redis with maxmemory-policy noeviction (or no maxmemory) for "
+                    "locks.",
+                )
             )
-        ]
-    return []
+    return found
 
 
 @register(Tags.compatibility, TAG)
@@ -195,7 +209,7 @@ def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
             try:
                 served = has_scheduler(queue, client)
             finally:
-                client.connection_pool.disconnect()
+                close(client)
         except REDIS_ERRORS as exc:
             found.append(
                 _message(

@@ -19,8 +19,8 @@ from typing import Any
 
 from rq import get_current_job as _get_current_job
 
-from . import conf
-from .backend import REDIS_ERRORS, connection, text, unavailable
+from . import conf, lua
+from .backend import REDIS_ERRORS, connection, is_cluster, text, unavailable
 from .keys import LockKeys, owner_hash, validate_resource
 
 HOST = socket.gethostname()[:255].encode()  # encoded once: redis-py passes bytes through
@@ -156,18 +156,24 @@ class LockInfo:
 
 def read_many(
     client: Any, resources: list[str], *, atomic: bool = False
-) -> tuple[list[tuple[LockHash | None, int]], int]:
-    """``([(lock hash or None, its PTTL in ms)] per resource, the server's clock in Unix
-    ms)``, in one round trip (``TIME``, then ``HGETALL`` + ``PTTL`` per lock; a ``MULTI`` with
+) -> list[tuple[LockHash | None, int, int]]:
+    """``(lock hash or None, its PTTL in ms, its server's clock in Unix ms)`` per resource, in
+    one round trip (``TIME``, then ``HGETALL`` + ``PTTL`` per lock; a ``MULTI`` with
     ``atomic``, for one lock or locks of one hash tag).
+
+    On Redis Cluster each lock is read by the ``READ`` script on the node of its slot (the
+    client's pipeline sends them to their nodes together): an atomic snapshot of each lock, with
+    the clock of the server that holds it.
 
     Raises redis-py's errors (callers map them with :func:`backend.unavailable`).
     """
     prefix = conf.get().KEY_PREFIX
+    keys = [LockKeys(prefix, resource).lock for resource in resources]
+    if is_cluster(client):
+        return [_decode_read(reply) for reply in lua.read_each(client, keys)]
     pipe = client.pipeline(transaction=atomic)
     pipe.time()
-    for resource in resources:
-        key = LockKeys(prefix, resource).lock
+    for key in keys:
         pipe.hgetall(key)
         pipe.pttl(key)
     clock, *replies = pipe.execute()
@@ -175,15 +181,21 @@ def read_many(
     found = []
     for index in range(len(resources)):
         raw, pttl = replies[2 * index], int(replies[2 * index + 1])
-        found.append((LockHash.decode(raw) if pttl != -2 else None, pttl))
-    return found, server_ms
+        found.append((LockHash.decode(raw) if pttl != -2 else None, pttl, server_ms))
+    return found
+
+
+def _decode_read(reply: list[Any]) -> tuple[LockHash | None, int, int]:
+    seconds, micros, pttl, flat = reply
+    server_ms = int(seconds) * 1000 + int(micros) // 1000
+    raw = dict(zip(flat[::2], flat[1::2], strict=True))
+    return (LockHash.decode(raw) if int(pttl) != -2 else None, int(pttl), server_ms)
 
 
 def read(client: Any, resource: str) -> tuple[LockHash | None, int, int]:
     """``(the lock hash or None, its PTTL in ms, the server's clock in Unix ms)`` of
     ``resource``, in one round trip (a ``MULTI``: see :func:`read_many`)."""
-    ((found, pttl),), server_ms = read_many(client, [resource], atomic=True)
-    return found, pttl, server_ms
+    return read_many(client, [resource], atomic=True)[0]
 
 
 def info(resource: str, found: LockHash, pttl: int, server_ms: int) -> LockInfo:

@@ -147,13 +147,42 @@ def execute_many(client: Any, commands: list[Any], *, retry: bool = True) -> Rep
     connection pool (e.g. Redis Cluster) take redis-py's pipeline instead.
     """
     if not usable(client):
-        pipe = client.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        return Replies(pipe.execute(raise_on_error=False))
-    return execute_packed(
-        client, b"".join([pack(command) for command in commands]), len(commands), retry=retry
+        return _pipelined(client, commands)
+    return _send_packed(
+        client, b"".join([pack(command) for command in commands]), len(commands), retry
     )
+
+
+def _pipelined(client: Any, commands: list[Any]) -> Replies:
+    """The commands through ``client``'s own pipeline (no ``MULTI``): on Redis Cluster,
+    redis-py's ``ClusterPipeline`` sends each to the node of its key's slot (commands of
+    different slots and nodes may be mixed), follows ``MOVED`` / ``ASK`` and retries as the
+    client is configured to; replies come back in the commands' order."""
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return Replies(pipe.execute(raise_on_error=False))
+
+
+def unpack(packed: bytes) -> list[list[Any]]:
+    """The commands :func:`pack` encoded into ``packed`` (one after another), as argument
+    lists of bytes, the command's name as str (redis-py's Cluster routing looks names up as
+    str): what a client without a plain pool sends through its own pipeline."""
+    commands: list[list[Any]] = []
+    at = 0
+    while at < len(packed):
+        if packed[at : at + 1] != b"*":
+            raise ValueError(f"not a packed command at byte {at}")
+        end = packed.index(b"\r\n", at)
+        count, at = int(packed[at + 1 : end]), end + 2
+        args: list[Any] = []
+        for _ in range(count):
+            end = packed.index(b"\r\n", at)
+            size, at = int(packed[at + 1 : end]), end + 2
+            args.append(packed[at : at + size])
+            at += size + 2
+        commands.append([args[0].decode(), *args[1:]] if args else args)
+    return commands
 
 
 def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True) -> Replies:
@@ -169,7 +198,17 @@ def execute_packed(client: Any, packed: bytes, count: int, *, retry: bool = True
     closed, never reused half-read; with ``retry`` the commands are then sent once more on
     a fresh connection (``Replies.retried``): callers only allow that for commands that are
     safe to run twice. Timeouts are never retried (the caller's time is bounded).
+
+    A client without a plain connection pool (Redis Cluster) gets the commands unpacked and
+    sent through its own pipeline (see :func:`execute_many`), retried as that client is
+    configured to (the renewal thread's cluster client: never).
     """
+    if not usable(client):
+        return _pipelined(client, unpack(packed))
+    return _send_packed(client, packed, count, retry)
+
+
+def _send_packed(client: Any, packed: bytes, count: int, retry: bool) -> Replies:
     pool = client.connection_pool
     lean = _lean(pool)
     for attempt in (0, 1):

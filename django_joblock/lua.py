@@ -2,7 +2,8 @@
 codes are given meaning.
 
 Scripts are called by SHA (``EVALSHA``) on the lean command path; :func:`run` and
-:func:`load_all` reload them after a ``NOSCRIPT`` (a Redis restart or ``SCRIPT FLUSH``).
+:func:`load_all` reload them after a ``NOSCRIPT`` (a Redis restart or ``SCRIPT FLUSH``; on
+Redis Cluster, on the node that forgot them: see :func:`rerun`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from .backend import REDIS_ERRORS, is_cluster
 from .lean import execute, execute_many
 from .scripts import (
     ACQUIRE,
@@ -20,6 +22,7 @@ from .scripts import (
     LEAVE,
     MAX_TTL_MS,
     METRICS,
+    READ,
     RELEASE,
     RENEW,
     WAIT,
@@ -31,14 +34,17 @@ __all__ = [
     "LEAVE_SHA",
     "MAX_TTL_MS",
     "METRICS_SHA",
+    "READ_SHA",
     "RELEASE_SHA",
     "RENEW_SHA",
     "WAIT_SHA",
     "Outcome",
     "busy_pttl_ms",
     "load_all",
+    "read_each",
     "release",
     "replicated",
+    "rerun",
     "run",
     "run_args",
     "sha",
@@ -67,6 +73,7 @@ LEAVE_SHA = sha(LEAVE)
 RENEW_SHA = sha(RENEW)
 RELEASE_SHA = sha(RELEASE)
 METRICS_SHA = sha(METRICS)
+READ_SHA = sha(READ)
 _SOURCES = {
     script_sha: source
     for script_sha, source in (
@@ -76,6 +83,7 @@ _SOURCES = {
         (RENEW_SHA, RENEW),
         (RELEASE_SHA, RELEASE),
         (METRICS_SHA, METRICS),
+        (READ_SHA, READ),
     )
 }
 
@@ -86,9 +94,38 @@ def busy_pttl_ms(reply: int) -> int:
 
 
 def load_all(client: Any) -> None:
-    """Load every script into the server's script cache (after a restart or SCRIPT FLUSH)."""
-    for source in _SOURCES.values():
-        client.script_load(source)
+    """Load every script into the server's script cache (after a restart or SCRIPT FLUSH).
+
+    On Redis Cluster into every primary's, one node after the other: a node that does not
+    answer does not keep the others from getting them (its error is raised at the end).
+    """
+    if not is_cluster(client):
+        for source in _SOURCES.values():
+            client.script_load(source)
+        return
+    failed: BaseException | None = None
+    for node in client.get_primaries():
+        try:
+            for source in _SOURCES.values():
+                client.execute_command("SCRIPT", "LOAD", source, target_nodes=node)
+        except REDIS_ERRORS as exc:
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+
+
+def rerun(client: Any, command: list[Any]) -> Any:
+    """Run an ``["EVALSHA", sha, numkeys, ...]`` command whose script the server forgot
+    (``NOSCRIPT``): the script is loaded, then run.
+
+    On Redis Cluster it is sent as ``EVAL`` with the script's source instead, in one command
+    routed like the ``EVALSHA`` (by its keys' slot), so the script runs, and is cached, on the
+    node that forgot it (a ``SCRIPT LOAD`` has no key to be routed by).
+    """
+    if is_cluster(client):
+        return execute(client, "EVAL", _SOURCES[command[1]], *command[2:])
+    execute(client, "SCRIPT", "LOAD", _SOURCES[command[1]])
+    return execute(client, *command)
 
 
 def run_args(client: Any, command: list[Any]) -> Any:
@@ -96,8 +133,7 @@ def run_args(client: Any, command: list[Any]) -> Any:
     try:
         return execute(client, *command)
     except NoScriptError:
-        execute(client, "SCRIPT", "LOAD", _SOURCES[command[1]])
-        return execute(client, *command)
+        return rerun(client, command)
 
 
 def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:
@@ -111,8 +147,23 @@ def run(client: Any, script_sha: str, keys: list[str], args: list[Any]) -> Any:
     try:
         return execute(client, "EVALSHA", script_sha, len(keys), *keys, *args)
     except NoScriptError:
-        execute(client, "SCRIPT", "LOAD", _SOURCES[script_sha])
-        return execute(client, "EVALSHA", script_sha, len(keys), *keys, *args)
+        return rerun(client, ["EVALSHA", script_sha, len(keys), *keys, *args])
+
+
+def read_each(client: Any, keys: list[str]) -> list[Any]:
+    """READ of each lock hash in ``keys`` (``[seconds, microseconds, pttl, hgetall list]``),
+    in one pipeline: on Redis Cluster each runs on the node of its key's slot, with that
+    node's clock. Raises the first error reply, or a connection error."""
+    if not keys:
+        return []
+    commands: list[list[Any]] = [["EVALSHA", READ_SHA, 1, key] for key in keys]
+    replies = execute_many(client, commands)
+    for index, reply in enumerate(replies):
+        if isinstance(reply, NoScriptError):
+            replies[index] = rerun(client, commands[index])
+        elif isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 def release(

@@ -76,9 +76,9 @@ def active_locks(
     entries = active_index.members(names, limit)
     if not entries:
         return []
-    hashes, server_ms = read_many(_client(), [resource for _fam, resource, _owner in entries])
+    hashes = read_many(_client(), [resource for _fam, resource, _owner in entries])
     found, stale = [], []
-    for (fam, resource, owner), (held, pttl) in zip(entries, hashes, strict=True):
+    for (fam, resource, owner), (held, pttl, server_ms) in zip(entries, hashes, strict=True):
         if held is None or held.owner != owner:
             stale.append((fam, resource, owner))
             continue

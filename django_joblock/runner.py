@@ -47,7 +47,7 @@ from rq import get_current_job
 
 from . import admission, conf, metrics, tombstones
 from .abort import Abort
-from .backend import REDIS_ERRORS, connection, renewal_client
+from .backend import REDIS_ERRORS, close, connection, renewal_client
 from .exceptions import (
     IdempotencyInProgress,
     LockBackendUnavailable,
@@ -194,7 +194,7 @@ def _operator_note(held: Lock) -> tombstones.OperatorRelease | None:
         return None  # Redis is gone too: the plain loss reason stands
     finally:
         if client is not None:
-            client.connection_pool.disconnect()
+            close(client)
 
 
 def _fingerprint(arguments: dict[str, Any]) -> str:

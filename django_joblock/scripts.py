@@ -337,3 +337,13 @@ end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return (#ARGV - 1) / 2
 """
+
+
+READ = """
+-- Read a lock as one snapshot on its own server (Redis Cluster: on the node of its slot).
+-- KEYS[1] lock hash
+-- Returns {server seconds, microseconds (TIME), PTTL in ms, HGETALL's field, value list}.
+-- Read-only.
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('PTTL', KEYS[1]), redis.call('HGETALL', KEYS[1])}
+"""

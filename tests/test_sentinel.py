@@ -18,30 +18,19 @@ from typing import Any
 
 import pytest
 import redis
+from rq import Retry
+from rq.job import JobStatus
 
 from django_joblock import LockBackendUnavailable, StaleFence, fenced_update, lock
 from django_joblock.testing.redis_server import free_port
-from django_joblock.testing.topologies import SentinelGroup
+from django_joblock.testing.topologies import SentinelGroup, sentinel_cache, sentinel_queue
 from tests.harness import Proxy, wait_for
+from tests.sentinel_jobs import add_one
 from tests.testapp.models import Account
+from tests.workers import Workers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 _NAMES = itertools.count()
-
-
-def sentinel_cache(group: SentinelGroup) -> dict[str, Any]:
-    """The django-redis cache of docs/topologies.md for ``group``."""
-    return {
-        "BACKEND": "django_redis.cache.RedisCache",
-        "LOCATION": f"redis://{group.master_name}/0",
-        "OPTIONS": {
-            "CLIENT_CLASS": "django_redis.client.SentinelClient",
-            "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
-            "SENTINELS": group.addresses,
-            "SOCKET_CONNECT_TIMEOUT": 1,
-            "SOCKET_TIMEOUT": 2,
-        },
-    }
 
 
 class Setup:
@@ -66,7 +55,8 @@ def sentinel(settings: Any) -> Iterator[Setup]:
     # life, and one of an earlier test would ask that test's (stopped) sentinels.
     group = SentinelGroup(replicate_via=via, master_name=f"joblock{next(_NAMES)}")
     group.start()
-    settings.CACHES = {**settings.CACHES, "sentinel": sentinel_cache(group)}
+    cache = sentinel_cache(group.addresses, group.master_name)
+    settings.CACHES = {**settings.CACHES, "sentinel": cache}
     settings.JOBLOCK = {**getattr(settings, "JOBLOCK", {}), "REDIS_ALIAS": "sentinel"}
     yield Setup(group, links[0])
     group.stop()
@@ -85,7 +75,7 @@ def test_locks_and_their_heartbeat_follow_a_failover(sentinel):
     new = sentinel.group.fail_over()
     assert new != old
     # The renewal thread renews on the new primary: no restart, no lost lock.
-    wait_for(lambda: renewals(sentinel.primary(), "order:1") > 0, timeout=15)
+    assert wait_for(lambda: renewals(sentinel.primary(), "order:1") > 0, timeout=15)
     assert not held.lost
     assert held.renew()
     other = lock("order:2", ttl=5)
@@ -110,7 +100,7 @@ def test_a_lock_the_failover_forgot_is_lost_and_its_late_write_refused(sentinel)
     assert fresh.fence > stale.fence  # type: ignore[operator]
     fenced_update(rows, fresh.fence, balance=10)
     # The heartbeat sees the key gone (or no longer its token) and declares the lock lost...
-    wait_for(lambda: stale.lost, timeout=15)
+    assert wait_for(lambda: stale.lost, timeout=15)
     # ... and the database refuses the stale holder's late write.
     with pytest.raises(StaleFence):
         fenced_update(rows, stale.fence, balance=666)
@@ -141,3 +131,64 @@ def test_replica_acks_wait_for_the_replica(sentinel, settings):
     alone = lock("order:10", ttl=5)
     assert alone.acquire()
     alone.release()
+
+
+class SentinelWorkers(Workers):
+    """Worker processes with ``tests.settings_sentinel``: locks and queues on ``group``."""
+
+    def __init__(self, group: SentinelGroup) -> None:
+        super().__init__(extra_args=["--maintenance-interval", "5"])
+        self.group = group
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env["DJANGO_SETTINGS_MODULE"] = "tests.settings_sentinel"
+        env["JOBLOCK_TEST_SENTINELS"] = ",".join(f"{h}:{p}" for h, p in self.group.addresses)
+        env["JOBLOCK_TEST_MASTER"] = self.group.master_name
+        return env
+
+
+def test_workers_and_queues_follow_a_failover(sentinel, settings):
+    """Real RQ workers, queues on django-rq's Sentinel settings, locks on django-redis'
+    SentinelClient: the primary is killed mid-run and the same worker processes (no restart)
+    finish every job, each effect applied once."""
+    import django_rq
+
+    group = sentinel.group
+    settings.RQ_QUEUES = {"default": sentinel_queue(group.addresses, group.master_name)}
+
+    accounts = ["a", "b", "c"]
+    for name in accounts:
+        Account.objects.create(name=name)
+    queue = django_rq.get_queue("default")
+    # A short job_timeout: a job whose end the failover forgot (replication is asynchronous)
+    # is back in RQ's started registry with no worker on it; RQ's own registry maintenance
+    # retries it once its timeout has passed (the idempotency key replays it if it had run).
+    retry = Retry(max=3)
+    jobs = [add_one.enqueue((accounts[n % 3], n), job_timeout=8, retry=retry) for n in range(120)]
+    sentinel.group.wait_replicated()  # what was enqueued is on the replica too
+    crew = SentinelWorkers(sentinel.group)
+    try:
+        pids = {crew.start(scheduler=True).pid, crew.start().pid}
+        assert wait_for(lambda: Account.objects.filter(balance__gt=0).count() == 3, timeout=30)
+
+        def finished_count() -> int:
+            return sum(job.get_status(refresh=True) == JobStatus.FINISHED for job in jobs)
+
+        assert finished_count() < len(jobs), "the failover must come mid-run"
+        old = sentinel.group.primary_port()
+        assert sentinel.group.fail_over() != old
+        queue.connection.connection_pool.disconnect()
+
+        def finished() -> bool:
+            return finished_count() == len(jobs)
+
+        assert wait_for(finished, timeout=120), [
+            (job.id, job.get_status(refresh=True), job.latest_result())
+            for job in jobs
+            if not job.is_finished
+        ]
+        assert {proc.pid for proc in crew.procs if proc.poll() is None} == pids  # no restart
+    finally:
+        crew.stop()
+    assert sum(Account.objects.values_list("balance", flat=True)) == len(jobs)

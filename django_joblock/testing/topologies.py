@@ -19,7 +19,9 @@ Guarantees and failure modes:
   and its replicas: it is called with the primary's port and returns the port the replicas
   replicate from.
 - :meth:`ClusterNodes.restart` kills one node and starts it again on the same port and
-  directory: it keeps its slots (``nodes.conf``) and loses its keys.
+  directory: it keeps its slots (``nodes.conf``) and loses its keys (its script cache too).
+- A cluster node's bus port is a free port of its own (``cluster-port``, Redis >= 7.0), not
+  its data port + 10000 (which Redis refuses above 55535, and which may be taken).
 """
 
 from __future__ import annotations
@@ -32,10 +34,54 @@ from typing import Any
 
 import redis
 
-from .redis_server import RedisServer, RedisServerError
+from .redis_server import RedisServer, RedisServerError, free_port
 
 #: The name the sentinels of a :class:`SentinelGroup` monitor the primary under.
 MASTER_NAME = "joblock"
+
+
+def sentinel_cache(sentinels: list[tuple[str, int]], master: str) -> dict[str, Any]:
+    """A django-redis ``CACHES`` entry on the primary the ``sentinels`` name ``master``
+    (django-redis' ``SentinelClient``; docs/topologies.md)."""
+    return {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": f"redis://{master}/0",
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_redis.client.SentinelClient",
+            "CONNECTION_FACTORY": "django_redis.pool.SentinelConnectionFactory",
+            "SENTINELS": sentinels,
+            "SOCKET_CONNECT_TIMEOUT": 1,
+            "SOCKET_TIMEOUT": 2,
+        },
+    }
+
+
+def sentinel_queue(
+    sentinels: list[tuple[str, int]], master: str, *, failover_budget: float = 20.0
+) -> dict[str, Any]:
+    """A django-rq ``RQ_QUEUES`` entry on the same primary (django-rq's ``SENTINELS``).
+
+    Its connections retry a failed command for up to about ``failover_budget`` seconds, asking
+    the sentinels for the primary again each time: an RQ worker whose Redis call fails while
+    a failover is under way would otherwise stop ("found an unhandled exception, quitting").
+    """
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
+
+    cap = 1.0
+    return {
+        "SENTINELS": sentinels,
+        "MASTER_NAME": master,
+        "DB": 0,
+        "SOCKET_TIMEOUT": 5,
+        "CONNECTION_KWARGS": {
+            "socket_connect_timeout": 1,
+            "retry": Retry(ExponentialBackoff(cap=cap, base=0.05), int(failover_budget / cap)),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        },
+    }
 
 
 def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -192,7 +238,12 @@ class ClusterNodes:
             raise ValueError("Redis Cluster needs at least 3 primaries")
         args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         args += ["--cluster-node-timeout", str(int(node_timeout * 1000))]
-        self.nodes = [RedisServer(extra_args=args) for _ in range(primaries)]
+        # The cluster bus port is given (``cluster-port``, Redis >= 7): by default it is the
+        # data port + 10000, which refuses data ports above 55535 and may be taken.
+        self.nodes = [
+            RedisServer(extra_args=[*args, "--cluster-port", str(free_port())])
+            for _ in range(primaries)
+        ]
 
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
