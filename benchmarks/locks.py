@@ -18,6 +18,9 @@ redis-py ``Lock(blocking_timeout=60)`` (sleep polling, its default 0.1 s sleep) 
 python-redis-lock (``blocking=True``, BLPOP on a signal the release pushes; its ``timeout`` may
 not exceed ``expire`` without auto-renewal, so it waits in TTL-long blocks).
 
+The fourth part (``benchmarks/replica_acks.py``) prices ``JOBLOCK["REPLICA_ACKS"] = 1`` against
+0 on a private primary with one replica.
+
 The third part holds many locks in one process for a few TTL periods and reports the renewal
 thread's round trips and CPU per TTL period.
 
@@ -400,6 +403,7 @@ def main() -> int:
     parser.add_argument("--hot-cycles", type=int, default=50)
     parser.add_argument("--hot-hold", type=float, default=0.010)
     parser.add_argument("--hot-rounds", type=int, default=5)
+    parser.add_argument("--replica-rounds", type=int, default=5, help="REPLICA_ACKS table; 0: skip")
     parser.add_argument("--hot-child", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -421,6 +425,10 @@ def main() -> int:
             hot_table(url, args.hot_procs, args.hot_cycles, args.hot_hold, args.hot_rounds)
         if args.hold_locks:
             hold_many(args.hold_locks, args.hold_ttl)
+        if args.replica_rounds and redis_server.available():
+            from replica_acks import table
+
+            table(args.cycles or 2000, args.replica_rounds, measure, pct)
     finally:
         if server is not None:
             server.stop()

@@ -8,6 +8,7 @@ E004       ``HEARTBEAT_INTERVAL`` >= ``LOCK_TTL``
 E005       ``REDIS_ALIAS`` is not a django-redis cache in ``CACHES``
 E006       a ``@locked_job`` queue name is not in ``RQ_QUEUES`` while django-rq is installed
 E007       ``REDIS_CLIENT`` cannot be imported, is not callable, or does not make a client
+E008       ``REPLICA_ACKS`` is set while ``REDIS_CLIENT`` makes a Redis Cluster client
 W001       ``HEARTBEAT_INTERVAL`` > ``LOCK_TTL / 2``
 W002       a ``@locked_job`` with heartbeat off has a lock TTL shorter than its RQ job timeout
 W003       ``IDEMPOTENCY_TTL`` shorter than ``REQUEUE_MAX_WAIT``
@@ -38,6 +39,7 @@ from .backend import (
     client_from_factory,
     close,
     connection,
+    is_cluster,
     renewal_client,
     server_infos,
 )
@@ -101,7 +103,7 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     if path is None:
         return []
     try:
-        client_from_factory(path)
+        client = client_from_factory(path)
     except JoblockConfigError as exc:
         return [
             _message(
@@ -109,6 +111,16 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
                 str(exc),
                 hint="Name a function of yours that returns e.g. "
                 "redis.cluster.RedisCluster(startup_nodes=...); see docs/topologies.md.",
+            )
+        ]
+    if is_cluster(client) and conf.get().REPLICA_ACKS:
+        return [
+            _message(
+                "E008",
+                "JOBLOCK['REPLICA_ACKS'] is set, but REDIS_CLIENT makes a Redis Cluster client: "
+                "WAIT counts the replicas of one node, and a cluster's locks live on many.",
+                hint="Set REPLICA_ACKS to 0 on Cluster; it is for a primary with replicas "
+                "(Sentinel). See docs/topologies.md.",
             )
         ]
     return []

@@ -37,8 +37,8 @@ from types import TracebackType
 from typing import Any
 
 from . import active_index, conf, lua, metrics, waiting
-from .backend import REDIS_ERRORS, connection, unavailable
-from .exceptions import LockBackendUnavailable, LockError, LockNotAcquired
+from .backend import REDIS_ERRORS, connection, is_cluster, unavailable
+from .exceptions import JoblockConfigError, LockBackendUnavailable, LockError, LockNotAcquired
 from .factories import factory
 from .holders import holder_details
 from .holding import Holding, LockState, drift
@@ -291,6 +291,11 @@ class Lock(Holding):
         it back and raise :class:`LockBackendUnavailable`: a lock only the primary knows is
         one a failover would forget."""
         timeout = conf.get().REPLICA_ACK_TIMEOUT
+        if is_cluster(client):
+            raise JoblockConfigError(
+                "JOBLOCK['REPLICA_ACKS'] cannot be used with a Redis Cluster client "
+                "(system check django_joblock.E008)"
+            )
         try:
             acked = lua.replicated(
                 client, self.key, self.token, self.ttl_ms, acks, max(1, int(timeout * 1000))

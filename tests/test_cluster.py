@@ -24,11 +24,12 @@ import pytest
 import redis
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.test import Client
 from redis.exceptions import MovedError
 from rq.job import JobStatus
 
-from django_joblock import StaleFence, fenced_update, lock, metrics
+from django_joblock import JoblockConfigError, StaleFence, fenced_update, lock, metrics
 from django_joblock.backend import connection, is_cluster
 from django_joblock.keys import LockKeys
 from django_joblock.models import LockAudit
@@ -272,6 +273,15 @@ def test_check_deploy_asks_every_primary(on_cluster):
     report = _check_deploy()
     assert "django_joblock.W011" in report and f":{node.port}" in report, report
     assert "django_joblock.W010" not in report, report
+
+
+def test_replica_acks_on_cluster_is_e008_and_refused(on_cluster, settings):
+    settings.JOBLOCK = {**settings.JOBLOCK, "REPLICA_ACKS": 1}
+    out = StringIO()
+    with pytest.raises(SystemCheckError, match=r"django_joblock\.E008"):
+        call_command("check", stdout=out, stderr=out)
+    with pytest.raises(JoblockConfigError, match="E008"):
+        lock("order:e008", ttl=5).acquire()
 
 
 def test_restarted_primary_forgets_the_lock_and_the_fence_refuses_the_stale_holder(on_cluster):

@@ -30,5 +30,20 @@ JOBLOCK = {
     # The negative control lets a paused holder resume and write (no abort, no fence).
     "ON_LOCK_LOST": "abort" if SAFE else "flag",
 }
+# The failover run (tests/chaos/failover.py): locks on Redis Sentinel, queues on the Redis
+# above through django-rq.
+if os.environ.get("CHAOS_SENTINELS"):
+    from django_joblock.testing.topologies import sentinel_cache
+
+    SENTINELS = [
+        (host, int(port))
+        for host, port in (item.rsplit(":", 1) for item in os.environ["CHAOS_SENTINELS"].split(","))
+    ]
+    INSTALLED_APPS.append("django_rq")
+    RQ_QUEUES = {"chaos": {"URL": os.environ["CHAOS_REDIS_URL"]}}
+    CACHES["locks"] = sentinel_cache(SENTINELS, os.environ["CHAOS_MASTER"])
+    JOBLOCK["REDIS_ALIAS"] = "locks"
+    JOBLOCK["REPLICA_ACKS"] = int(os.environ.get("CHAOS_REPLICA_ACKS", "0"))
+    JOBLOCK["REPLICA_ACK_TIMEOUT"] = 0.2
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGGING = {"version": 1, "disable_existing_loggers": False}
