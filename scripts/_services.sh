@@ -14,9 +14,11 @@ _apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-# redis-server: the suite starts its own throwaway server from this binary.
+# redis-server: the suite starts its own throwaway servers from this binary (its sentinels
+# too: redis-server --sentinel); redis-cli creates the test Redis Cluster.
 ensure_redis_server() {
-    command -v redis-server >/dev/null 2>&1 || _apt_install redis-server
+    command -v redis-server >/dev/null 2>&1 || _apt_install redis-server || return 1
+    command -v redis-cli >/dev/null 2>&1 || _apt_install redis-tools
 }
 
 # The Redis on 6379 that the demo and the benchmarks default to (not needed by the suite).
