@@ -45,5 +45,11 @@ if os.environ.get("CHAOS_SENTINELS"):
     JOBLOCK["REDIS_ALIAS"] = "locks"
     JOBLOCK["REPLICA_ACKS"] = int(os.environ.get("CHAOS_REPLICA_ACKS", "0"))
     JOBLOCK["REPLICA_ACK_TIMEOUT"] = 0.2
+# The same run with the locks on Redis Cluster (tests/cluster_client.py reads the nodes from
+# JOBLOCK_TEST_CLUSTER_NODES).
+if os.environ.get("JOBLOCK_TEST_CLUSTER_NODES"):
+    INSTALLED_APPS.append("django_rq")
+    RQ_QUEUES = {"chaos": {"URL": os.environ["CHAOS_REDIS_URL"]}}
+    JOBLOCK["REDIS_CLIENT"] = "tests.cluster_client.make"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 LOGGING = {"version": 1, "disable_existing_loggers": False}

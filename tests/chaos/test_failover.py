@@ -41,24 +41,32 @@ def run_failover(tmp_path: Path, *args: str) -> dict[str, object]:
     return report
 
 
-@pytest.mark.parametrize("acks", [0, 1])
-def test_failover_that_forgets_locks_does_no_damage(tmp_path, acks):
-    report = run_failover(tmp_path, "--replica-acks", str(acks))
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--replica-acks", "1"], ["--cluster"]],
+    ids=["sentinel", "sentinel-replica-acks", "cluster-node-restart"],
+)
+def test_a_fault_that_forgets_locks_does_no_damage(tmp_path, args):
+    report = run_failover(tmp_path, *args)
     assert report["_exit"] == 0, report["_stdout"]
     assert report["double_effects"] == 0
     assert report["lost_jobs"] == 0 and report["lost_updates_resources"] == 0
     assert report["stale_writes_accepted"] == 0
     assert report["drained"] is True
-    assert any("Sentinel failover" in fault for fault in report["faults"])  # type: ignore[attr-defined]
-    if acks == 0:
-        # The fault bit: the primary died holding locks the promoted replica never had, and
+    faults = " ".join(report["faults"])  # type: ignore[arg-type]
+    assert ("Cluster node" if "--cluster" in args else "Sentinel failover") in faults, faults
+    if "--replica-acks" not in args:
+        # The fault bit: the dead primary (or restarted node) held locks nobody else had, and
         # the heartbeat's abort or the fence did the work.
         assert report["locks_forgotten_by_failover"] > 0  # type: ignore[operator]
         assert report["locks_lost"] + report["stale_writes_rejected"] > 0  # type: ignore[operator]
+    if "--cluster" in args:
+        assert len(report["resources_per_node"]) == 3  # type: ignore[arg-type]
 
 
-def test_failover_negative_control_without_fencing_and_idempotency_shows_damage(tmp_path):
-    report = run_failover(tmp_path, "--negative")
+@pytest.mark.parametrize("args", [[], ["--cluster"]], ids=["sentinel", "cluster"])
+def test_negative_control_without_fencing_and_idempotency_shows_damage(tmp_path, args):
+    report = run_failover(tmp_path, "--negative", *args)
     assert report["_exit"] == 0, report["_stdout"]
     assert report["verdict"].startswith("VALID")  # type: ignore[union-attr]
     assert report["double_effects"] + report["lost_updates_resources"] > 0  # type: ignore[operator]
