@@ -90,7 +90,10 @@ def client_from_factory(path: str) -> Any:
     """The client made by the factory at dotted ``path`` (``JOBLOCK["REDIS_CLIENT"]``).
 
     Raises :class:`JoblockConfigError` naming the setting when it cannot be imported, is not
-    callable, raises, or returns something that is not a redis-py client.
+    callable, raises, or returns something that is not a redis-py client; and
+    :class:`LockBackendUnavailable` when it raised because Redis did not answer (a
+    ``RedisCluster`` asks its nodes for the slot map when it is made): a server that is down is
+    not a configuration error.
     """
     what = f"JOBLOCK['REDIS_CLIENT'] = {path!r}"
     try:
@@ -102,6 +105,9 @@ def client_from_factory(path: str) -> Any:
     try:
         client = factory()
     except Exception as exc:
+        # RedisCluster(...) reports nodes that do not answer as RedisClusterException.
+        if is_unavailable(exc) or "cannot be connected" in str(exc):
+            raise LockBackendUnavailable(f"{what} could not reach Redis: {exc}") from exc
         raise JoblockConfigError(f"{what} raised {type(exc).__name__}: {exc}") from exc
     if not callable(getattr(client, "execute_command", None)):
         raise JoblockConfigError(

@@ -43,7 +43,7 @@ from .backend import (
     renewal_client,
     server_infos,
 )
-from .exceptions import JoblockConfigError
+from .exceptions import JoblockConfigError, LockBackendUnavailable
 from .jobs import job_timeout, registered_jobs, timeout_findings
 from .jobspec import OnConflict
 from .monitoring import has_scheduler, requeueing_queues
@@ -95,8 +95,10 @@ def check_redis_alias(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
 
 @register(Tags.caches, TAG)
 def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E007: ``REDIS_CLIENT`` names a factory that makes a redis-py client (it is called: a
-    client connects lazily, so making one talks to no server)."""
+    """E007: ``REDIS_CLIENT`` names a factory that makes a redis-py client (it is called); E008:
+    ``REPLICA_ACKS`` with a Cluster client. A factory that cannot reach Redis (a
+    ``RedisCluster`` asks for the slot map when made) is W010's finding (``--deploy``), not a
+    configuration error."""
     if _serious(check_settings()):
         return []
     path = conf.get().REDIS_CLIENT
@@ -104,6 +106,8 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         return []
     try:
         client = client_from_factory(path)
+    except LockBackendUnavailable:
+        return []
     except JoblockConfigError as exc:
         return [
             _message(

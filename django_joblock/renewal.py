@@ -107,7 +107,9 @@ class Renewer:
         self._idle_since: float | None = None
         self._thread: threading.Thread | None = None
         # alias -> (its renewal client, made on first use by the thread; the socket timeout)
-        self._clients: dict[str, tuple[Any | None, float]] = {}
+        # alias -> (renewal client or None until first needed, its socket timeout, the
+        # connection it was made for: a new one after a settings change means a new client)
+        self._clients: dict[str, tuple[Any | None, float, Any]] = {}
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
@@ -173,14 +175,15 @@ class Renewer:
         wanted = max(0.01, min(conf.get().RENEW_TIMEOUT, held.ttl / 5))
         current = self._clients.get(held.alias)
         if current is None or current[1] > wanted:
-            self._clients[held.alias] = (None, wanted)
+            self._clients[held.alias] = (None, wanted, None)
 
     def _client(self, alias: str) -> Any:
         with self._cond:
-            client, timeout = self._clients[alias]
-            if client is None:
-                client = renewal_client(connection(alias), timeout)
-                self._clients[alias] = (client, timeout)
+            client, timeout, made_for = self._clients[alias]
+            base = connection(alias)
+            if client is None or made_for is not base:
+                client = renewal_client(base, timeout)
+                self._clients[alias] = (client, timeout, base)
             return client
 
     def _timeout(self, alias: str) -> float:

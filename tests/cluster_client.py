@@ -29,3 +29,12 @@ def make() -> redis.RedisCluster:
     """A ``RedisCluster`` on the test cluster, as a deployment's factory would make one."""
     startup = [ClusterNode(host, port) for host, port in nodes()]  # type: ignore[no-untyped-call]
     return redis.RedisCluster(startup_nodes=startup, socket_timeout=5, socket_connect_timeout=2)
+
+
+def make_unreachable() -> redis.RedisCluster:
+    """A ``RedisCluster`` on a port nothing listens on (making it raises a connection error)."""
+    from tests import harness
+
+    port = int(harness.dead_url().rsplit(":", 1)[1].split("/")[0])
+    startup = [ClusterNode("127.0.0.1", port)]  # type: ignore[no-untyped-call]
+    return redis.RedisCluster(startup_nodes=startup, socket_connect_timeout=1)

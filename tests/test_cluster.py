@@ -365,3 +365,15 @@ def test_real_workers_run_locked_jobs_with_locks_on_every_primary(on_cluster):
     plain = redis.Redis.from_url(harness.redis_url())
     assert not plain.exists("joblock:{metrics}:total")
     assert not any(plain.exists(LockKeys("joblock", f"cl:{n}").fence) for n in numbers)
+
+
+def test_an_unreachable_cluster_is_w010_not_a_configuration_error(settings):
+    """A factory whose cluster does not answer (a RedisCluster asks for the slot map when it
+    is made) passes ``manage.py check`` and is W010 under ``check --deploy``."""
+    settings.JOBLOCK = {"REDIS_CLIENT": "tests.cluster_client.make_unreachable"}
+    out = StringIO()
+    call_command("check", stdout=out, stderr=out)
+    assert "E007" not in out.getvalue(), out.getvalue()
+    out = StringIO()
+    call_command("check", deploy=True, stdout=out, stderr=out)
+    assert "django_joblock.W010" in out.getvalue(), out.getvalue()
