@@ -4,6 +4,10 @@
 ``contention``       a family's busy acquires / acquire attempts over ``WINDOW`` seconds is at
                      least ``CONTENTION_RATIO`` (with at least ``MIN_ATTEMPTS`` attempts)
 ``renew_failures``   at least ``RENEW_FAILURES`` failed renewals in ``WINDOW`` seconds
+``acquire_errors``   at least ``ACQUIRE_ERRORS`` acquires failed on an unavailable Redis in
+                     ``WINDOW`` seconds (the count of each family in the message)
+``locks_lost``       at least ``LOCKS_LOST`` locks lost by their holders in ``WINDOW`` seconds
+``given_up``         at least ``GIVEN_UP`` jobs gave up on a busy lock in ``WINDOW`` seconds
 ``long_hold``        a lock held ``HOLD_FACTOR`` times longer than its family's usual (p95) hold
                      time, and longer than ``MIN_HOLD`` seconds
 ``active_growth``    active locks grew without ever falling for ``ACTIVE_GROWTH`` seconds
@@ -24,6 +28,15 @@ MIN_ATTEMPTS = 20  # below this, a ratio is noise
 MIN_HOLD = 5.0  # seconds; a lock held less than this never counts as "far too long"
 MIN_HOLD_SAMPLES = 20
 LONG_HOLD_SAMPLE = 25  # index entries per family examined by the long-hold alert
+
+
+# Alerts that fire when a counter reaches its threshold over WINDOW: (alert, metric, the
+# ALERTS key of the threshold, what the count counts).
+_COUNTED = (
+    ("acquire_errors", "acquire_errors", "ACQUIRE_ERRORS", "acquire(s) failed: Redis unavailable"),
+    ("locks_lost", "lost", "LOCKS_LOST", "lock(s) lost by their holders"),
+    ("given_up", "given_up", "GIVEN_UP", "job(s) gave up on a busy lock"),
+)
 
 
 @dataclass
@@ -71,6 +84,23 @@ def evaluate(now: float | None = None) -> list[Alert]:
                 limits["RENEW_FAILURES"],
             )
         )
+    for name, metric, limit, what in _COUNTED:
+        count = recent.total(metric)
+        if count >= limits[limit]:
+            by_family = ", ".join(
+                f"{family} {n}"
+                for family in sorted(recent.families())
+                if (n := recent.total(metric, family))
+            )
+            fired.append(
+                Alert(
+                    name,
+                    "",
+                    f"{count} {what} in the last {limits['WINDOW']:g}s ({by_family})",
+                    count,
+                    limits[limit],
+                )
+            )
     fired += _long_holds(limits["HOLD_FACTOR"])
     fired += _growth(limits["ACTIVE_GROWTH"], now)
     for queue in monitoring.queues_without_scheduler():

@@ -86,6 +86,24 @@ ALERT_RULES = Mapping(
         "RENEW_FAILURES": SubKey(
             5.0, Range(1.0, 1e9, unit=""), "failed renewals within `WINDOW`", "renew_failures"
         ),
+        "ACQUIRE_ERRORS": SubKey(
+            1.0,
+            Range(1.0, 1e9, unit=""),
+            "acquires that failed because Redis was unavailable, within `WINDOW`",
+            alert="acquire_errors",
+        ),
+        "LOCKS_LOST": SubKey(
+            1.0,
+            Range(1.0, 1e9, unit=""),
+            "locks lost by their holder (expired, taken over, renewals failed) within `WINDOW`",
+            alert="locks_lost",
+        ),
+        "GIVEN_UP": SubKey(
+            1.0,
+            Range(1.0, 1e9, unit=""),
+            "jobs that gave up on a busy lock (`LockContentionTimeout`) within `WINDOW`",
+            alert="given_up",
+        ),
         "HOLD_FACTOR": SubKey(
             10.0,
             Range(1.0, 1e6, unit=""),

@@ -250,6 +250,23 @@ def test_renew_failures_alert(no_jobs, rconn, settings):
     assert names(alerts.evaluate()) == ["renew_failures"]
 
 
+def test_acquire_errors_alert(no_jobs, rconn, settings):
+    """Acquires on a Redis that does not answer count as errors (the metrics go to the
+    REDIS_ALIAS Redis, which answers) and fire the alert; a healthy acquire does not."""
+    with lock("order:1", ttl=5):
+        pass
+    metrics.flush_now()
+    assert "acquire_errors" not in names(alerts.evaluate()), "negative control"
+    for _ in range(2):
+        with pytest.raises(LockBackendUnavailable):
+            lock("order:2", ttl=5, using="down").acquire()
+    metrics.flush_now()
+    fired = {alert.name: alert for alert in alerts.evaluate()}
+    assert fired["acquire_errors"].value == 2 and "order 2" in fired["acquire_errors"].message
+    settings.JOBLOCK = {"ALERTS": {"ACQUIRE_ERRORS": 3}}
+    assert "acquire_errors" not in names(alerts.evaluate()), "below its threshold"
+
+
 def test_long_hold_alert(no_jobs, rconn, monkeypatch):
     monkeypatch.setattr(alerts, "MIN_HOLD", 1.0)
     for _ in range(30):

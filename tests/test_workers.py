@@ -13,7 +13,7 @@ from rq import Retry
 from rq.job import JobStatus
 from rq.results import Result
 
-from django_joblock import IdempotencyRecord, lock
+from django_joblock import IdempotencyRecord, alerts, lock
 from django_joblock.backoff import ceiling
 from django_joblock.requeue import delay_for
 from tests import jobs
@@ -188,6 +188,9 @@ def test_sigstopped_horse_is_aborted_with_lock_lost(workers, rconn):
     assert "LockLost" in paused.latest_result().exc_string
     assert Account.objects.get(name="acct").balance == 2
     assert rconn.lrange("test:written", 0, -1) == [b"Q"]
+    # The horse counted its loss (flushed at the end of its job): the alert fires.
+    fired = {alert.name: alert for alert in alerts.evaluate()}
+    assert "locks_lost" in fired and "account 1" in fired["locks_lost"].message, fired
 
 
 def test_stale_fenced_write_is_rejected_when_only_flagged(workers, rconn, settings):
@@ -217,6 +220,8 @@ def test_resource_held_forever_fails_visibly_after_max_wait(workers, rconn):
     assert job.id in job.failed_job_registry.get_job_ids(cleanup=False)
     assert job.get_meta(refresh=True)["joblock"]["outcome"] == "gave_up"
     assert rconn.lrange("test:intervals", 0, -1) == []
+    fired = {alert.name: alert for alert in alerts.evaluate()}
+    assert "given_up" in fired and "res 1" in fired["given_up"].message, fired
 
 
 def test_skip_and_fail_policies(workers, rconn):
