@@ -8,6 +8,10 @@
                      ``WINDOW`` seconds (the count of each family in the message)
 ``locks_lost``       at least ``LOCKS_LOST`` locks lost by their holders in ``WINDOW`` seconds
 ``given_up``         at least ``GIVEN_UP`` jobs gave up on a busy lock in ``WINDOW`` seconds
+``near_timeout``     at least ``NEAR_TIMEOUT`` job runs in ``WINDOW`` seconds took ``TIMEOUT_RATIO``
+                     or more of their RQ ``job_timeout``
+``long_wait``        a family's p99 wait from enqueue to start over ``WINDOW`` is ``LONG_WAIT``
+                     seconds or more (to one histogram bucket)
 ``long_hold``        a lock held ``HOLD_FACTOR`` times longer than its family's usual (p95) hold
                      time, and longer than ``MIN_HOLD`` seconds
 ``active_growth``    active locks grew without ever falling for ``ACTIVE_GROWTH`` seconds
@@ -27,7 +31,9 @@ from . import active_index, conf, metrics, monitoring
 MIN_ATTEMPTS = 20  # below this, a ratio is noise
 MIN_HOLD = 5.0  # seconds; a lock held less than this never counts as "far too long"
 MIN_HOLD_SAMPLES = 20
-LONG_HOLD_SAMPLE = 25  # index entries per family examined by the long-hold alert
+# Index entries per family the long-hold alert reads: all of them (a hung holder renews its
+# lock, so it is never among the soonest to expire), up to this bound.
+LONG_HOLD_SCAN = 100_000
 
 
 # Alerts that fire when a counter reaches its threshold over WINDOW: (alert, metric, the
@@ -36,6 +42,7 @@ _COUNTED = (
     ("acquire_errors", "acquire_errors", "ACQUIRE_ERRORS", "acquire(s) failed: Redis unavailable"),
     ("locks_lost", "lost", "LOCKS_LOST", "lock(s) lost by their holders"),
     ("given_up", "given_up", "GIVEN_UP", "job(s) gave up on a busy lock"),
+    ("near_timeout", "near_timeout", "NEAR_TIMEOUT", "job run(s) neared their job_timeout"),
 )
 
 
@@ -101,6 +108,19 @@ def evaluate(now: float | None = None) -> list[Alert]:
                     limits[limit],
                 )
             )
+    for family in sorted(recent.families()):
+        p99 = metrics.percentile(recent.merged_histogram("start_wait_seconds", family), 0.99)
+        if p99 is not None and p99 >= limits["LONG_WAIT"]:
+            fired.append(
+                Alert(
+                    "long_wait",
+                    family,
+                    f"jobs of {family!r} waited up to {p99:g}s (p99) from enqueue to start "
+                    f"in the last {limits['WINDOW']:g}s",
+                    p99,
+                    limits["LONG_WAIT"],
+                )
+            )
     fired += _long_holds(limits["HOLD_FACTOR"])
     fired += _growth(limits["ACTIVE_GROWTH"], now)
     for queue in monitoring.queues_without_scheduler():
@@ -119,13 +139,14 @@ def evaluate(now: float | None = None) -> list[Alert]:
 def _long_holds(factor: float) -> list[Alert]:
     """One alert per family with locks held far past its usual (p95) hold time.
 
-    Looks at a bounded sample (``LONG_HOLD_SAMPLE`` index entries per family), so its cost
-    does not grow with the number of active locks.
+    Reads every active lock (up to ``LONG_HOLD_SCAN`` per family, in one pipelined round
+    trip): a sample of the soonest to expire would miss exactly the hung holder that keeps
+    renewing its lock.
     """
     history = metrics.totals()
     usual: dict[str, float | None] = {}
     worst: dict[str, list[Any]] = {}
-    for active in monitoring.active_locks(limit=LONG_HOLD_SAMPLE):
+    for active in monitoring.active_locks(limit=LONG_HOLD_SCAN):
         if active.family not in usual:
             counts = history.merged_histogram("hold_seconds", active.family)
             enough = sum(counts) >= MIN_HOLD_SAMPLES

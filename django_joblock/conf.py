@@ -104,6 +104,24 @@ ALERT_RULES = Mapping(
             "jobs that gave up on a busy lock (`LockContentionTimeout`) within `WINDOW`",
             alert="given_up",
         ),
+        "NEAR_TIMEOUT": SubKey(
+            1.0,
+            Range(1.0, 1e9, unit=""),
+            "job runs within `WINDOW` that took `TIMEOUT_RATIO` or more of their RQ `job_timeout`",
+            alert="near_timeout",
+        ),
+        "TIMEOUT_RATIO": SubKey(
+            0.8,
+            Range(0.1, 1.0, unit=""),
+            "the share of its `job_timeout` that makes a run count for `near_timeout`",
+            alert="near_timeout",
+        ),
+        "LONG_WAIT": SubKey(
+            300.0,
+            Range(0.0, MAX_DURATION, open_low=True),
+            "a family's p99 wait from enqueue to start within `WINDOW` (seconds)",
+            alert="long_wait",
+        ),
         "HOLD_FACTOR": SubKey(
             10.0,
             Range(1.0, 1e6, unit=""),

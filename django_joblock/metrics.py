@@ -85,6 +85,11 @@ METRICS = (
         "Duplicate .delay() calls of a unique job that returned the live job.",
     ),
     Metric("stale_fence_rejections", COUNTER, "Writes refused by fenced_update (StaleFence)."),
+    Metric(
+        "near_timeout",
+        COUNTER,
+        "Job runs that took at least ALERTS['TIMEOUT_RATIO'] of their RQ job_timeout.",
+    ),
     Metric("forced_releases", COUNTER, "Locks released by an operator (admin or joblock_release)."),
     Metric("wait_seconds", HISTOGRAM, "Time spent waiting for a lock, until acquired or given up."),
     Metric("hold_seconds", HISTOGRAM, "Time a lock was held, acquire to release."),

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, metrics
+from . import admission, conf, metrics
 from .backend import REDIS_ERRORS
 from .idempotency_inputs import key_family
 from .jobspec import JobSpec
@@ -68,6 +68,7 @@ class Run:
     holder: str = ""  # who held the resource, when it was busy (for the log line)
     waited: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    began: float = field(default_factory=time.monotonic)
 
     @property
     def family(self) -> str:
@@ -87,6 +88,16 @@ class Run:
         if self.admitted and not self.handed_off:
             self.handed_off = True
             self.idle = admission.hand_off(self.job)
+
+    def note_duration(self) -> None:
+        """Count a worker's run that took ``ALERTS["TIMEOUT_RATIO"]`` or more of its RQ
+        ``job_timeout`` (metric ``near_timeout``; a run RQ's timeout killed counts too, since
+        its ``JobTimeoutException`` unwinds through the run)."""
+        timeout = getattr(self.job, "timeout", None)
+        if not self.worker or not isinstance(timeout, (int, float)) or timeout <= 0:
+            return
+        if time.monotonic() - self.began >= conf.get().ALERTS["TIMEOUT_RATIO"] * timeout:
+            metrics.count("near_timeout", self.family, self.spec.name)
 
     def started(self) -> None:
         """The run took its lock (or needs none): record the wait since enqueue."""

@@ -94,6 +94,7 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
         finish(state, outcome, **extra)
         return result
     finally:
+        state.note_duration()
         # Whatever this run counted and no lock release carried (a job without a lock, a
         # replay, contention, a loss): the work horse may os._exit right after.
         metrics.flush_pending()

@@ -280,6 +280,34 @@ def test_long_hold_alert(no_jobs, rconn, monkeypatch):
     assert names(fired) == ["long_hold"] and "order:9" in fired[0].message
 
 
+def test_long_hold_alert_sees_every_active_lock(no_jobs, rconn, monkeypatch):
+    """The hung holder renews its lock, so it is the *last* of its family to expire: behind
+    30 short-lived locks it is outside any sample of the soonest to expire."""
+    monkeypatch.setattr(alerts, "MIN_HOLD", 1.0)
+    for _ in range(30):
+        metrics.observe("hold_seconds", "order", "", 0.02)
+    metrics.flush_now()
+    hung = lock("order:hung", ttl=60)
+    assert hung.acquire()
+    others = [lock(f"order:{i}", ttl=20) for i in range(30)]
+    try:
+        for other in others:
+            assert other.acquire()
+        assert wait_for(lambda: len(monitoring.active_locks()) == 31, 3)
+        time.sleep(1.2)
+        for other in others:  # young again: only the hung holder is long
+            other.release()
+            assert other.acquire()
+        # Indexed again (the renewal thread indexes a holding shortly after its acquire).
+        assert wait_for(lambda: len(monitoring.active_locks()) == 31, 3)
+        fired = alerts.evaluate()
+    finally:
+        for other in others:
+            other.release()
+        hung.release()
+    assert names(fired) == ["long_hold"] and "order:hung" in fired[0].message, fired
+
+
 def test_active_growth_alert(no_jobs, rconn, settings):
     settings.JOBLOCK = {"ALERTS": {"ACTIVE_GROWTH": 90}}
     now = time.time()

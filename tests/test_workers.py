@@ -258,3 +258,31 @@ def test_django_rq_rqworker_runs_locked_jobs(workers, rconn):
         workers.start(command="rqworker", burst=True).wait(30)
     assert wait_status(job, DONE, 30) is JobStatus.FINISHED, workers.logs()
     assert Account.objects.get(name="acct").balance == 7
+
+
+def test_near_timeout_alert_counts_runs_close_to_their_job_timeout(workers, rconn):
+    """A real worker's run that takes 1.7 s of a 2 s job_timeout (TIMEOUT_RATIO 0.8) fires
+    ``near_timeout``; a quick run of the same job (the negative control) does not."""
+    workers.start()
+    quick = jobs.hold_resource.enqueue((11, "quick", 0.05), job_timeout=2)
+    assert wait_status(quick, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert "near_timeout" not in {alert.name for alert in alerts.evaluate()}
+    slow = jobs.hold_resource.enqueue((11, "slow", 1.7), job_timeout=2)
+    assert wait_status(slow, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    fired = {alert.name: alert for alert in alerts.evaluate()}
+    assert "near_timeout" in fired and "res 1" in fired["near_timeout"].message, fired
+
+
+def test_long_wait_alert_after_a_job_waited_for_its_resource(workers, rconn, settings):
+    """A job enqueued while its resource is held for 3 s starts 3+ s after its enqueue: with
+    LONG_WAIT 1 s the alert fires for its family; with LONG_WAIT 10 s it does not."""
+    workers.start(scheduler=True)
+    with lock("res:12", ttl=10):
+        job = jobs.hold_resource.delay(12, "waited", 0.01)
+        time.sleep(3)
+    assert wait_status(job, DONE, 60) is JobStatus.FINISHED, workers.logs()
+    settings.JOBLOCK = {**settings.JOBLOCK, "ALERTS": {"LONG_WAIT": 10}}
+    assert "long_wait" not in {alert.name for alert in alerts.evaluate()}
+    settings.JOBLOCK = {**settings.JOBLOCK, "ALERTS": {"LONG_WAIT": 1}}
+    fired = [alert for alert in alerts.evaluate() if alert.name == "long_wait"]
+    assert [alert.family for alert in fired] == ["res"], fired
