@@ -3,6 +3,9 @@
 ===================  ==========================================================================
 ``contention``       a family's busy acquires / acquire attempts over ``WINDOW`` seconds is at
                      least ``CONTENTION_RATIO`` (with at least ``MIN_ATTEMPTS`` attempts)
+``contention_spike`` a family's contention over ``WINDOW`` is ``CONTENTION_SPIKE`` times its
+                     contention over the ``BASELINE`` seconds before it (and at least
+                     ``MIN_SPIKE``; ``MIN_ATTEMPTS`` attempts in each period)
 ``renew_failures``   at least ``RENEW_FAILURES`` failed renewals in ``WINDOW`` seconds
 ``acquire_errors``   at least ``ACQUIRE_ERRORS`` acquires failed on an unavailable Redis in
                      ``WINDOW`` seconds (the count of each family in the message)
@@ -29,6 +32,7 @@ from typing import Any
 from . import active_index, conf, metrics, monitoring
 
 MIN_ATTEMPTS = 20  # below this, a ratio is noise
+MIN_SPIKE = 0.1  # a contention ratio below this is never a spike, whatever the baseline
 MIN_HOLD = 5.0  # seconds; a lock held less than this never counts as "far too long"
 MIN_HOLD_SAMPLES = 20
 # Index entries per family the long-hold alert reads: all of them (a hung holder renews its
@@ -80,6 +84,7 @@ def evaluate(now: float | None = None) -> list[Alert]:
                     limits["CONTENTION_RATIO"],
                 )
             )
+    fired += _spikes(recent, limits, now)
     failed = recent.total("renew_failed")
     if failed >= limits["RENEW_FAILURES"]:
         fired.append(
@@ -133,6 +138,36 @@ def evaluate(now: float | None = None) -> list[Alert]:
                 0,
             )
         )
+    return fired
+
+
+def _spikes(recent: metrics.Series, limits: dict[str, float], now: float) -> list[Alert]:
+    """Families whose contention over WINDOW is far above their own over the BASELINE before:
+    a static ratio cannot tell a family that is always busy from one that just became so."""
+    window = limits["WINDOW"]
+    if limits["BASELINE"] <= window:
+        return []
+    longer = metrics.window(limits["BASELINE"] + window, now=now)
+    fired = []
+    for family in sorted(recent.families()):
+        attempts = recent.total("acquire_attempts", family)
+        before = longer.total("acquire_attempts", family) - attempts
+        if attempts < MIN_ATTEMPTS or before < MIN_ATTEMPTS:
+            continue
+        ratio = recent.total("contended", family) / attempts
+        baseline = (longer.total("contended", family) - recent.total("contended", family)) / before
+        if ratio >= MIN_SPIKE and ratio >= limits["CONTENTION_SPIKE"] * baseline:
+            fired.append(
+                Alert(
+                    "contention_spike",
+                    family,
+                    f"{ratio:.0%} of the acquires of {family!r} found the lock busy in the last "
+                    f"{window:g}s, against {baseline:.0%} over the {limits['BASELINE']:g}s "
+                    "before",
+                    ratio,
+                    limits["CONTENTION_SPIKE"] * baseline,
+                )
+            )
     return fired
 
 

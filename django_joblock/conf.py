@@ -83,6 +83,20 @@ ALERT_RULES = Mapping(
             "(needs 20+ attempts)",
             alert="contention",
         ),
+        "CONTENTION_SPIKE": SubKey(
+            3.0,
+            Range(1.0, 1000.0, unit=""),
+            "a family's contention over `WINDOW` is this many times its contention over the "
+            "`BASELINE` before (and at least 10 %; 20+ attempts in each)",
+            alert="contention_spike",
+        ),
+        "BASELINE": SubKey(
+            3600.0,
+            Range(600.0, 7 * DAY),
+            "the period before `WINDOW` that `CONTENTION_SPIKE` compares with (seconds; "
+            "longer than `WINDOW`, within `METRICS_RETENTION`)",
+            alert="contention_spike",
+        ),
         "RENEW_FAILURES": SubKey(
             5.0, Range(1.0, 1e9, unit=""), "failed renewals within `WINDOW`", "renew_failures"
         ),

@@ -196,14 +196,15 @@ class Recorder:
             for name, n in pending.items():
                 self._pending[name] += n
 
-    def command(self, pending: dict[str, int]) -> list[Any]:
-        """The ``EVALSHA`` arguments that add ``pending`` to Redis."""
+    def command(self, pending: dict[str, int], at: float | None = None) -> list[Any]:
+        """The ``EVALSHA`` arguments that add ``pending`` to Redis, in the bucket of the minute
+        of ``at`` (Unix seconds; default now)."""
         settings = conf.get()
         args: list[Any] = [
             "EVALSHA",
             lua.METRICS_SHA,
             2,
-            metric_bucket_key(settings.KEY_PREFIX, _minute(time.time())),
+            metric_bucket_key(settings.KEY_PREFIX, _minute(time.time() if at is None else at)),
             metric_totals_key(settings.KEY_PREFIX),
             int(settings.METRICS_RETENTION),
         ]
@@ -211,13 +212,14 @@ class Recorder:
             args += [name, n]
         return args
 
-    def flush(self, client: Any | None = None) -> bool:
-        """Write the buffer now (one round trip). False, keeping the buffer, if Redis failed."""
+    def flush(self, client: Any | None = None, at: float | None = None) -> bool:
+        """Write the buffer now (one round trip), into the bucket of ``at`` (default now).
+        False, keeping the buffer, if Redis failed."""
         pending = self.take()
         if not pending:
             return True
         try:
-            lua.run_args(client or connection(conf.get().REDIS_ALIAS), self.command(pending))
+            lua.run_args(client or connection(conf.get().REDIS_ALIAS), self.command(pending, at=at))
         except REDIS_ERRORS:
             self.restore(pending)
             return False
@@ -282,10 +284,12 @@ def take_for_flush(*, force: bool) -> dict[str, int]:
     return {}
 
 
-def flush_now() -> None:
-    """Flush the buffer in this thread (used where the process may end next)."""
+def flush_now(at: float | None = None) -> None:
+    """Flush the buffer in this thread (used where the process may end next), into the
+    bucket of the minute of ``at`` (Unix seconds, default now: a test of an alert that compares
+    with the past files real counts there)."""
     if enabled():
-        recorder().flush()
+        recorder().flush(at=at)
 
 
 def flush_pending() -> None:

@@ -243,6 +243,31 @@ def test_contention_alert(no_jobs, rconn):
     assert names(alerts.evaluate()) == ["contention"]
 
 
+def test_contention_spike_alert(no_jobs, rconn, settings):
+    """Half the acquires of a family busy now, against 5 % in the hour before: a spike. (The
+    baseline's real acquires are filed in the bucket of half an hour ago.)"""
+    settings.JOBLOCK = {"ALERTS": {"CONTENTION_RATIO": 1.0}}  # the static alert out of the way
+
+    def acquires(busy: int, free: int) -> None:
+        with lock("order:hot", ttl=5):
+            for _ in range(busy):
+                assert not lock("order:hot").acquire()
+        for i in range(free):
+            with lock(f"order:{i}", ttl=5):
+                pass
+
+    acquires(busy=2, free=38)  # 2 of 41 attempts busy
+    metrics.flush_now(at=time.time() - 1800)
+    assert "contention_spike" not in names(alerts.evaluate()), "nothing happens now"
+    acquires(busy=12, free=12)  # 12 of 25 attempts busy
+    metrics.flush_now()
+    fired = [alert for alert in alerts.evaluate() if alert.name == "contention_spike"]
+    assert [alert.family for alert in fired] == ["order"], fired
+    assert "against 5%" in fired[0].message
+    settings.JOBLOCK = {"ALERTS": {"CONTENTION_RATIO": 1.0, "CONTENTION_SPIKE": 20}}
+    assert "contention_spike" not in names(alerts.evaluate()), "below 20 x the baseline"
+
+
 def test_renew_failures_alert(no_jobs, rconn, settings):
     settings.JOBLOCK = {"ALERTS": {"RENEW_FAILURES": 3}}
     metrics.count("renew_failed", "order", "", n=3)
