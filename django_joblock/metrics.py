@@ -80,6 +80,11 @@ METRICS = (
     Metric("skipped", COUNTER, "Jobs skipped (on_conflict='skip') because their lock was busy."),
     Metric("duplicates_blocked", COUNTER, "Duplicate runs blocked by an idempotency record."),
     Metric(
+        "duplicates_in_flight",
+        COUNTER,
+        "Contended runs whose lock's holder runs the same idempotency key (a second delivery).",
+    ),
+    Metric(
         "blocked_at_enqueue",
         COUNTER,
         "Duplicate .delay() calls of a unique job that returned the live job.",

@@ -98,6 +98,13 @@ def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | No
     else:
         assert held is not None
         what = f"lock {held.resource!r} is busy"
+        twin = in_flight(run, info)
+        if twin is not None:
+            # The queue delivered this work twice and the first delivery still runs: not a
+            # contention problem (the article's first debugging question). It waits as any
+            # contended job does, then its key replays the first one's result.
+            metrics.count("duplicates_in_flight", run.family, spec.name)
+            what = f"a duplicate in flight: key {run.key!r} is running as job {twin}"
     if spec.on_conflict is OnConflict.SKIP:
         metrics.count("skipped", run.family, spec.name)
         return JobOutcome.SKIPPED, None, {"reason": what}
@@ -115,6 +122,27 @@ def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | No
             f"{spec.name}: lock busy{suffix}{holder}", resource=held.resource, key=held.key
         )
     return _requeue(run, held, what, info)
+
+
+def in_flight(run: Run, info: LockInfo | None) -> str | None:
+    """The RQ job id of the lock's holder when it runs this run's very idempotency key (a
+    second delivery of the same work while the first still runs), else None.
+
+    Read only on contention, from the holder's RQ job (its function and arguments give its
+    key), on this job's queue connection; a holder that is not an RQ job of the same function,
+    or cannot be read, is never called a duplicate.
+    """
+    job = run.job
+    if info is None or not info.job_id or run.key is None or job is None:
+        return None
+    if info.job_func != run.spec.name or info.job_id == job.id:
+        return None
+    try:
+        holder = job.__class__.fetch(info.job_id, connection=job.connection)
+        key = run.spec.key(run.spec.bind(tuple(holder.args), dict(holder.kwargs)))
+    except Exception:  # noqa: BLE001 - gone, unreadable, other arguments: not evidence
+        return None
+    return info.job_id if key == run.key else None
 
 
 def stale(info: LockInfo | None) -> bool:

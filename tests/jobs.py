@@ -124,3 +124,13 @@ def credit_then_hang(name: str, credit_id: str, amount: int) -> dict:
     _redis().incr(f"test:runs:{credit_id}")
     _wait_for_flag(credit_id)
     return {"credited": amount}
+
+
+@locked_job(
+    "default", lock="dupres:{resource_id}", idempotency_key="dup:{n}", ttl=2, admission=False
+)
+def keyed_hold(resource_id: int, n: int, seconds: float) -> int:
+    """Holds its resource for ``seconds`` under idempotency key ``dup:{n}`` (requeue path)."""
+    time.sleep(seconds)
+    _redis().rpush("test:keyed", n)
+    return n

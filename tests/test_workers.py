@@ -7,13 +7,14 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from rq import Retry
 from rq.job import JobStatus
 from rq.results import Result
 
-from django_joblock import IdempotencyRecord, alerts, lock
+from django_joblock import IdempotencyRecord, alerts, lock, metrics
 from django_joblock.backoff import ceiling
 from django_joblock.requeue import delay_for
 from tests import jobs
@@ -286,3 +287,31 @@ def test_long_wait_alert_after_a_job_waited_for_its_resource(workers, rconn, set
     settings.JOBLOCK = {**settings.JOBLOCK, "ALERTS": {"LONG_WAIT": 1}}
     fired = [alert for alert in alerts.evaluate() if alert.name == "long_wait"]
     assert [alert.family for alert in fired] == ["res"], fired
+
+
+def test_a_second_delivery_while_the_first_runs_is_a_duplicate_in_flight(workers, rconn):
+    """Two deliveries of one key (different job ids): the second finds the first holding the
+    resource and is counted and logged as a duplicate in flight, then replays. Negative
+    control: another key on the same resource is plain contention."""
+    workers.start(scheduler=True)
+    workers.start()
+    first = jobs.keyed_hold.delay(1, 7, 2.0)
+    assert wait_for(lambda: first.get_status(refresh=True) == JobStatus.STARTED, 20)
+    second = jobs.keyed_hold.delay(1, 7, 2.0)  # the same key: n=7
+    other = jobs.keyed_hold.delay(1, 8, 0.01)  # another key on the same resource
+
+    def reason(job: Any) -> str:
+        return str(job.get_meta(refresh=True).get("joblock", {}).get("reason", ""))
+
+    expected = f"a duplicate in flight: key 'dup:7' is running as job {first.id}"
+    assert wait_for(lambda: reason(second) == expected, 20), reason(second)
+    assert wait_for(lambda: reason(other).startswith("lock 'dupres:1' is busy"), 20), reason(other)
+    for job in (first, second, other):
+        assert wait_status(job, DONE, 60) is JobStatus.FINISHED, workers.logs()
+    assert second.get_meta(refresh=True)["joblock"]["outcome"] == "replayed"
+    assert rconn.lrange("test:keyed", 0, -1).count(b"7") == 1, "applied once"
+    # Counted for the duplicate's contended runs that found the first holding (a later one
+    # may find the other key's job holding instead), never for the other key.
+    requeues = second.get_meta(refresh=True)["joblock"]["requeues"]
+    assert 1 <= metrics.totals().total("duplicates_in_flight") <= requeues
+    assert other.get_meta(refresh=True)["joblock"]["requeues"] >= 1
