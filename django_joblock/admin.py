@@ -37,12 +37,13 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.functional import cached_property
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from . import control, dashboard
 from .backend import REDIS_ERRORS
+from .deliveries import summary
 from .exceptions import LockBackendUnavailable
-from .health import Health, job_queue
+from .health import Health, job_queue, record_deliveries
 from .keys import owner_hash, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 from .monitoring import validate_family
@@ -158,6 +159,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         "owner_short",
         "fence",
         "rq_job_id",
+        "deliveries",
         "lease_expires_at",
         "created_at",
         "updated_at",
@@ -171,9 +173,44 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         text = json.dumps(obj.result, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
         return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
 
+    @admin.display(description="deliveries")
+    def deliveries(self, obj: IdempotencyRecord) -> str:
+        """Every run of this key by a worker (newest last), from the key's delivery history."""
+        found = record_deliveries(obj.scope, obj.key)
+        if not found:
+            return "-"
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    _utc(d.started),
+                    d.job_id,
+                    d.worker or "-",
+                    f"{d.host}:{d.pid}",
+                    d.outcome,
+                    f"duplicate in flight beside {d.duplicate_of}" if d.duplicate_of else "",
+                )
+                for d in found
+            ),
+        )
+        return format_html(
+            '<p style="margin:0 0 4px">{}</p><table><tr><th>started (UTC)</th><th>RQ job</th>'
+            "<th>worker</th><th>host:pid</th><th>outcome</th><th></th></tr>{}</table>",
+            summary(found),
+            rows,
+        )
+
     @admin.display(description="owner (hash)")
     def owner_short(self, obj: IdempotencyRecord) -> str:
         return owner_hash(obj.owner) if obj.owner else ""
+
+
+def _utc(seconds: float | None) -> str:
+    """Unix ``seconds`` as ``YYYY-MM-DD HH:MM:SS`` UTC ("-" if unknown)."""
+    if seconds is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
 
 
 @admin.register(Dashboard)

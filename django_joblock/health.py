@@ -41,6 +41,7 @@ from rq.registry import StartedJobRegistry
 from . import conf
 from .backend import text
 from .choices import RecordStatus
+from .deliveries import Delivery, history
 from .exceptions import JoblockConfigError
 from .jobs import registered_jobs, registry
 from .monitoring import ActiveLock
@@ -297,3 +298,10 @@ def stuck_claims(limit: int = 50) -> list[Any]:
             status=RecordStatus.RUNNING, lease_expires_at__lt=timezone.now()
         ).order_by("lease_expires_at")[:limit]
     )
+
+
+def record_deliveries(scope: str, key: str) -> list[Delivery]:
+    """The delivery history of an idempotency record's key (its ``scope`` is the job's dotted
+    name), read on that job's queue connection; empty for a scope no ``@locked_job`` has."""
+    queue = job_queue(scope)
+    return [] if queue is None else history(queue.connection, scope, key)

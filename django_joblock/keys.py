@@ -18,6 +18,9 @@ Key layout (``P`` = ``JOBLOCK["KEY_PREFIX"]``)::
     P:active:order          ZSET   active-lock index of a family: member "resource#owner",
                                    score = expiry in Unix ms (a hint; readers prune and verify)
     P:families              SET    families with locks in the index (pruned when idle)
+    P:deliveries:<H>        LIST   the last deliveries of one idempotency key (H: a hash of
+                                   scope and key), JSON, newest last; on the *queue's* Redis,
+                                   beside RQ's jobs (django_joblock.deliveries)
     P:{metrics}:b:<minute>  HASH   metric increments of one 60 s bucket (expire after
                                    METRICS_RETENTION); fields: see django_joblock.metrics
     P:{metrics}:total       HASH   all-time metric totals (Prometheus counters)
@@ -143,3 +146,9 @@ def active_index_key(prefix: str, family_name: str) -> str:
 def families_key(prefix: str) -> str:
     """The SET of families that have held a lock."""
     return f"{prefix}:families"
+
+
+def deliveries_key(prefix: str, scope: str, key: str) -> str:
+    """The delivery history of idempotency ``key`` in ``scope`` (bounded length: a hash)."""
+    digest = hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:32]
+    return f"{prefix}:deliveries:{digest}"

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, conf, metrics
+from . import admission, conf, deliveries, metrics
 from .backend import REDIS_ERRORS
 from .idempotency_inputs import key_family
 from .jobspec import JobSpec
@@ -113,8 +113,10 @@ class Run:
 def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     """Record ``outcome`` in the job's meta and log the run's one line.
 
-    One round trip on the queue's connection: the meta's ``HSET`` and, when nobody waited on
-    the resource, the removal of its rate-limit keys (:func:`admission.forget_if_idle`).
+    One round trip on the queue's connection: the meta's ``HSET``, for a run with an
+    idempotency key its entry in the key's delivery history (:mod:`django_joblock.deliveries`)
+    and, when nobody waited on the resource, the removal of its rate-limit keys
+    (:func:`admission.forget_if_idle`).
     """
     _log(run, outcome, extra)
     job = run.job
@@ -130,6 +132,10 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     try:
         pipeline = job.connection.pipeline(transaction=False)
         pipeline.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as job.save_meta()
+        if run.key is not None and run.worker:
+            twin = str(extra.get("duplicate_of", ""))
+            delivery = deliveries.entry(job, outcome.value, run.began, run.waited, twin)
+            deliveries.add_commands(pipeline, run.spec.scope, run.key, delivery)
         if run.idle is not None:
             admission.forget_if_idle(pipeline, run.idle)
         pipeline.execute()

@@ -93,6 +93,7 @@ def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | No
     # A live claim under our own lock: the lock is ours, the key is someone else's.
     info = _holder(held) if in_progress is None else None
     run.holder = describe(info)
+    twin: str | None = None
     if in_progress is not None:
         what = str(in_progress)
     else:
@@ -121,7 +122,10 @@ def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | No
         raise LockNotAcquired(
             f"{spec.name}: lock busy{suffix}{holder}", resource=held.resource, key=held.key
         )
-    return _requeue(run, held, what, info)
+    ending = _requeue(run, held, what, info)
+    if twin is not None:
+        ending[2]["duplicate_of"] = twin
+    return ending
 
 
 def in_flight(run: Run, info: LockInfo | None) -> str | None:

@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client
 from rq import Retry
 from rq.job import JobStatus
 from rq.results import Result
 
 from django_joblock import IdempotencyRecord, alerts, lock, metrics
 from django_joblock.backoff import ceiling
+from django_joblock.health import record_deliveries
 from django_joblock.requeue import delay_for
 from tests import jobs
 from tests.harness import wait_for
@@ -315,3 +318,22 @@ def test_a_second_delivery_while_the_first_runs_is_a_duplicate_in_flight(workers
     requeues = second.get_meta(refresh=True)["joblock"]["requeues"]
     assert 1 <= metrics.totals().total("duplicates_in_flight") <= requeues
     assert other.get_meta(refresh=True)["joblock"]["requeues"] >= 1
+    # The key's delivery history tells the story: two RQ jobs; the first ran, the second was
+    # a duplicate in flight beside it, then replayed.
+    story = record_deliveries("tests.jobs.keyed_hold", "dup:7")
+    assert [(d.job_id, d.outcome) for d in story] == [
+        (first.id, "ran"),
+        *[(second.id, "requeued")] * requeues,
+        (second.id, "replayed"),
+    ], story
+    assert next(d.duplicate_of for d in story if d.outcome == "requeued") == first.id
+    assert {d.host for d in story} and all(d.pid and d.started for d in story)
+    # ... and the record's admin page shows it.
+    record = IdempotencyRecord.objects.get(key="dup:7")
+    admin = User.objects.create_superuser("root", "root@example.com", "pw")
+    client = Client()
+    client.force_login(admin)
+    page = client.get(f"/admin/django_joblock/idempotencyrecord/{record.pk}/change/")
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert "2 deliveries (RQ jobs)" in body and f"duplicate in flight beside {first.id}" in body
