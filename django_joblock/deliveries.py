@@ -43,6 +43,9 @@ class Delivery:
     outcome: str
     waited: float | None = None
     duplicate_of: str = ""  # a duplicate in flight: the job it ran beside
+    resource: str = ""  # the resource its lock was on ("" without a lock)
+    took: float | None = None  # seconds from the run's start to its end
+    timeout: float | None = None  # the RQ job's job_timeout (seconds; None: none or unknown)
 
 
 def add_commands(
@@ -58,18 +61,29 @@ def add_commands(
 
 
 def entry(
-    job: Any, outcome: str, began: float, waited: float | None, duplicate_of: str = ""
+    job: Any,
+    outcome: str,
+    began: float,
+    waited: float | None,
+    *,
+    resource: str | None = None,
+    duplicate_of: str = "",
 ) -> Delivery:
     """The entry of a run of ``job`` that began ``began`` (monotonic) and ended now."""
+    took = time.monotonic() - began
+    limit = getattr(job, "timeout", None)
     return Delivery(
         job_id=str(job.id),
         worker=str(getattr(job, "worker_name", "") or ""),
         host=HOST.decode(errors="replace"),
         pid=os.getpid(),
-        started=round(time.time() - (time.monotonic() - began), 3),
+        started=round(time.time() - took, 3),
         outcome=outcome,
         waited=None if waited is None else round(waited, 3),
         duplicate_of=duplicate_of,
+        resource=resource or "",
+        took=round(took, 3),
+        timeout=float(limit) if isinstance(limit, (int, float)) and limit > 0 else None,
     )
 
 

@@ -134,7 +134,9 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
         pipeline.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as job.save_meta()
         if run.key is not None and run.worker:
             twin = str(extra.get("duplicate_of", ""))
-            delivery = deliveries.entry(job, outcome.value, run.began, run.waited, twin)
+            delivery = deliveries.entry(
+                job, outcome.value, run.began, run.waited, resource=run.resource, duplicate_of=twin
+            )
             deliveries.add_commands(pipeline, run.spec.scope, run.key, delivery)
         if run.idle is not None:
             admission.forget_if_idle(pipeline, run.idle)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import time
 from collections.abc import Iterator
+from io import StringIO
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
 from django.test import Client
 from rq import Retry
 from rq.job import JobStatus
@@ -337,3 +340,29 @@ def test_a_second_delivery_while_the_first_runs_is_a_duplicate_in_flight(workers
     assert page.status_code == 200
     body = page.content.decode()
     assert "2 deliveries (RQ jobs)" in body and f"duplicate in flight beside {first.id}" in body
+    # joblock_doctor tells the same story and walks the article's steps.
+    out = StringIO()
+    call_command("joblock_doctor", "--key", "dup:7", stdout=out)
+    report = out.getvalue()
+    assert f"yes: 2 deliveries (RQ jobs {first.id}, {second.id}); {first.id} ran" in report
+    assert f"{second.id} replayed the stored result" in report, report
+    assert "2. Do conflicting runs build the same lock key? [ok] every run locked 'dupres:1'" in (
+        report
+    )
+    out = StringIO()
+    call_command("joblock_doctor", "--job", second.id, "--json", stdout=out)
+    found = json.loads(out.getvalue())
+    assert found["key"] == "dup:7" and found["resource"] == "dupres:1"
+    assert [step["verdict"] for step in found["steps"]][:2] == ["info", "ok"], found["steps"]
+
+
+def test_joblock_doctor_refuses_bad_targets():
+    with pytest.raises(CommandError):
+        call_command("joblock_doctor")  # one of --job / --key / --resource
+    with pytest.raises(CommandError, match="no RQ job nope"):
+        call_command("joblock_doctor", "--job", "nope")
+    with pytest.raises(CommandError, match="Invalid lock resource"):
+        call_command("joblock_doctor", "--resource", "<b>order</b>")
+    out = StringIO()
+    call_command("joblock_doctor", "--resource", "order:1", stdout=out)
+    assert "resource 'order:1': free now" in out.getvalue()

@@ -1,0 +1,45 @@
+"""``manage.py joblock_doctor (--job ID | --key KEY [--scope S] | --resource R) [--json]``.
+
+Prints the story of one RQ job, idempotency key or resource (deliveries, holder, operator
+releases) and walks the design article's debugging steps, each with its evidence and a
+verdict (see :mod:`django_joblock.doctor`). Read-only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_joblock.doctor import NotFound, diagnose, render
+from django_joblock.exceptions import InvalidResource
+
+
+class Command(BaseCommand):
+    help = "Explain what happened to a job, an idempotency key or a resource."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        target = parser.add_mutually_exclusive_group(required=True)
+        target.add_argument("--job", default="", help="An RQ job id.")
+        target.add_argument("--key", default="", help="An idempotency key.")
+        target.add_argument("--resource", default="", help="A lock resource (order:123).")
+        parser.add_argument(
+            "--scope", default="", help="The key's job (dotted name), when several use it."
+        )
+        parser.add_argument("--json", action="store_true", help="Print the diagnosis as JSON.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            found = diagnose(
+                job_id=options["job"],
+                key=options["key"],
+                scope=options["scope"],
+                resource=options["resource"],
+            )
+        except (NotFound, InvalidResource) as exc:
+            raise CommandError(str(exc)) from exc
+        if options["json"]:
+            self.stdout.write(json.dumps(found.as_dict(), indent=2, default=str))
+        else:
+            self.stdout.write(render(found))
