@@ -19,6 +19,11 @@ A lock's health is one of:
   longer ``started``, its RQ worker has vanished, or (same host) its process id does not exist.
   An orphaned work horse that still heartbeats is alive, whatever happened to its worker.
   ``why`` names the evidence that applied.
+- ``not renewing``: it was renewed before (so its holder runs a heartbeat) and then not for
+  more than half its TTL, with no other evidence: judged by the lock's own heartbeat, so a
+  holder outside RQ or on another host that died (or hangs) is seen before its lock expires.
+  Never reaped or force-released as dead: a paused process may still believe it holds the
+  lock until its TTL, so the lock is left to expire (the fence covers a late write).
 - ``overdue``: held longer than ``JOBLOCK["STUCK_AFTER"]``;
 - ``healthy`` otherwise.
 """
@@ -56,10 +61,11 @@ class Health(enum.StrEnum):
 
     HEALTHY = "healthy"
     DEAD = "holder dead"
+    SILENT = "not renewing"
     OVERDUE = "overdue"
 
 
-HEALTHY, DEAD, OVERDUE = Health.HEALTHY, Health.DEAD, Health.OVERDUE
+HEALTHY, DEAD, SILENT, OVERDUE = Health.HEALTHY, Health.DEAD, Health.SILENT, Health.OVERDUE
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,13 @@ def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
             never = " (never renewed)" if not active.renewals else ""
             why = "; ".join([*evidence, f"not renewed for {since_renewal / 1000:.0f}s{never}"])
             found[active.resource] = LockHealth(DEAD, why)
+        elif active.renewals and not renewing:
+            found[active.resource] = LockHealth(
+                SILENT,
+                f"renewed {active.renewals} times, the last {since_renewal / 1000:.1f}s ago "
+                f"(TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; it expires "
+                f"in {max(0, active.pttl_ms) / 1000:.1f}s",
+            )
         elif active.held_for > stuck_after:
             found[active.resource] = LockHealth(
                 OVERDUE, f"held {active.held_for:.0f}s, longer than STUCK_AFTER {stuck_after:g}s"

@@ -65,3 +65,56 @@ def test_a_worker_with_a_capped_pool_runs_locked_jobs():
         assert "Too many connections" not in workers.logs()
     finally:
         workers.stop()
+
+
+HOLDER = """
+import sys, time
+import django
+django.setup()
+from django_joblock import lock
+held = lock("ext:1", ttl=6)
+assert held.acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn):
+    """A lock taken by a plain process (no RQ job, so no RQ evidence either way): while its
+    heartbeat renews it is healthy; SIGSTOPped, its own renewal age gives it away before the
+    lock expires; it is never reaped as dead (a paused holder may still believe it holds it)."""
+    import io
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from django.core.management import call_command
+
+    from django_joblock.health import HEALTHY, SILENT, lock_health
+    from django_joblock.monitoring import active_locks
+    from tests.harness import ROOT, child_env, wait_for
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+
+        def health() -> str:
+            rows = active_locks()
+            return lock_health(rows)[rows[0].resource].state.value if rows else ""
+
+        renewed = lambda: int(rconn.hget("joblock:{ext:1}:lock", "renewals") or 0) >= 1  # noqa: E731
+        assert wait_for(renewed, 10)
+        assert health() == HEALTHY.value, "negative control: a renewing holder is healthy"
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert wait_for(lambda: health() == SILENT.value, 10), health()
+        rows = active_locks()
+        assert "its heartbeat stopped" in lock_health(rows)["ext:1"].why
+        out = io.StringIO()
+        call_command("joblock_reap", stdout=out)
+        assert rconn.exists("joblock:{ext:1}:lock"), "not reaped: " + out.getvalue()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

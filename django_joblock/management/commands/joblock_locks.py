@@ -3,8 +3,8 @@
 JSON output: a list of objects with ``resource``, ``family``, ``owner`` (token hash),
 ``fence``, ``host``, ``pid``, ``job_id``, ``job_func``, ``worker``, ``acquired_ms``,
 ``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds), ``health``
-(``healthy`` / ``holder dead`` / ``overdue``) and ``why`` (the evidence behind ``holder dead``
-or ``overdue``; empty when healthy).
+(``healthy`` / ``holder dead`` / ``not renewing`` / ``overdue``) and ``why`` (the evidence
+behind the state; empty when healthy).
 """
 
 from __future__ import annotations
