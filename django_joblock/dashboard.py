@@ -128,6 +128,7 @@ def build(
     return {
         "cards": cards,
         "charts": charts,
+        "job_types": job_types(hour),
         "rows": rows,
         "families": sorted(set(counts) | ({family} if family else set())),
         "family": family or "",
@@ -144,3 +145,42 @@ def build(
         "no_scheduler": [a for a in fired if a.name == "no_scheduler"],
         "build_ms": (time.perf_counter() - started) * 1000,
     }
+
+
+# The counters of the per-job-type table, in its column order.
+JOB_TYPE_COUNTERS = (
+    "acquire_attempts",
+    "contended",
+    "requeued",
+    "given_up",
+    "duplicates_in_flight",
+    "duplicates_blocked",
+    "lost",
+    "near_timeout",
+)
+
+
+def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
+    """One row per (job function, family) seen in ``hour``: its acquires, contention,
+    requeues, give-ups, duplicates (in flight and blocked), losses, runs near their timeout
+    and p99 wait to start; busiest first. ``lock()`` calls outside a job have no function."""
+    labels = {label for name in JOB_TYPE_COUNTERS for label in hour.counters[name]}
+    labels |= set(hour.histograms["start_wait_seconds"])
+    rows = []
+    for fam, func in labels:
+        counts = {name: hour.counters[name].get((fam, func), 0) for name in JOB_TYPE_COUNTERS}
+        if not any(counts.values()):
+            continue
+        attempts = counts["acquire_attempts"]
+        wait = hour.histograms["start_wait_seconds"].get((fam, func))
+        p99 = metrics.percentile(wait, 0.99) if wait else None
+        rows.append(
+            {
+                "func": func or "(lock() outside a job)",
+                "family": fam,
+                **counts,
+                "busy": f"{counts['contended'] / attempts * 100:.0f}%" if attempts else "-",
+                "wait_p99": f"≤ {p99:g}s" if p99 is not None else "-",
+            }
+        )
+    return sorted(rows, key=lambda row: (-row["contended"], -row["requeued"], row["func"]))

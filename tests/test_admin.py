@@ -16,7 +16,7 @@ from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from django_joblock import lock
+from django_joblock import lock, metrics
 from django_joblock.models import LockAudit
 from tests.harness import wait_for
 
@@ -56,6 +56,15 @@ def csrf_post(client: Client, url: str, data: dict[str, str]):  # type: ignore[n
         else (client.cookies["csrftoken"].value)
     )
     return client.post(url, {**data, "csrfmiddlewaretoken": token})
+
+
+def test_job_type_table_escapes_what_it_shows(rconn):
+    """The per-job-type table shows metric labels as text, never as markup."""
+    metrics.count("requeued", "order", "<b>evil</b>.job", n=3)
+    metrics.flush_now()
+    page = user("viewer").get(DASHBOARD).content.decode()
+    table = page[page.index('id="jl-job-types"') :].split("</table>")[0]
+    assert "&lt;b&gt;evil&lt;/b&gt;.job" in table and "<b>evil</b>" not in table
 
 
 def test_anonymous_gets_the_login_page():

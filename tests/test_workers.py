@@ -340,6 +340,12 @@ def test_a_second_delivery_while_the_first_runs_is_a_duplicate_in_flight(workers
     assert page.status_code == 200
     body = page.content.decode()
     assert "2 deliveries (RQ jobs)" in body and f"duplicate in flight beside {first.id}" in body
+    # The dashboard's per-job-type table has the job's row, duplicates in flight included.
+    dashboard = client.get("/admin/django_joblock/dashboard/").content.decode()
+    table = dashboard[dashboard.index('id="jl-job-types"') :]
+    row = table[table.index("<td>tests.jobs.keyed_hold</td>") :].split("</tr>")[0]
+    in_flight = metrics.totals().total("duplicates_in_flight")
+    assert "<td>dupres</td>" in row and f"<td>{in_flight}</td>" in row, row
     # joblock_doctor tells the same story and walks the article's steps.
     out = StringIO()
     call_command("joblock_doctor", "--key", "dup:7", stdout=out)
