@@ -198,10 +198,29 @@ class SentinelGroup:
             if port == old:
                 return False
             with self.server(port).client(socket_timeout=1) as client:
-                return bool(client.info("replication")["role"] == "master")
+                if client.info("replication")["role"] != "master":
+                    return False
+            # What a client does: it must find the new primary whichever sentinel it asks
+            # (one that still flags the old primary down answers "no master").
+            return all(self._discovers(sentinel, port) for sentinel in self.sentinels)
 
         _wait(promoted, timeout, f"no replica was promoted after primary {old} died")
         return self.primary_port()
+
+    def _discovers(self, sentinel: RedisServer, port: int) -> bool:
+        """True when redis-py's Sentinel client, asking only ``sentinel``, finds the primary
+        on ``port``."""
+        from redis.sentinel import Sentinel
+
+        asker = Sentinel([("127.0.0.1", sentinel.port)], socket_timeout=1)  # type: ignore[no-untyped-call]
+        try:
+            found = asker.discover_master(self.master_name)  # type: ignore[no-untyped-call]
+            return bool(found[1] == port)
+        except redis.RedisError:
+            return False
+        finally:
+            for client in asker.sentinels:
+                client.close()
 
     def stop(self) -> None:
         """Stop every process and remove their directories."""
