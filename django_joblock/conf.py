@@ -74,6 +74,14 @@ BACKOFF = Mapping(
         "max": SubKey(300.0, Range(0.0, DAY, open_low=True), "largest ceiling"),
     }
 )
+COUNT_RANGE = Range(1.0, 1e9, unit="")
+
+
+def _count_rule(doc: str, alert: str) -> SubKey:
+    """An alert threshold that is a count within ``WINDOW`` (default 1: any occurrence)."""
+    return SubKey(1.0, COUNT_RANGE, doc, alert=alert)
+
+
 ALERT_RULES = Mapping(
     {
         "CONTENTION_RATIO": SubKey(
@@ -98,31 +106,21 @@ ALERT_RULES = Mapping(
             alert="contention_spike",
         ),
         "RENEW_FAILURES": SubKey(
-            5.0, Range(1.0, 1e9, unit=""), "failed renewals within `WINDOW`", "renew_failures"
+            5.0, COUNT_RANGE, "failed renewals within `WINDOW`", "renew_failures"
         ),
-        "ACQUIRE_ERRORS": SubKey(
-            1.0,
-            Range(1.0, 1e9, unit=""),
-            "acquires that failed because Redis was unavailable, within `WINDOW`",
-            alert="acquire_errors",
+        "ACQUIRE_ERRORS": _count_rule(
+            "acquires that failed because Redis was unavailable, within `WINDOW`", "acquire_errors"
         ),
-        "LOCKS_LOST": SubKey(
-            1.0,
-            Range(1.0, 1e9, unit=""),
+        "LOCKS_LOST": _count_rule(
             "locks lost by their holder (expired, taken over, renewals failed) within `WINDOW`",
-            alert="locks_lost",
+            "locks_lost",
         ),
-        "GIVEN_UP": SubKey(
-            1.0,
-            Range(1.0, 1e9, unit=""),
-            "jobs that gave up on a busy lock (`LockContentionTimeout`) within `WINDOW`",
-            alert="given_up",
+        "GIVEN_UP": _count_rule(
+            "jobs that gave up on a busy lock (`LockContentionTimeout`) within `WINDOW`", "given_up"
         ),
-        "NEAR_TIMEOUT": SubKey(
-            1.0,
-            Range(1.0, 1e9, unit=""),
+        "NEAR_TIMEOUT": _count_rule(
             "job runs within `WINDOW` that took `TIMEOUT_RATIO` or more of their RQ `job_timeout`",
-            alert="near_timeout",
+            "near_timeout",
         ),
         "TIMEOUT_RATIO": SubKey(
             0.8,

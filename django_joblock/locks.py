@@ -306,18 +306,10 @@ class Lock(Holding):
             error = "lost before it was replicated" if acked < 0 else ""
         if acked >= acks:
             return
-        metrics.count("acquire_attempts", self.family, self.job_func)
-        metrics.count("acquire_errors", self.family, self.job_func)
-        try:
-            waiting.release(client, self._keys, self.token, "", [])
-        except REDIS_ERRORS:
-            pass  # it expires on its own
-        raise LockBackendUnavailable(
+        raise self._given_back(
+            client,
             f"the lock reached {max(acked, 0)} of the {acks} replicas JOBLOCK['REPLICA_ACKS'] "
             f"asks for within {timeout:g}s ({error or 'WAIT timed out'}); not acquired",
-            resource=self.resource,
-            key=self.key,
-            owner=self.owner,
         )
 
     def _too_late(self, client: Any, took: float) -> LockBackendUnavailable:
@@ -326,18 +318,23 @@ class Lock(Holding):
         The lock is ours on the server for at most the drift margin longer; give it back now
         (best effort) rather than let others wait for it.
         """
+        return self._given_back(
+            client,
+            f"Redis answered the acquire after {took:.3f}s, when the lock's validity "
+            f"(ttl {self.ttl:g}s minus the drift margin) had already run out; not acquired",
+        )
+
+    def _given_back(self, client: Any, message: str) -> LockBackendUnavailable:
+        """An acquire that got the lock but cannot use it: counted as an acquire error, the
+        lock given back (best effort: else it expires on its own), and the error to raise."""
         metrics.count("acquire_attempts", self.family, self.job_func)
         metrics.count("acquire_errors", self.family, self.job_func)
         try:
             waiting.release(client, self._keys, self.token, "", [])
         except REDIS_ERRORS:
-            pass  # it expires on its own within moments
+            pass  # it expires on its own
         return LockBackendUnavailable(
-            f"Redis answered the acquire after {took:.3f}s, when the lock's validity "
-            f"(ttl {self.ttl:g}s minus the drift margin) had already run out; not acquired",
-            resource=self.resource,
-            key=self.key,
-            owner=self.owner,
+            message, resource=self.resource, key=self.key, owner=self.owner
         )
 
     def _on_acquired(

@@ -28,11 +28,9 @@ did the work).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from django_joblock.testing.redis_server import free_port  # noqa: E402
 from django_joblock.testing.topologies import ClusterNodes, SentinelGroup  # noqa: E402
-from tests.chaos.run import Chaos, print_table, verdict  # noqa: E402
+from tests.chaos.run import Chaos, finish, verdict  # noqa: E402
 from tests.harness import Proxy  # noqa: E402
 
 HELD_BACK = 1.5  # seconds of locks the replica never hears of before the primary dies
@@ -50,7 +48,6 @@ HELD_BACK = 1.5  # seconds of locks the replica never hears of before the primar
 class FailoverChaos(Chaos):
     def setup(self) -> None:
         self.forgotten = 0
-        self.acquire_errors = 0
         # Jobs long enough that holders are mid-job when the fault comes.
         os.environ["CHAOS_WORK"] = str(self.args.work)
         if self.args.cluster:
@@ -85,6 +82,28 @@ class FailoverChaos(Chaos):
             else:
                 self.group.stop()
                 self.link.close()
+
+    def phase_done(self, phase: str) -> None:
+        if phase == "uniform":  # the failover comes in the first phase only (one replica)
+            self.schedule = lambda: []  # type: ignore[method-assign]
+
+    def add_figures(self, report: dict[str, Any]) -> None:
+        from django_joblock import metrics
+
+        args = self.args
+        report["topology"] = (
+            "Cluster: 3 primaries (locks); Redis (queues)"
+            if args.cluster
+            else "Sentinel: 1 primary + 1 replica + 3 sentinels (locks); Redis (queues)"
+        )
+        report["replica_acks"] = args.replica_acks
+        # Locks on the dead primary that the promoted replica lacked (with REPLICA_ACKS:
+        # acquires still in their WAIT, then refused and given back), or on the restarted
+        # cluster node.
+        report["locks_forgotten_by_failover"] = self.forgotten
+        if args.cluster:
+            report["resources_per_node"] = self.spread()
+        report["acquires_refused_or_failed"] = metrics.totals().total("acquire_errors")
 
     def spread(self) -> dict[str, int]:
         """How many of the run's resources each cluster node serves."""
@@ -185,42 +204,7 @@ def main() -> int:
     args.no_network = args.no_restart = True  # this run's fault is the failover
     chaos = FailoverChaos(args)
     chaos.setup()
-    try:
-        chaos.start_worker(scheduler=True)
-        for _ in range(args.workers - 1):
-            chaos.start_worker()
-        total, counts = 0.0, Counter[str]()
-        # The failover comes in the first phase only (a Sentinel setup has one replica).
-        for phase, jobs in (("uniform", args.jobs), ("hot", args.hot_jobs)):
-            if not jobs:
-                continue
-            deliveries = chaos.enqueue(phase, jobs)
-            print(f"phase {phase}: {len(deliveries)} deliveries", flush=True)
-            elapsed, phase_counts = chaos.drain(phase, deliveries)
-            total += elapsed
-            counts += phase_counts
-            chaos.phases[phase] = chaos.phase_figures(phase, deliveries, elapsed)
-            if phase == "uniform":
-                chaos.schedule = lambda: []  # type: ignore[method-assign]
-        report = chaos.check(total, counts)
-        from django_joblock import metrics
-
-        chaos.acquire_errors = metrics.totals().total("acquire_errors")
-        spread = chaos.spread() if args.cluster else {}
-    finally:
-        chaos.teardown()
-    report["topology"] = (
-        "Cluster: 3 primaries (locks); Redis (queues)"
-        if args.cluster
-        else "Sentinel: 1 primary + 1 replica + 3 sentinels (locks); Redis (queues)"
-    )
-    report["replica_acks"] = args.replica_acks
-    # Locks on the dead primary that the promoted replica lacked (with REPLICA_ACKS: acquires
-    # still in their WAIT, then refused and given back), or on the restarted cluster node.
-    report["locks_forgotten_by_failover"] = chaos.forgotten
-    if args.cluster:
-        report["resources_per_node"] = spread
-    report["acquires_refused_or_failed"] = chaos.acquire_errors
+    report = chaos.run()
     ok, text = verdict(report)
     if (
         ok
@@ -229,11 +213,7 @@ def main() -> int:
         and report["locks_lost"] + report["stale_writes_rejected"] == 0
     ):
         ok, text = False, "INVALID: no lock was lost or write refused: the failover forgot nothing"
-    report["verdict"] = text
-    print_table(report, text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if ok else 1
+    return finish(report, ok, text, args.json)
 
 
 if __name__ == "__main__":

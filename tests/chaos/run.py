@@ -392,6 +392,40 @@ class Chaos:
             "undone_deliveries": self.undone(),
         }
 
+    def run(self) -> dict[str, Any]:
+        """Start the workers, drain each phase under the faults, check; tear down always."""
+        try:
+            self.start_worker(scheduler=True)
+            for _ in range(self.args.workers - 1):
+                self.start_worker()
+            total, counts = 0.0, Counter[str]()
+            for phase, jobs in (("uniform", self.args.jobs), ("hot", self.args.hot_jobs)):
+                if not jobs:
+                    continue
+                deliveries = self.enqueue(phase, jobs)
+                print(
+                    f"phase {phase}: {len(deliveries)} deliveries of {jobs} logical jobs over "
+                    f"{len(self.resources(phase)[0])} resources; {self.args.workers} workers; "
+                    f"logs in {self.crew.log_dir}",
+                    flush=True,
+                )
+                elapsed, phase_counts = self.drain(phase, deliveries)
+                total += elapsed
+                counts += phase_counts
+                self.phases[phase] = self.phase_figures(phase, deliveries, elapsed)
+                self.phase_done(phase)
+            report = self.check(total, counts)
+            self.add_figures(report)
+            return report
+        finally:
+            self.teardown()
+
+    def phase_done(self, phase: str) -> None:
+        """A phase drained (a subclass may change the faults of the next one)."""
+
+    def add_figures(self, report: dict[str, Any]) -> None:
+        """More figures for the report, read before the teardown (for subclasses)."""
+
     def undone(self) -> list[str]:
         """Where each delivery that never finished is stuck (for the report)."""
         found = []
@@ -417,6 +451,15 @@ class Chaos:
                 where.append("started registry")
             found.append(f"{logical_id} {job_id[:8]} {status} in {where or 'nowhere'}")
         return found[:20]
+
+
+def finish(report: dict[str, Any], ok: bool, text: str, json_path: str | None) -> int:
+    """Print the report with its verdict, write it as JSON if asked; the exit status."""
+    report["verdict"] = text
+    print_table(report, text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    return 0 if ok else 1
 
 
 def verdict(report: dict[str, Any]) -> tuple[bool, str]:
@@ -475,34 +518,8 @@ def main() -> int:
             setattr(args, key, value)
     chaos = Chaos(args)
     chaos.setup()
-    try:
-        chaos.start_worker(scheduler=True)
-        for _ in range(args.workers - 1):
-            chaos.start_worker()
-        total_elapsed, counts = 0.0, Counter[str]()
-        for phase, jobs in (("uniform", args.jobs), ("hot", args.hot_jobs)):
-            if not jobs:
-                continue
-            deliveries = chaos.enqueue(phase, jobs)
-            print(
-                f"phase {phase}: {len(deliveries)} deliveries of {jobs} logical jobs over "
-                f"{len(chaos.resources(phase)[0])} resources; {args.workers} workers; logs in "
-                f"{chaos.crew.log_dir}",
-                flush=True,
-            )
-            elapsed, phase_counts = chaos.drain(phase, deliveries)
-            total_elapsed += elapsed
-            counts += phase_counts
-            chaos.phases[phase] = chaos.phase_figures(phase, deliveries, elapsed)
-        report = chaos.check(total_elapsed, counts)
-    finally:
-        chaos.teardown()
-    ok, text = verdict(report)
-    report["verdict"] = text
-    print_table(report, text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0 if ok else 1
+    report = chaos.run()
+    return finish(report, *verdict(report), args.json)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,19 @@ pytestmark = pytest.mark.chaos
 
 
 def run_chaos(tmp_path: Path, *args: str) -> dict[str, object]:
+    return run_module(tmp_path, "tests.chaos.run", "--short", *args)
+
+
+def run_module(tmp_path: Path, module: str, *args: str) -> dict[str, object]:
+    """``python -m module --json ... args`` in a subprocess on PostgreSQL; its JSON report,
+    with its exit status (``_exit``) and the end of its output (``_stdout``)."""
     out = tmp_path / "report.json"
     env = dict(os.environ)
     env.pop("DJANGO_SETTINGS_MODULE", None)
     if "sqlite" in env.get("DATABASE_URL", "") or not env.get("DATABASE_URL"):
         env["DATABASE_URL"] = "postgres://postgres@127.0.0.1:5432/postgres"
     done = subprocess.run(
-        [sys.executable, "-m", "tests.chaos.run", "--short", "--json", str(out), *args],
+        [sys.executable, "-m", module, "--json", str(out), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

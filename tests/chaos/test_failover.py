@@ -7,38 +7,17 @@ Redis, throwaway PostgreSQL database and real RQ workers); PostgreSQL-only, like
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+from tests.chaos.test_chaos import run_module
 
 pytestmark = pytest.mark.chaos
 
 
 def run_failover(tmp_path: Path, *args: str) -> dict[str, object]:
-    out = tmp_path / "report.json"
-    env = dict(os.environ)
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    if "sqlite" in env.get("DATABASE_URL", "") or not env.get("DATABASE_URL"):
-        env["DATABASE_URL"] = "postgres://postgres@127.0.0.1:5432/postgres"
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.chaos.failover", "--json", str(out), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    report["_exit"] = done.returncode
-    report["_stdout"] = done.stdout[-3000:]
-    return report
+    return run_module(tmp_path, "tests.chaos.failover", *args)
 
 
 @pytest.mark.parametrize(
