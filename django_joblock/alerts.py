@@ -147,15 +147,16 @@ def _spikes(recent: metrics.Series, limits: dict[str, float], now: float) -> lis
     window = limits["WINDOW"]
     if limits["BASELINE"] <= window:
         return []
-    longer = metrics.window(limits["BASELINE"] + window, now=now)
+    # The minutes before the window's oldest bucket: read once, none of them twice.
+    earlier = metrics.window(limits["BASELINE"], now=now - window - metrics.BUCKET_SECONDS)
     fired = []
     for family in sorted(recent.families()):
         attempts = recent.total("acquire_attempts", family)
-        before = longer.total("acquire_attempts", family) - attempts
+        before = earlier.total("acquire_attempts", family)
         if attempts < MIN_ATTEMPTS or before < MIN_ATTEMPTS:
             continue
         ratio = recent.total("contended", family) / attempts
-        baseline = (longer.total("contended", family) - recent.total("contended", family)) / before
+        baseline = earlier.total("contended", family) / before
         if ratio >= MIN_SPIKE and ratio >= limits["CONTENTION_SPIKE"] * baseline:
             fired.append(
                 Alert(
