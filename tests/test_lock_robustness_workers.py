@@ -1,12 +1,15 @@
 """Issue 12 items 1 and 2 through real RQ worker processes: a Redis restart between two jobs,
-and a worker whose connection pool is capped."""
+a Redis outage while the worker is between jobs, and a worker whose connection pool is
+capped."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 from rq.job import JobStatus
+from rq.suspension import suspend
 
 from tests import jobs
 from tests.workers import Workers, wait_status
@@ -47,12 +50,50 @@ def test_a_job_after_a_redis_restart_succeeds_on_its_first_attempt(server, rconn
     server.restart()
     assert server.client().info("server")["run_id"] != run_id, "negative control: restarted"
     after = jobs.hold_resource.delay(1, "after-restart", 0.0)
-    assert wait_status(after, DONE, 60) is JobStatus.FINISHED, crew.logs()
+    assert wait_status(after, DONE, 60, crew) is JobStatus.FINISHED, crew.logs()
     assert after.get_meta(refresh=True).get("joblock", {}).get("outcome") in (None, "ran")
     assert "LockBackendUnavailable" not in crew.logs()
     assert [raw.decode().split(":")[0] for raw in rconn.lrange("test:intervals", 0, -1)] == [
         "after-restart"
     ], "the job body ran (the restart lost the first job's record)"
+
+
+def _outage_while_suspended(server, crew: Workers, command: str) -> None:
+    """A worker suspended with ``rq suspend`` checks the suspension key every second, outside
+    RQ's dequeue: a Redis outage of 5 s is sure to fail that check (the restart wipes the key,
+    so the worker resumes afterwards)."""
+    proc = crew.start(simple=True, command=command)
+    before = jobs.hold_resource.delay(1, "before-outage", 0.0)
+    assert wait_status(before, DONE, 30, crew) is JobStatus.FINISHED, crew.logs()
+    suspend(before.connection)
+    # if the worker is blocked in its dequeue already, one more job brings it to the check
+    jobs.hold_resource.delay(1, "before-suspension", 0.0)
+    deadline = time.monotonic() + 30
+    while "suspended" not in crew.logs():
+        assert time.monotonic() < deadline and proc.poll() is None, crew.logs()
+        time.sleep(0.1)
+    server.kill()
+    time.sleep(5)
+    server.start()
+
+
+def test_a_joblock_worker_waits_out_a_redis_outage_between_jobs(server, crew):
+    _outage_while_suspended(server, crew, "joblock_worker")
+    after = jobs.hold_resource.delay(1, "after-outage", 0.0)
+    assert wait_status(after, DONE, 60, crew) is JobStatus.FINISHED, crew.logs()
+    assert crew.procs[0].poll() is None, crew.logs()
+    logs = crew.logs(tail=10**6)
+    assert "Redis unavailable in its suspension check" in logs, "the outage was met"
+    assert "unhandled exception" not in logs
+
+
+def test_negative_control_an_rq_worker_quits_on_the_same_outage(server, crew):
+    _outage_while_suspended(server, crew, "rqworker")  # --worker-class=rq.SimpleWorker
+    deadline = time.monotonic() + 30
+    while crew.procs[0].poll() is None:
+        assert time.monotonic() < deadline, f"the plain RQ worker survived\n{crew.logs()}"
+        time.sleep(0.1)
+    assert "found an unhandled exception, quitting" in crew.logs(tail=10**6)
 
 
 def test_a_worker_with_a_capped_pool_runs_locked_jobs():

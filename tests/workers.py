@@ -71,19 +71,23 @@ class Workers:
     def stop(self) -> None:
         self.crew.stop()
 
-    def logs(self) -> str:
-        return self.crew.logs()
+    def logs(self, tail: int = 3000) -> str:
+        return self.crew.logs(tail)
 
 
-def wait_status(job: Job, statuses: set[JobStatus], timeout: float) -> JobStatus:
-    """Poll until the job reaches one of ``statuses``; fail with its last status otherwise."""
+def wait_status(
+    job: Job, statuses: set[JobStatus], timeout: float, crew: Workers | None = None
+) -> JobStatus:
+    """Poll until the job reaches one of ``statuses``; fail with its last status otherwise
+    (and ``crew``'s logs, when given)."""
     deadline = time.monotonic() + timeout
     while True:
         status = job.get_status(refresh=True)
         if status in statuses:
             return status
         if time.monotonic() > deadline:
-            raise AssertionError(f"job {job.id} still {status} after {timeout}s")
+            logs = f"\n{crew.logs()}" if crew is not None else ""
+            raise AssertionError(f"job {job.id} still {status} after {timeout}s{logs}")
         time.sleep(0.05)
 
 
