@@ -25,6 +25,7 @@ from .holders import LockInfo, lock_info
 from .idempotency import Claim, fingerprint_of, idempotent
 from .jobs import locked_job
 from .locks import Lock, LockState, current_lock, lock
+from .outbox import send_after_commit
 
 __all__ = [
     "Claim",
@@ -45,6 +46,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockState",
+    "OutboxMessage",
     "StaleFence",
     "current_lock",
     "fenced_update",
@@ -53,13 +55,14 @@ __all__ = [
     "lock",
     "lock_info",
     "locked_job",
+    "send_after_commit",
 ]
 
 
 def __getattr__(name: str) -> object:
     # Model classes can only be imported once the app registry is ready; resolve them lazily
     # so that ``import django_joblock`` works in settings files.
-    if name in ("FencedModel", "IdempotencyRecord"):
+    if name in ("FencedModel", "IdempotencyRecord", "OutboxMessage"):
         from . import models
 
         return getattr(models, name)

@@ -27,19 +27,15 @@ import django
 from django.apps import apps
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connections
-from django.db.models import QuerySet
-from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
-from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 
 from . import control, dashboard
+from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, bad_request
 from .backend import REDIS_ERRORS
 from .deliveries import summary
 from .exceptions import LockBackendUnavailable
@@ -82,60 +78,6 @@ def rq_job_url(queue_name: str, job_id: str) -> str:
 def _queue_of(job_func: str) -> str:
     queue = job_queue(job_func) if job_func else None
     return str(queue.name) if queue is not None else ""
-
-
-def bad_request(message: str) -> HttpResponse:
-    """A 400 in plain text: a reflected parameter can never become markup."""
-    response = HttpResponse(message, status=400, content_type="text/plain; charset=utf-8")
-    response["X-Content-Type-Options"] = "nosniff"
-    return response
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """Nothing here is added, edited or deleted through the admin: records are written by
-    claims, the audit log is append-only, and the dashboard has no rows.
-
-    URL lookups (``?field__lookup=value``) are allowed on displayed model fields only, so a
-    hidden column cannot be probed character by character."""
-
-    def displayed_fields(self) -> set[str]:
-        shown = {*self.list_display, *(self.fields or ()), *self.readonly_fields}
-        return {f.name for f in self.model._meta.get_fields()} & shown
-
-    def lookup_allowed(self, lookup: str, value: str, request: Any = None) -> bool:
-        if lookup.split(LOOKUP_SEP, 1)[0] not in self.displayed_fields():
-            return False
-        return bool(super().lookup_allowed(lookup, value, request))
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
-    """Unfiltered lists of a big PostgreSQL table use the planner's row estimate instead of
-    ``COUNT(*)`` (a full scan at millions of rows); filtered lists count exactly."""
-
-    @cached_property
-    def count(self) -> int:
-        queryset = self.object_list
-        if isinstance(queryset, QuerySet) and not queryset.query.where:
-            connection = connections[queryset.db]
-            if connection.vendor == "postgresql":
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT reltuples::bigint FROM pg_class WHERE relname = %s",
-                        [queryset.model._meta.db_table],
-                    )
-                    row = cursor.fetchone()
-                if row is not None and row[0] > 100_000:
-                    return int(row[0])
-        return int(super().count)
 
 
 @admin.register(IdempotencyRecord)
@@ -392,3 +334,6 @@ class LockAuditAdmin(ReadOnlyAdmin):
         "user",
         "actor",
     )
+
+
+from . import admin_outbox  # noqa: E402, F401 - registers the outbox's admin

@@ -23,3 +23,10 @@ class AuditAction(models.TextChoices):
 
     FORCE_RELEASE = "force_release", "force release"
     REAP = "reap", "reap (holder dead)"
+
+
+class OutboxStatus(models.TextChoices):
+    """``OutboxMessage.status``."""
+
+    PENDING = "pending", "pending"  # committed, not acknowledged by its handler yet
+    DELIVERED = "delivered", "delivered"  # the handler returned: the provider has it

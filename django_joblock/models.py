@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
-from .choices import AuditAction, RecordStatus
+from .choices import AuditAction, OutboxStatus, RecordStatus
 
 
 class FencedModel(models.Model):
@@ -138,3 +138,36 @@ class LockAudit(models.Model):
 
     def delete(self, *args: object, **kwargs: object) -> tuple[int, dict[str, int]]:
         raise ValueError("LockAudit rows are append-only.")
+
+
+class OutboxMessage(models.Model):
+    """A side effect outside the database (an e-mail, an API call), recorded in the job's
+    transaction by :func:`django_joblock.send_after_commit` and delivered after its commit.
+
+    ``key`` is the idempotency key handed to the handler (and by it to the provider, e.g. as an
+    ``Idempotency-Key`` header); it is unique, so one intent is recorded once. ``status`` is
+    ``pending`` until the handler returns, then ``delivered``; a failed attempt stays pending
+    with ``last_error`` and is retried from ``next_attempt_at`` by ``manage.py joblock_outbox``.
+    """
+
+    Status = OutboxStatus
+
+    key = models.CharField(max_length=255, unique=True)
+    handler = models.CharField(max_length=255, help_text="Dotted path of the delivery function.")
+    payload = models.JSONField(encoder=DjangoJSONEncoder)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.TextField(blank=True, default="")
+    rq_job_id = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    next_attempt_at = models.DateTimeField()
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-pk"]
+        verbose_name = "outbox message"
+        permissions = [("deliver_outbox_message", "Can deliver an outbox message now")]
+        indexes = [models.Index(fields=["status", "next_attempt_at"], name="joblock_outbox_due")]
+
+    def __str__(self) -> str:
+        return f"{self.handler} {self.key} ({self.status})"

@@ -7,7 +7,8 @@ import time
 
 from django_redis import get_redis_connection
 
-from django_joblock import current_lock, fenced_update, locked_job
+from django_joblock import current_lock, fenced_update, locked_job, send_after_commit
+from django_joblock.testing.provider import post
 from tests.testapp.models import Account
 
 
@@ -134,3 +135,35 @@ def keyed_hold(resource_id: int, n: int, seconds: float) -> int:
     time.sleep(seconds)
     _redis().rpush("test:keyed", n)
     return n
+
+
+def mail_handler(payload: dict, *, idempotency_key: str) -> None:
+    """The outbox's delivery of a test e-mail: the provider gets the key as its header."""
+    post(_redis().get("test:provider").decode(), payload, idempotency_key=idempotency_key)
+
+
+def mail_handler_then_hang(payload: dict, *, idempotency_key: str) -> None:
+    """Delivers, then hangs until killed (first delivery) or its go flag is set: a crash
+    between the provider's answer and the message's update."""
+    mail_handler(payload, idempotency_key=idempotency_key)
+    _wait_for_flag(f"deliver:{idempotency_key}")
+
+
+@locked_job("default", lock="mail:{order}", idempotency_key="mail:{order}", ttl=2)
+def mail_via_outbox(order: int, hang_in: str = "job") -> str:
+    """Records the e-mail in the outbox, then hangs between that and its commit (first run)."""
+    handler = mail_handler_then_hang if hang_in == "delivery" else mail_handler
+    send_after_commit(handler, {"order": order}, key=f"mail:{order}")
+    _redis().incr(f"test:runs:mail:{order}")
+    if hang_in == "job":
+        _wait_for_flag(f"mail:{order}")
+    return "recorded"
+
+
+@locked_job("default", lock="mail:{order}", idempotency_key="directmail:{order}", ttl=2)
+def mail_direct(order: int) -> str:
+    """The negative control: sends inside the job (no outbox, no key), then hangs."""
+    post(_redis().get("test:provider").decode(), {"order": order})
+    _redis().incr(f"test:runs:directmail:{order}")
+    _wait_for_flag(f"directmail:{order}")
+    return "sent"

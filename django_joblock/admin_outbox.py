@@ -1,0 +1,75 @@
+"""The outbox in Django admin: every side effect recorded with ``send_after_commit``, its
+delivery state and last error (read-only), and a "deliver now" action for users with
+``django_joblock.deliver_outbox_message``. Thin over :mod:`django_joblock.outbox`."""
+
+from __future__ import annotations
+
+import json
+
+from django.contrib import admin, messages
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.utils.html import format_html
+
+from . import outbox
+from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin
+from .choices import OutboxStatus
+from .models import OutboxMessage
+
+
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(ReadOnlyAdmin):
+    """Read-only: messages are written by ``send_after_commit`` and its deliveries."""
+
+    list_display = (
+        "key",
+        "handler",
+        "status",
+        "attempts",
+        "rq_job_id",
+        "created_at",
+        "next_attempt_at",
+        "delivered_at",
+    )
+    list_filter = ("status", "handler")
+    search_fields = ("key",)
+    ordering = ("-pk",)
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    fields = (
+        "key",
+        "handler",
+        "status",
+        "attempts",
+        "payload_pretty",
+        "last_error",
+        "rq_job_id",
+        "created_at",
+        "next_attempt_at",
+        "delivered_at",
+    )
+    readonly_fields = fields
+    actions = ["deliver_now"]
+
+    @admin.display(description="payload")
+    def payload_pretty(self, obj: OutboxMessage) -> str:
+        text = json.dumps(obj.payload, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
+        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+    def has_deliver_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("django_joblock.deliver_outbox_message"))
+
+    @admin.action(description="Deliver the selected pending messages now", permissions=["deliver"])
+    def deliver_now(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
+        pending = list(queryset.filter(status=OutboxStatus.PENDING).values_list("pk", flat=True))
+        delivered = sum(outbox.deliver(pk, using=queryset.db) for pk in pending)
+        skipped = queryset.count() - len(pending)
+        level = messages.SUCCESS if delivered == len(pending) else messages.WARNING
+        self.message_user(
+            request,
+            f"{delivered} of {len(pending)} pending message(s) delivered"
+            f"{f'; {skipped} were delivered already' if skipped else ''}"
+            f"{'; see last error for the rest' if delivered < len(pending) else ''}.",
+            level,
+        )

@@ -1,0 +1,49 @@
+"""``manage.py joblock_outbox [--limit N] [--every SECONDS] [--database ALIAS]``.
+
+Deliver the outbox messages that are due: those whose delivery after their commit failed (at
+their next backoff time) and those whose process died between the commit and the delivery.
+Once, or every ``--every`` seconds until stopped (run it from cron or as a service beside the
+workers). See :mod:`django_joblock.outbox`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_joblock import outbox
+
+
+class Command(BaseCommand):
+    help = "Deliver due outbox messages (side effects recorded with send_after_commit)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--limit", type=int, default=100, help="Messages per pass (default 100)."
+        )
+        parser.add_argument(
+            "--every",
+            type=float,
+            default=None,
+            help="Seconds between passes; run until stopped (default: one pass).",
+        )
+        parser.add_argument("--database", default=None)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        limit, every = options["limit"], options["every"]
+        if limit < 1:
+            raise CommandError(f"--limit must be at least 1, got {limit}")
+        if every is not None and not (math.isfinite(every) and 0.1 <= every <= 86400):
+            raise CommandError(f"--every must be between 0.1 and 86400 seconds, got {every}")
+        while True:
+            report = outbox.deliver_due(limit=limit, using=options["database"])
+            self.stdout.write(
+                f"outbox: {report.delivered} delivered, {report.failed} failed, "
+                f"{report.pending} pending"
+            )
+            if every is None:
+                return
+            time.sleep(every)

@@ -1,0 +1,205 @@
+"""The outbox (issue 17, item 2): a side effect outside the database is recorded in the job's
+transaction and delivered after its commit, with its idempotency key handed to the provider,
+retried until the handler returns. Real database, real HTTP provider; the kill tests use real
+worker processes and SIGKILL, beside a job that sends directly (the negative control)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import transaction
+from django.utils import timezone
+from rq import Retry
+from rq.job import JobStatus
+
+from django_joblock import OutboxMessage, outbox, send_after_commit
+from django_joblock.testing.provider import FakeProvider
+from tests import jobs
+from tests.harness import ROOT, child_env, wait_for
+from tests.workers import Workers, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DONE = {JobStatus.FINISHED, JobStatus.FAILED}
+
+
+@pytest.fixture
+def provider(rconn) -> Iterator[FakeProvider]:  # type: ignore[no-untyped-def]
+    with FakeProvider() as fake:
+        rconn.set("test:provider", fake.url)
+        yield fake
+
+
+@pytest.fixture
+def crew() -> Iterator[Workers]:
+    workers = Workers({})
+    yield workers
+    workers.stop()
+
+
+def _pid(rconn, label: str) -> int:  # type: ignore[no-untyped-def]
+    assert wait_for(lambda: rconn.get(f"test:pid:{label}"), 20), f"{label} never started"
+    return int(rconn.get(f"test:pid:{label}"))
+
+
+def test_nothing_is_sent_before_the_commit_and_nothing_after_a_rollback(provider):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        send_after_commit(jobs.mail_handler, {"order": 1}, key="mail:rolled-back")
+        raise RuntimeError("the job failed before its commit")
+    assert provider.calls == [] and not OutboxMessage.objects.exists()
+    with transaction.atomic():
+        send_after_commit(jobs.mail_handler, {"order": 2}, key="mail:2")
+        assert provider.calls == [], "sent before the commit"
+    assert [(c.key, c.body) for c in provider.calls] == [("mail:2", {"order": 2})]
+    message = OutboxMessage.objects.get(key="mail:2")
+    assert (message.status, message.attempts, message.handler) == (
+        "delivered",
+        1,
+        "tests.jobs.mail_handler",
+    )
+
+
+def test_an_intent_recorded_twice_is_sent_once(provider):
+    for _ in range(2):  # a replayed or retried job records the same key again
+        with transaction.atomic():
+            send_after_commit(jobs.mail_handler, {"order": 3}, key="mail:3")
+    assert len(provider.calls) == 1 and OutboxMessage.objects.count() == 1
+
+
+def test_a_failed_delivery_stays_pending_and_is_retried_until_acknowledged(provider):
+    provider.fail_next = 2  # the provider answers 503 twice
+    send_after_commit(jobs.mail_handler, {"order": 4}, key="mail:4")
+    message = OutboxMessage.objects.get(key="mail:4")
+    assert (message.status, message.attempts) == ("pending", 1)
+    assert "503" in message.last_error and message.next_attempt_at > timezone.now()
+    assert outbox.deliver_due().delivered == 0, "not due before its backoff"
+    OutboxMessage.objects.filter(pk=message.pk).update(next_attempt_at=timezone.now())
+    call_command("joblock_outbox")  # second failure
+    message.refresh_from_db()
+    assert (message.status, message.attempts) == ("pending", 2)
+    assert message.next_attempt_at - timezone.now() > timedelta(seconds=1), "backoff doubles"
+    OutboxMessage.objects.filter(pk=message.pk).update(next_attempt_at=timezone.now())
+    report = outbox.deliver_due()
+    assert (report.delivered, report.failed, report.pending) == (1, 0, 0)
+    message.refresh_from_db()
+    assert (message.status, message.attempts) == ("delivered", 3)
+    assert [c.key for c in provider.calls] == ["mail:4"]
+
+
+def test_bad_input_is_refused_with_the_reason(provider):
+    with pytest.raises(ValueError, match="key must be a non-empty str"):
+        send_after_commit(jobs.mail_handler, {}, key="")
+    with pytest.raises(ValueError, match="at most 255"):
+        send_after_commit(jobs.mail_handler, {}, key="k" * 256)
+    with pytest.raises(ValueError, match="cannot be imported"):
+        send_after_commit(lambda payload, idempotency_key: None, {}, key="mail:lambda")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        send_after_commit("tests.jobs.no_such_handler", {}, key="mail:missing")
+    send_after_commit(jobs.mail_handler, {"order": 5}, key="mail:5")
+    with pytest.raises(ValueError, match=r"recorded for tests\.jobs\.mail_handler"):
+        send_after_commit(jobs.mail_handler_then_hang, {"order": 5}, key="mail:5")
+    with pytest.raises(ValueError, match="limit must be a positive int"):
+        outbox.deliver_due(limit=0)
+    with pytest.raises(CommandError, match="--limit"):
+        call_command("joblock_outbox", limit=0)
+    with pytest.raises(CommandError, match="--every"):
+        call_command("joblock_outbox", every=float("nan"))
+    assert OutboxMessage.objects.count() == 1, "nothing recorded by a refused call"
+
+
+def test_the_outbox_sends_once_when_the_job_is_killed_between_send_and_commit(
+    provider, crew, rconn
+):
+    crew.start(scheduler=True)
+    job = jobs.mail_via_outbox.enqueue((6,), retry=Retry(max=2, interval=1))
+    os.kill(_pid(rconn, "mail:6"), signal.SIGKILL)  # after send_after_commit, before commit
+    rconn.set("test:go:mail:6", 1)
+    assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED, crew.logs()
+    assert int(rconn.get("test:runs:mail:6")) == 2, "the killed run reached the send"
+    assert [c.key for c in provider.calls] == ["mail:6"], "one call, with the key"
+    message = OutboxMessage.objects.get(key="mail:6")
+    assert (message.status, message.attempts, message.rq_job_id) == ("delivered", 1, job.id)
+
+
+def test_negative_control_a_direct_send_is_made_twice_under_the_same_kill(provider, crew, rconn):
+    crew.start(scheduler=True)
+    job = jobs.mail_direct.enqueue((7,), retry=Retry(max=2, interval=1))
+    os.kill(_pid(rconn, "directmail:7"), signal.SIGKILL)  # after the send, before commit
+    rconn.set("test:go:directmail:7", 1)
+    assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED, crew.logs()
+    assert int(rconn.get("test:runs:directmail:7")) == 2
+    assert provider.sends == 2, "the e-mail went out twice"
+
+
+def test_a_delivery_killed_after_the_provider_took_it_is_redelivered_with_its_key(
+    provider, crew, rconn
+):
+    crew.start()
+    job = jobs.mail_via_outbox.enqueue((8,), kwargs={"hang_in": "delivery"})
+    os.kill(_pid(rconn, "deliver:mail:8"), signal.SIGKILL)  # provider answered, row not updated
+    assert wait_status(job, DONE, 40, crew) is JobStatus.FAILED, "the horse died"
+    message = OutboxMessage.objects.get(key="mail:8")
+    assert message.status == "pending", "committed, never acknowledged"
+    rconn.set("test:go:deliver:mail:8", 1)
+    swept = subprocess.run(
+        [sys.executable, "-m", "django", "joblock_outbox"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert swept.returncode == 0, swept.stderr
+    assert "1 delivered, 0 failed, 0 pending" in swept.stdout, swept.stdout
+    assert [c.key for c in provider.calls] == ["mail:8", "mail:8"], "redelivered, same key"
+    assert provider.sends == 1, "the provider performed it once"
+    message.refresh_from_db()
+    assert message.status == "delivered"
+
+
+OUTBOX = "/admin/django_joblock/outboxmessage/"
+
+
+def _admin_user(name: str, *perms: str):  # type: ignore[no-untyped-def]
+    from django.contrib.auth.models import Permission, User
+    from django.test import Client
+
+    account = User.objects.create_user(name, password="pw", is_staff=True)
+    for codename in ("view_outboxmessage", *perms):
+        account.user_permissions.add(Permission.objects.get(codename=codename))
+    client = Client()
+    client.force_login(account)
+    return client
+
+
+def test_the_admin_shows_messages_escaped_and_delivers_for_permitted_users(provider):
+    provider.fail_next = 1
+    evil = "<script>alert(1)</script>"
+    send_after_commit(jobs.mail_handler, {"to": evil}, key=f"mail:{evil}")
+    message = OutboxMessage.objects.get()
+    assert message.status == "pending"
+    viewer = _admin_user("viewer")
+    listing = viewer.get(OUTBOX, {"q": evil}).content.decode()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in listing and evil not in listing
+    assert "deliver_now" not in listing, "no action without the permission"
+    page = viewer.get(f"{OUTBOX}{message.pk}/change/").content.decode()
+    assert evil not in page and "503" in page, "payload and last error, escaped"
+    refused = viewer.post(OUTBOX, {"action": "deliver_now", "_selected_action": [message.pk]})
+    message.refresh_from_db()
+    assert refused.status_code in (200, 302) and message.status == "pending"
+    operator = _admin_user("operator", "deliver_outbox_message")
+    done = operator.post(
+        OUTBOX, {"action": "deliver_now", "_selected_action": [message.pk]}, follow=True
+    )
+    assert "1 of 1 pending message(s) delivered" in done.content.decode()
+    message.refresh_from_db()
+    assert message.status == "delivered" and provider.sends == 1
+    assert viewer.get(OUTBOX, {"status__exact": "<b>"}).status_code in (200, 302)
