@@ -10,7 +10,8 @@ a verdict (``ok``, ``problem``, ``info``, ``unknown``):
 3. TTL and heartbeat against the runs' real durations;
 4. did a lock expire (get lost) mid-run?
 5. do release and renew verify the owner token?
-6. are the side effects guarded by the idempotency key or a unique constraint?
+6. are the side effects guarded by the idempotency key or a unique constraint (and did the
+   ones outside the database go through the outbox, and are they delivered)?
 7. is the queue's ACK (RQ's ``job_timeout``) in line with the runs' durations?
 
 Read-only; every read is bounded (one key's history, one resource, one family's metrics).
@@ -26,8 +27,9 @@ from typing import Any
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
-from . import conf, metrics
+from . import conf, metrics, outbox
 from .backend import REDIS_ERRORS
+from .choices import OutboxStatus
 from .deliveries import Delivery, summary
 from .exceptions import LockBackendUnavailable
 from .health import known_queues, record_deliveries
@@ -84,8 +86,24 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
         found.story += [_line(run) for run in runs]
     if found.resource:
         found.story += _resource_story(found.resource)
-    found.steps = _steps(found, runs)
+    sent = _outbox_of(runs, key)
+    found.story += [f"  outbox: {outbox.describe(message)}" for message in sent]
+    found.steps = _steps(found, runs, sent)
     return found
+
+
+def _outbox_of(runs: list[Delivery], key: str) -> list[Any]:
+    """The outbox messages the key's runs recorded (by RQ job id), or under the key itself."""
+    from django.db.models import Q
+
+    from .models import OutboxMessage
+
+    if not runs and not key:
+        return []
+    jobs = {run.job_id for run in runs}
+    return list(
+        OutboxMessage.objects.filter(Q(rq_job_id__in=jobs) | Q(key=key)).order_by("pk")[:20]
+    )
 
 
 def _from_job(job_id: str) -> tuple[str, str, str]:
@@ -148,7 +166,7 @@ def _resource_story(resource: str) -> list[str]:
     return lines
 
 
-def _steps(found: Diagnosis, runs: list[Delivery]) -> list[Step]:
+def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step]:
     ran = [run for run in runs if run.outcome == "ran"]
     jobs = list(dict.fromkeys(run.job_id for run in runs))
     spec = registry.get(found.scope)
@@ -223,12 +241,16 @@ def _steps(found: Diagnosis, runs: list[Delivery]) -> list[Step]:
         verdict = PROBLEM
         text = f"{len(ran)} runs committed the effect: {', '.join(r.job_id for r in ran)}"
     elif found.key:
-        verdict = OK
-        text = (
-            "the idempotency record let one run commit ("
-            + (ran[0].job_id if ran else "none yet")
-            + "); effects outside the database (e-mail, APIs) need the key passed on"
+        pending = [message.key for message in sent if message.status != OutboxStatus.DELIVERED]
+        verdict = INFO if pending else OK
+        text = "the idempotency record let one run commit (" + (
+            ran[0].job_id if ran else "none yet"
         )
+        if sent:
+            text += f"); {len(sent)} effect(s) outside the database went through the outbox"
+            text += f", not delivered yet: {', '.join(pending)}" if pending else ", all delivered"
+        else:
+            text += "); effects outside the database (e-mail, APIs) need send_after_commit"
     else:
         verdict, text = UNKNOWN, "no idempotency key: only the lock and the fence guard it"
     steps.append(Step(6, "Are side effects guarded by the key?", verdict, text))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from io import StringIO
 
 import pytest
 from django.core.management import call_command
@@ -48,6 +49,12 @@ def crew() -> Iterator[Workers]:
 def _pid(rconn, label: str) -> int:  # type: ignore[no-untyped-def]
     assert wait_for(lambda: rconn.get(f"test:pid:{label}"), 20), f"{label} never started"
     return int(rconn.get(f"test:pid:{label}"))
+
+
+def _doctor(key: str) -> str:
+    out = StringIO()
+    call_command("joblock_doctor", "--key", key, stdout=out)
+    return out.getvalue()
 
 
 def test_nothing_is_sent_before_the_commit_and_nothing_after_a_rollback(provider):
@@ -127,6 +134,9 @@ def test_the_outbox_sends_once_when_the_job_is_killed_between_send_and_commit(
     assert [c.key for c in provider.calls] == ["mail:6"], "one call, with the key"
     message = OutboxMessage.objects.get(key="mail:6")
     assert (message.status, message.attempts, message.rq_job_id) == ("delivered", 1, job.id)
+    report = _doctor("mail:6")
+    assert "outbox: mail:6 via tests.jobs.mail_handler: delivered after 1 attempt(s)" in report
+    assert "1 effect(s) outside the database went through the outbox, all delivered" in report
 
 
 def test_negative_control_a_direct_send_is_made_twice_under_the_same_kill(provider, crew, rconn):
@@ -148,6 +158,8 @@ def test_a_delivery_killed_after_the_provider_took_it_is_redelivered_with_its_ke
     assert wait_status(job, DONE, 40, crew) is JobStatus.FAILED, "the horse died"
     message = OutboxMessage.objects.get(key="mail:8")
     assert message.status == "pending", "committed, never acknowledged"
+    assert "6. Are side effects guarded by the key? [info]" in _doctor("mail:8")
+    assert "not delivered yet: mail:8" in _doctor("mail:8")
     rconn.set("test:go:deliver:mail:8", 1)
     swept = subprocess.run(
         [sys.executable, "-m", "django", "joblock_outbox"],

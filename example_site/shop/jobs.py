@@ -4,6 +4,9 @@
   (read-modify-write of ``refunded``); a refund delivered twice must be applied once; a holder
   paused past its TTL must not overwrite a newer holder's write.
 - ``send_receipt``: idempotency only. Sending twice is the harm; running in parallel is not.
+  The e-mail goes through the outbox (``send_after_commit``): it leaves after the job's
+  commit, with its idempotency key handed to the mail provider (the demo's ``FakeProvider``,
+  at ``JOBLOCK_DEMO_PROVIDER``), so a job killed before its commit has sent nothing.
 - ``rebuild_tenant_cache``: lock only. Rebuilding twice is harmless; twice at once is not.
 
 Every committed effect appends its [start, end] interval to a Redis list per resource, so the
@@ -20,8 +23,9 @@ from decimal import Decimal
 from django.db import transaction
 from django_redis import get_redis_connection
 
-from django_joblock import current_lock, fenced_update, locked_job
+from django_joblock import current_lock, fenced_update, locked_job, send_after_commit
 from django_joblock.jobs import LockedJob
+from django_joblock.testing.provider import post
 
 from .models import Order, Receipt, Refund, Tenant
 
@@ -75,10 +79,16 @@ def refund_order(order_id: int, refund_id: str, amount: str) -> dict[str, str]:
 def send_receipt(order_id: int) -> dict[str, str]:
     _mark_running(f"receipt {order_id}")
     message_id = secrets.token_hex(8)
-    time.sleep(WORK_SECONDS / 2)  # the mail provider
+    time.sleep(WORK_SECONDS / 2)  # render the e-mail
     Receipt.objects.create(order_id=order_id, message_id=message_id)
-    transaction.on_commit(lambda: _redis().incr("demo:emails"))
+    payload = {"order_id": order_id, "message_id": message_id}
+    send_after_commit(deliver_receipt, payload, key=f"receipt:{order_id}")
     return {"message_id": message_id}
+
+
+def deliver_receipt(payload: dict[str, object], *, idempotency_key: str) -> None:
+    """The outbox's delivery: one call to the mail provider, with the key as its header."""
+    post(os.environ["JOBLOCK_DEMO_PROVIDER"], payload, idempotency_key=idempotency_key)
 
 
 @locked_job(QUEUE, lock="tenant:{tenant_id}", ttl=5)
