@@ -208,6 +208,15 @@ class DashboardAdmin(ReadOnlyAdmin):
                 validate_family(fam)
         except ValueError as exc:
             return bad_request(str(exc))
+        timeline_of = request.GET.get("timeline") or None
+        try:
+            if timeline_of is not None:
+                if ":" in timeline_of:
+                    validate_resource(timeline_of)
+                else:
+                    validate_family(timeline_of)
+        except ValueError as exc:
+            return bad_request(f"timeline: {exc}")
         if health is not None and health not in {choice.value for choice in Health}:
             return bad_request(
                 f"Unknown health filter {health!r}; one of: "
@@ -219,6 +228,7 @@ class DashboardAdmin(ReadOnlyAdmin):
                 family=fam,
                 health_filter=health,
                 claims=request.user.has_perm("django_joblock.view_idempotencyrecord"),
+                timeline_of=timeline_of,
             )
         except REDIS_ERRORS as exc:
             return self._unavailable(

@@ -1,10 +1,13 @@
 """Chart geometry for the "Job locks" page: inline SVG drawn server-side (no JavaScript).
 
-Two kinds, both with axes, tick labels and axis titles:
+Three kinds, all with axes, tick labels and axis titles:
 
 - :func:`bar_chart`: one horizontal bar per label (a family), the value axis underneath;
 - :func:`minute_chart`: one column per minute, a time axis with clock labels in the current
-  Django time zone, a count axis on the left.
+  Django time zone, a count axis on the left;
+- :func:`timeline_chart`: one row per resource over the last minutes, each run a bar from its
+  start to its release (coloured by outcome), its wait from enqueue a thin bar before it, and a
+  run that found the resource busy a mark.
 
 A chart whose values are all zero has no bars: the page says "no data" instead of drawing a
 flat line that looks like a broken chart. The numbers here are SVG user units; the template
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from django.utils import timezone
 
@@ -38,6 +42,7 @@ class Bar:
     y: float = 0.0
     width: float = 0.0
     height: float = 0.0
+    css: str = ""  # timeline: the outcome's class (jl-tl-<outcome>, jl-tl-wait)
 
 
 @dataclass
@@ -60,7 +65,7 @@ class Line:
 @dataclass
 class Chart:
     title: str
-    kind: str  # "bars" or "minutes"
+    kind: str  # "bars", "minutes" or "timeline"
     bars: list[Bar]
     width: int = WIDTH
     height: int = 0
@@ -180,3 +185,130 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
         ticks=ticks,
         summary=f"last {minutes} minutes: total {total}, peak {peak}/min",
     )
+
+
+TIMELINE_WIDTH = 920
+TIMELINE_LABEL = 130  # room for the resource names
+TIMELINE_ROW = 18
+#: Outcomes drawn as a mark (the run found the resource busy) rather than a held bar.
+BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})
+
+
+def timeline_chart(
+    title: str, spans: list[Any], *, now: float, minutes: int, rows: int, note: str = ""
+) -> Chart:
+    """Rows of resources (the ``rows`` most recently active; newest first) over the last
+    ``minutes`` before ``now`` (Unix seconds), from :class:`~django_joblock.timeline.Span`-like
+    objects (``resource``, ``job_id``, ``func``, ``started``, ``took``, ``waited``,
+    ``outcome``)."""
+    start = now - minutes * 60
+    shown = [span for span in spans if span.started + span.took >= start]
+    if not shown:
+        return Chart(
+            title,
+            "timeline",
+            [],
+            width=TIMELINE_WIDTH,
+            note=note,
+            empty=(f"no runs with a lock in the last {minutes} minutes"),
+        )
+    latest: dict[str, float] = {}
+    for span in shown:
+        latest[span.resource] = max(latest.get(span.resource, 0.0), span.started + span.took)
+    names = sorted(latest, key=lambda resource: -latest[resource])[:rows]
+    row_of = {resource: index for index, resource in enumerate(names)}
+    plot = TIMELINE_WIDTH - TIMELINE_LABEL - 10
+
+    def x_of(at: float) -> float:
+        return round(TIMELINE_LABEL + plot * (min(max(at, start), now) - start) / (now - start), 1)
+
+    bars: list[Bar] = []
+    for span in shown:
+        row = row_of.get(span.resource)
+        if row is None:
+            continue
+        y = PLOT_TOP + row * TIMELINE_ROW
+        what = f"job {span.job_id} ({span.func}): {span.outcome}, ran {span.took:g}s"
+        if span.waited:
+            what += f" after waiting {span.waited:g}s"
+            x0, x1 = x_of(span.started - span.waited), x_of(span.started)
+            bars.append(
+                Bar(
+                    span.resource,
+                    span.waited,
+                    f"job {span.job_id} waited {span.waited:g}s",
+                    x=x0,
+                    y=y + TIMELINE_ROW - 4,  # under the row's bars: a wait overlaps a holder
+                    width=max(1.0, x1 - x0),
+                    height=2,
+                    css="jl-tl-wait",
+                )
+            )
+        x0 = x_of(span.started)
+        if span.outcome in BUSY_OUTCOMES:
+            bars.append(
+                Bar(
+                    span.resource,
+                    0,
+                    what,
+                    x=x0 - 1,
+                    y=y + 3,
+                    width=3,
+                    height=TIMELINE_ROW - 8,
+                    css="jl-tl-busy",
+                )
+            )
+            continue
+        width = max(2.0, x_of(span.started + span.took) - x0)
+        bars.append(
+            Bar(
+                span.resource,
+                span.took,
+                what,
+                x=x0,
+                y=y + 1,
+                width=width,
+                height=TIMELINE_ROW - 6,
+                css=f"jl-tl-{span.outcome}",
+            )
+        )
+    bottom = PLOT_TOP + len(names) * TIMELINE_ROW
+    ticks = [
+        Tick(TIMELINE_LABEL - 6, PLOT_TOP + index * TIMELINE_ROW + 12, _short(name), "end")
+        for index, name in enumerate(names)
+    ]
+    zone = timezone.get_current_timezone()
+    for minute in range(minutes + 1):
+        at = start + minute * 60
+        if minute % max(1, minutes // 5) == 0 or minute == minutes:
+            label = datetime.fromtimestamp(at, UTC).astimezone(zone).strftime("%H:%M:%S")
+            anchor = "end" if minute == minutes else ("start" if minute == 0 else "middle")
+            ticks.append(Tick(x_of(at), bottom + 14, label, anchor))
+    zone_name = timezone.localtime(timezone.now(), zone).tzname() or ""
+    ticks.append(Tick(TIMELINE_LABEL + plot / 2, bottom + 30, f"time ({zone_name})"))
+    axes = [
+        Line(TIMELINE_LABEL, PLOT_TOP - 2, TIMELINE_LABEL, bottom),
+        Line(TIMELINE_LABEL, bottom, TIMELINE_LABEL + plot, bottom),
+    ]
+    held = sum(1 for span in shown if span.outcome not in BUSY_OUTCOMES)
+    busy = len(shown) - held
+    more = len(latest) - len(names)
+    return Chart(
+        title,
+        "timeline",
+        bars,
+        width=TIMELINE_WIDTH,
+        height=int(bottom + 38),
+        note=note,
+        axes=axes,
+        ticks=ticks,
+        summary=(
+            f"{len(names)} resource(s){f' (and {more} more)' if more else ''}: {held} run(s) "
+            f"holding the lock, {busy} found it busy, "
+            f"{sum(1 for span in shown if span.outcome == 'aborted')} lost it"
+        ),
+    )
+
+
+def _short(name: str, limit: int = 20) -> str:
+    return name if len(name) <= limit else name[: limit - 1] + "…"

@@ -12,22 +12,31 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import active_index, alerts, metrics, monitoring
-from .charts import bar_chart, minute_chart
-from .health import DEAD, HEALTHY, Health, lock_health, stuck_claims, stuck_jobs
+from . import active_index, alerts, metrics, monitoring, timeline
+from .charts import Chart, bar_chart, minute_chart, timeline_chart
+from .health import DEAD, HEALTHY, Health, known_queues, lock_health, stuck_claims, stuck_jobs
+from .keys import family as family_of
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
+TIMELINE_MINUTES = 10
+TIMELINE_ROWS = 12  # resources drawn on the timeline (the most recently active)
 
 
 def build(
-    family: str | None = None, health_filter: str | None = None, *, claims: bool = True
+    family: str | None = None,
+    health_filter: str | None = None,
+    *,
+    claims: bool = True,
+    timeline_of: str | None = None,
 ) -> dict[str, Any]:
-    """The dashboard's context: cards, charts, active locks, stuck work, alerts.
+    """The dashboard's context: cards, charts, the timeline, active locks, stuck work, alerts.
 
     ``family`` must be a family name (validated by the caller), ``health_filter`` one of the
     :class:`~django_joblock.health.Health` values; ``claims=False`` leaves out the stuck
-    idempotency claims (for users who may not see idempotency records).
+    idempotency claims (for users who may not see idempotency records). ``timeline_of`` is a
+    family or a resource (validated by the caller; a resource contains ``:``); by default the
+    timeline shows the family with the most contention in the last hour.
     """
     started = time.perf_counter()
     hour = metrics.window(3600)
@@ -70,6 +79,12 @@ def build(
             "Requeues for contention per minute",
             metrics.per_minute("requeued", CHART_MINUTES),
             axis="requeues",
+        ),
+        minute_chart(
+            "Failed runs per minute",
+            metrics.per_minute("failed_runs", CHART_MINUTES),
+            axis="failed runs",
+            note=f"{hour.total('rq_retries')} retried by RQ in the last hour",
         ),
         bar_chart(
             "Hold time p95 / p99 per family (last hour)",
@@ -121,13 +136,20 @@ def build(
         ("Renew failures (1 h)", hour.total("renew_failed")),
         ("Jobs given up (1 h)", hour.total("given_up")),
         (
+            "Failed runs / RQ retries (1 h)",
+            f"{hour.total('failed_runs')} / {hour.total('rq_retries')}",
+        ),
+        (
             "Wait to start p50 / p99 (1 h)",
             f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-",
         ),
     ]
+    target = timeline_of or _busiest(hour, counts)
     return {
         "cards": cards,
         "charts": charts,
+        "timeline": _timeline(target) if target else None,
+        "timeline_of": target,
         "job_types": job_types(hour),
         "rows": rows,
         "families": sorted(set(counts) | ({family} if family else set())),
@@ -147,6 +169,34 @@ def build(
     }
 
 
+def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
+    """The family with the most contention in ``hour``, else the most active locks now."""
+    contended = {fam: hour.total("contended", fam) for fam in hour.families()}
+    if any(contended.values()):
+        return max(sorted(contended), key=lambda fam: contended[fam])
+    if counts:
+        return max(sorted(counts), key=lambda fam: counts[fam])
+    return next(iter(sorted(hour.families())), "")
+
+
+def _timeline(target: str) -> Chart:
+    """The timeline of a family, or of one resource (``target`` contains ``:``)."""
+    fam = family_of(target) if ":" in target else target
+    clients = [queue.connection for queue in known_queues().values()]
+    now = time.time()
+    spans = timeline.recent(fam, clients, since=now - TIMELINE_MINUTES * 60)
+    if ":" in target:
+        spans = [span for span in spans if span.resource == target]
+    return timeline_chart(
+        f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)",
+        spans,
+        now=now,
+        minutes=TIMELINE_MINUTES,
+        rows=TIMELINE_ROWS,
+        note="runs of @locked_job by workers: held, waited, busy, lost",
+    )
+
+
 # The counters of the per-job-type table, in its column order.
 JOB_TYPE_COUNTERS = (
     "acquire_attempts",
@@ -157,6 +207,8 @@ JOB_TYPE_COUNTERS = (
     "duplicates_blocked",
     "lost",
     "near_timeout",
+    "failed_runs",
+    "rq_retries",
 )
 
 

@@ -152,3 +152,8 @@ def deliveries_key(prefix: str, scope: str, key: str) -> str:
     """The delivery history of idempotency ``key`` in ``scope`` (bounded length: a hash)."""
     digest = hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:32]
     return f"{prefix}:deliveries:{digest}"
+
+
+def timeline_key(prefix: str, family_name: str) -> str:
+    """The recent runs of one family's resources (a bounded LIST, see ``timeline``)."""
+    return f"{prefix}:timeline:{family_name}"

@@ -95,6 +95,16 @@ METRICS = (
         COUNTER,
         "Job runs that took at least ALERTS['TIMEOUT_RATIO'] of their RQ job_timeout.",
     ),
+    Metric(
+        "failed_runs",
+        COUNTER,
+        "Job runs that raised (failed, lost their lock, gave up): RQ fails or retries them.",
+    ),
+    Metric(
+        "rq_retries",
+        COUNTER,
+        "Failed job runs that RQ retries (their Retry had retries left).",
+    ),
     Metric("forced_releases", COUNTER, "Locks released by an operator (admin or joblock_release)."),
     Metric("wait_seconds", HISTOGRAM, "Time spent waiting for a lock, until acquired or given up."),
     Metric("hold_seconds", HISTOGRAM, "Time a lock was held, acquire to release."),

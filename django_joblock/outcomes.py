@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, conf, deliveries, metrics
+from . import admission, conf, deliveries, metrics, timeline
 from .backend import REDIS_ERRORS
 from .idempotency_inputs import key_family
 from .jobspec import JobSpec
@@ -47,6 +47,8 @@ class JobOutcome(enum.StrEnum):
 
 # After these the job does not run again: its admission slot can go to the next job.
 FINAL_SUCCESS = frozenset({JobOutcome.RAN, JobOutcome.REPLAYED, JobOutcome.SKIPPED})
+# These runs raised: RQ fails the job, or retries it when its Retry has retries left.
+RAISED = frozenset({JobOutcome.FAILED, JobOutcome.ABORTED, JobOutcome.GAVE_UP})
 
 
 @dataclass
@@ -114,14 +116,20 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     """Record ``outcome`` in the job's meta and log the run's one line.
 
     One round trip on the queue's connection: the meta's ``HSET``, for a run with an
-    idempotency key its entry in the key's delivery history (:mod:`django_joblock.deliveries`)
-    and, when nobody waited on the resource, the removal of its rate-limit keys
-    (:func:`admission.forget_if_idle`).
+    idempotency key its entry in the key's delivery history (:mod:`django_joblock.deliveries`),
+    for a run with a lock its span on the family's :mod:`~django_joblock.timeline`, and, when
+    nobody waited on the resource, the removal of its rate-limit keys
+    (:func:`admission.forget_if_idle`). A failed run (it raised) by a worker counts
+    ``failed_runs``, and ``rq_retries`` when RQ retries it.
     """
     _log(run, outcome, extra)
     job = run.job
     if job is None:
         return
+    if outcome in RAISED and run.worker:
+        metrics.count("failed_runs", run.family, run.spec.name)
+        if (getattr(job, "retries_left", None) or 0) > 0:  # RQ retries it next
+            metrics.count("rq_retries", run.family, run.spec.name)
     state = job.meta.setdefault("joblock", {})
     state["outcome"] = outcome.value
     if "reason" not in extra:
@@ -138,6 +146,8 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
                 job, outcome.value, run.began, run.waited, resource=run.resource, duplicate_of=twin
             )
             deliveries.add_commands(pipeline, run.spec.scope, run.key, delivery)
+        if run.resource is not None and run.worker:
+            timeline.add_commands(pipeline, run.family, _span(run, outcome))
         if run.idle is not None:
             admission.forget_if_idle(pipeline, run.idle)
         pipeline.execute()
@@ -149,6 +159,19 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
             exc_info=True,
             extra={"job_id": job.id, "outcome": outcome.value},
         )
+
+
+def _span(run: Run, outcome: JobOutcome) -> timeline.Span:
+    took = time.monotonic() - run.began
+    return timeline.Span(
+        resource=run.resource or "",
+        job_id=str(run.job.id),
+        func=run.spec.name,
+        started=round(time.time() - took, 3),
+        took=round(took, 3),
+        waited=None if run.waited is None else round(run.waited, 3),
+        outcome=outcome.value,
+    )
 
 
 def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:

@@ -103,6 +103,43 @@ def _check_polish(page, base_url: str, stuck_id: str) -> None:  # type: ignore[n
     page.wait_for_selector("#joblock-dashboard")
 
 
+def _timeline_spans(rconn) -> None:  # type: ignore[no-untyped-def]
+    """What workers write when runs end (tests/test_timeline.py has them write it for real):
+    two resources of family "order" over the last minutes, every outcome the chart draws."""
+    from django_joblock import timeline
+
+    now = time.time()
+    spans = [
+        ("order:777", "job-a", -300, 40.0, None, "ran"),
+        ("order:777", "job-b", -290, 0.0, None, "requeued"),
+        ("order:777", "job-b", -258, 12.0, 33.0, "ran"),
+        ("order:777", "job-c", -200, 30.0, 5.0, "aborted"),
+        ("order:778", "job-d", -150, 20.0, None, "failed"),
+        ("order:778", "job-e", -100, 25.0, 2.0, "replayed"),
+    ]
+    pipeline = rconn.pipeline()
+    for resource, job_id, ago, took, waited, outcome in spans:
+        timeline.add_commands(
+            pipeline,
+            "order",
+            timeline.Span(resource, job_id, "shop.jobs.refund", now + ago, took, waited, outcome),
+        )
+    pipeline.execute()
+
+
+def _check_timeline(page) -> None:  # type: ignore[no-untyped-def]
+    """The timeline of the busiest family: rows per resource, a bar per run, the legend."""
+    section = page.locator("#jl-timeline")
+    assert "Timeline of 'order'" in section.inner_text()
+    assert section.locator("rect.jl-tl-ran").count() == 2
+    assert section.locator("rect.jl-tl-aborted").count() == 1
+    assert section.locator("rect.jl-tl-busy").count() == 1
+    ticks = section.locator("text.jl-tick").all_text_contents()
+    assert "order:777" in ticks and "order:778" in ticks, ticks
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d", tick) for tick in ticks), ticks
+    section.screenshot(path=str(ARTIFACTS / "4-timeline.png"))
+
+
 def _check_dark_and_narrow(page) -> None:  # type: ignore[no-untyped-def]
     """Status colours readable in light and dark themes; nothing wider than a phone."""
     for scheme in ("light", "dark"):
@@ -143,6 +180,7 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
             assert not lock("order:777").acquire()
         metrics.count("duplicates_blocked", "refund", "tests.jobs.credit", 3)
         metrics.flush_now()
+        _timeline_spans(rconn)
         assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(
@@ -171,6 +209,7 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
             stuck_table = page.inner_text("#jl-stuck")
             assert stuck.id in stuck_table and "past its timeout" in stuck_table
             _check_polish(page, live_server.url, stuck.id)
+            _check_timeline(page)
             _check_dark_and_narrow(page)
             page.click("#jl-locks tr:has-text('order:777') a.jl-release")
             page.wait_for_selector("#jl-release")

@@ -1,0 +1,87 @@
+"""Who held a resource and who waited, when: the recent runs of each family, for the
+dashboard's timeline.
+
+Every run of a ``@locked_job`` with a lock, by an RQ worker, appends one :class:`Span` when it
+ends: its resource, RQ job id and function, when it started (Unix seconds, the worker's
+clock), how long it ran, how long it waited from enqueue to start, and its outcome (``ran``,
+``replayed``, ``requeued`` or ``skipped``: found the resource busy, ``aborted``: lost its
+lock, ``failed``, ``gave_up``). A span's end is its release.
+
+The spans are a Redis LIST per family on the *queue's* connection (key
+``keys.timeline_key``), written by :mod:`django_joblock.outcomes` in the same round trip as the
+job's outcome meta (no extra round trip), trimmed to the last :data:`KEPT` and expiring
+:data:`TTL` seconds after the last write. ``lock()`` calls outside a job are not on it.
+Losing it loses the picture, never correctness.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import conf
+from .backend import REDIS_ERRORS, text
+from .keys import timeline_key
+from .queues import server_of
+
+__all__ = ["KEPT", "TTL", "Span", "add_commands", "recent"]
+
+#: Spans kept per family (the newest).
+KEPT = 500
+#: Seconds a family's timeline lives after its last run.
+TTL = 3600
+
+
+@dataclass(frozen=True)
+class Span:
+    """One run on a resource: started at ``started`` (Unix seconds) and held ``took`` s."""
+
+    resource: str
+    job_id: str
+    func: str
+    started: float
+    took: float
+    waited: float | None
+    outcome: str
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.took
+
+
+def add_commands(pipeline: Any, family: str, span: Span) -> None:
+    """Queue the commands that append ``span`` to ``family``'s timeline on ``pipeline`` (the
+    job's own outcome pipeline, on the queue's connection)."""
+    name = timeline_key(conf.get().KEY_PREFIX, family)
+    pipeline.rpush(name, json.dumps(span.__dict__, separators=(",", ":")))
+    pipeline.ltrim(name, -KEPT, -1)
+    pipeline.expire(name, TTL)
+
+
+def recent(family: str, clients: list[Any], *, since: float | None = None) -> list[Span]:
+    """``family``'s spans that ended after ``since`` (Unix seconds; default 10 minutes ago),
+    read from ``clients`` (the queues' connections; each server and database once), oldest
+    first. A Redis that does not answer is left out."""
+    since = time.time() - 600 if since is None else since
+    name = timeline_key(conf.get().KEY_PREFIX, family)
+    found: list[Span] = []
+    seen = set()
+    for client in clients:
+        where = server_of(client)
+        if where in seen:
+            continue
+        seen.add(where)
+        try:
+            raw = client.lrange(name, 0, -1)
+        except REDIS_ERRORS:
+            continue
+        for item in raw:
+            try:
+                span = Span(**json.loads(text(item)))
+            except (ValueError, TypeError):
+                continue  # written by another version: skip, never fail the page
+            if span.ended >= since:
+                found.append(span)
+    return sorted(found, key=lambda span: (span.started, span.job_id))

@@ -1,0 +1,105 @@
+"""The dashboard's timeline and RQ failures beside contention (issue 17, item 5): real worker
+processes run jobs that hold a resource, find it busy and fail; the page draws who held it,
+who waited and who failed, escaped, and counts the failures RQ retries."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from rq import Retry
+from rq.job import JobStatus
+
+from django_joblock import lock, metrics, timeline
+from django_joblock.health import known_queues
+from tests import jobs
+from tests.harness import wait_for
+from tests.workers import Workers, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DONE = {JobStatus.FINISHED, JobStatus.FAILED}
+DASHBOARD = "/admin/django_joblock/dashboard/"
+
+
+@pytest.fixture
+def crew(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 0.5, "factor": 2, "max": 2}}
+    workers = Workers(settings.JOBLOCK)
+    yield workers
+    workers.stop()
+
+
+def _client() -> Client:
+    user = User.objects.filter(username="ops").first()
+    client = Client()
+    client.force_login(user or User.objects.create_superuser("ops", password="pw"))
+    return client
+
+
+def _page(**params: str) -> str:
+    response = _client().get(DASHBOARD, params)
+    assert response.status_code == 200, response.content[:500]
+    return response.content.decode()
+
+
+def _timeline_svg(page: str) -> str:
+    section = page[page.index('id="jl-timeline"') :]
+    return section[: section.index("</section>")]
+
+
+def test_the_timeline_draws_holders_waiters_and_busy_runs_of_real_workers(crew, rconn):
+    crew.start(scheduler=True)
+    crew.start()
+    holder = jobs.hold_requeue_only.delay(50, "holder", 1.5)
+    assert wait_for(lambda: rconn.get("test:pid:holder"), 20), crew.logs()
+    late = jobs.hold_requeue_only.delay(50, "late", 0.05)  # busy, requeued, then runs
+    for job in (holder, late):
+        assert wait_status(job, DONE, 60, crew) is JobStatus.FINISHED
+    spans = timeline.recent("res", [q.connection for q in known_queues().values()])
+    outcomes = sorted((span.job_id, span.outcome) for span in spans)
+    assert (holder.id, "ran") in outcomes and (late.id, "ran") in outcomes, outcomes
+    assert (late.id, "requeued") in outcomes, "the late job found the resource busy"
+    ran_late = next(s for s in spans if s.job_id == late.id and s.outcome == "ran")
+    assert ran_late.waited is not None and ran_late.waited >= 1.0, "it waited for the holder"
+    svg = _timeline_svg(_page(timeline="res:50"))
+    assert "Timeline of &#x27;res:50&#x27;" in svg or "Timeline of 'res:50'" in svg
+    assert svg.count('class="jl-tl-ran"') == 2 and 'class="jl-tl-busy"' in svg, svg
+    assert 'class="jl-tl-wait"' in svg and f"job {late.id} waited" in svg
+    assert "1 resource(s): 2 run(s) holding the lock" in svg
+    # The default timeline is the family with the most contention.
+    assert "Timeline of" in _timeline_svg(_page()) and "res" in _timeline_svg(_page())
+
+
+def test_failed_runs_and_rq_retries_are_counted_beside_contention(crew):
+    crew.start(scheduler=True)
+    with lock("res:51", ttl=30):  # busy: on_conflict="fail" raises, RQ retries once
+        job = jobs.hold_or_fail.enqueue((51, "fails", 0.0), retry=Retry(max=1, interval=1))
+        assert wait_status(job, DONE, 60, crew) is JobStatus.FAILED, crew.logs()
+    totals = metrics.totals()
+    assert (totals.total("failed_runs", "res"), totals.total("rq_retries", "res")) == (2, 1)
+    page = _page(timeline="res:51")
+    row = page[page.index("<td>tests.jobs.hold_or_fail</td>") :].split("</tr>")[0]
+    assert "<td>2</td><td>1</td>" in row, row  # failed runs, RQ retries
+    assert "Failed runs / RQ retries (1 h)" in page and "2 / 1" in page
+    assert _timeline_svg(page).count('class="jl-tl-failed"') == 2
+
+
+def test_the_timeline_escapes_what_it_shows_and_refuses_bad_targets(rconn):
+    from django_redis import get_redis_connection
+
+    pipeline = get_redis_connection("default").pipeline()
+    evil = timeline.Span("res:52", "<b>job</b>", "<i>f</i>", time.time() - 5, 1.0, None, "ran")
+    timeline.add_commands(pipeline, "res", evil)
+    pipeline.execute()
+    svg = _timeline_svg(_page(timeline="res"))
+    assert "&lt;b&gt;job&lt;/b&gt;" in svg and "<b>job</b>" not in svg and "<i>f</i>" not in svg
+    client = _client()
+    for bad in ("<script>", "res:<b>", "a" * 300):
+        response = client.get(DASHBOARD, {"timeline": bad})
+        assert response.status_code == 400 and response["Content-Type"].startswith("text/plain")
+        assert b"timeline:" in response.content
+    assert "no runs with a lock in the last 10 minutes" in _page(timeline="empty")
