@@ -26,6 +26,7 @@ from .health import DEAD, lock_health
 from .holders import LockInfo
 from .keys import LockKeys, is_owner_hash, owner_hash, validate_resource
 from .monitoring import active_locks
+from .young import with_young
 
 OPERATOR_TIMEOUT = 2.0  # seconds, per Redis command of an operator action
 _clients: dict[int, tuple[Any, Any]] = {}
@@ -215,7 +216,7 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
     Each release is refused if the lock was renewed after it was judged dead. Raises
     :class:`LockBackendUnavailable` when Redis does not answer.
     """
-    rows = active_locks(limit=10_000)
+    rows = with_young(active_locks(limit=10_000))  # and job locks that died before indexing
     health = lock_health(rows)
     done = []
     for active in rows:

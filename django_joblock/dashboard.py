@@ -16,6 +16,7 @@ from . import active_index, alerts, metrics, monitoring, timeline
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
 from .health import DEAD, HEALTHY, Health, known_queues, lock_health, stuck_claims, stuck_jobs
 from .keys import family as family_of
+from .young import with_young
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
@@ -110,7 +111,10 @@ def build(
             note="jobs parked behind a busy resource or requeued wait longer",
         ),
     ]
-    locks = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
+    locks = with_young(
+        monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS),
+        family or None,
+    )
     health = lock_health(locks)
     rows = []
     for active in locks:

@@ -167,3 +167,10 @@ def mail_direct(order: int) -> str:
     _redis().incr(f"test:runs:directmail:{order}")
     _wait_for_flag(f"directmail:{order}")
     return "sent"
+
+
+@locked_job("default", lock="young:{resource_id}", ttl=10)
+def hold_young(resource_id: int, label: str, seconds: float) -> str:
+    """A lock with a TTL long enough to look at it after its holder was killed."""
+    _log_interval(label, seconds)
+    return label

@@ -16,6 +16,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.health import HEALTHY, LockHealth, lock_health
 from django_joblock.monitoring import active_locks, validate_family
+from django_joblock.young import with_young
 
 
 class Command(BaseCommand):
@@ -39,7 +40,9 @@ class Command(BaseCommand):
                 validate_family(options["family"])
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
-        locks = active_locks(family=options["family"], limit=options["limit"])
+        locks = with_young(
+            active_locks(family=options["family"], limit=options["limit"]), options["family"]
+        )
         health = lock_health(locks)
         rows = []
         for active in locks:
