@@ -3,7 +3,9 @@
 
 Cost is bounded whatever the size: per-family ``ZCARD`` for counts, at most ``LOCK_ROWS``
 index entries read in detail, 60 metric buckets in one pipeline, an indexed query for stuck
-idempotency claims, and RQ's started registries read without cleanup. No ``SCAN``, no
+idempotency claims, RQ's started registries (and the newest ``young.SCAN`` of the failed and
+scheduled ones, for locks that died young) read without cleanup, and one family's timeline
+(at most ``timeline.KEPT`` entries per queue server). No ``SCAN``, no
 ``COUNT(*)`` over the idempotency table.
 """
 
