@@ -208,6 +208,8 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
     ttl = (spec.ttl if spec and spec.ttl is not None else conf.get().LOCK_TTL) if spec else None
     if longest is None or spec is None:
         verdict, text = UNKNOWN, "no durations recorded"
+    elif spec.lock is None:
+        verdict, text = INFO, f"longest run {longest:g}s; no lock, so no TTL to outlive"
     elif spec.lock is not None and not spec.heartbeat and ttl is not None and longest >= ttl:
         verdict = PROBLEM
         text = f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
