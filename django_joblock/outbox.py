@@ -24,12 +24,14 @@ handler runs, so keep handlers short and give them a timeout.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import router, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
@@ -77,8 +79,9 @@ def send_after_commit(
     ``key`` names the effect, e.g. ``f"receipt:{order_id}"``: recording an intent whose key is
     recorded already (a replayed or retried job) returns the existing message and sends
     nothing more. Outside ``transaction.atomic()`` the row commits at once and is delivered
-    right away. Raises ``ValueError`` for an empty or over-long key, a handler that cannot be
-    imported by its path, or a key recorded before for another handler.
+    right away. Raises ``ValueError`` for an empty or over-long key, a payload that is not
+    JSON, a handler that cannot be imported by its path, or a key recorded before for another
+    handler.
     """
     from .models import OutboxMessage
 
@@ -88,6 +91,10 @@ def send_after_commit(
             f"send_after_commit: key must be a non-empty str of at most {_KEY_MAX} "
             f"characters, got {key!r}"
         )
+    try:
+        json.dumps(payload, cls=DjangoJSONEncoder)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"send_after_commit: payload for key {key!r} is not JSON: {exc}") from exc
     database = using or router.db_for_write(OutboxMessage)
     job_id = _current_job_id()
     message, created = OutboxMessage.objects.using(database).get_or_create(

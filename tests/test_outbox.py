@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from decimal import Decimal
 from io import StringIO
 
 import pytest
@@ -110,7 +111,10 @@ def test_bad_input_is_refused_with_the_reason(provider):
         send_after_commit(lambda payload, idempotency_key: None, {}, key="mail:lambda")
     with pytest.raises(ValueError, match="cannot be imported"):
         send_after_commit("tests.jobs.no_such_handler", {}, key="mail:missing")
-    send_after_commit(jobs.mail_handler, {"order": 5}, key="mail:5")
+    with pytest.raises(ValueError, match="payload for key 'mail:set' is not JSON"):
+        send_after_commit(jobs.mail_handler, {"to": {1, 2}}, key="mail:set")
+    send_after_commit(jobs.mail_handler, {"order": 5, "amount": Decimal("9.50")}, key="mail:5")
+    assert provider.calls[-1].body == {"order": 5, "amount": "9.50"}, "Django's JSON encoder"
     with pytest.raises(ValueError, match=r"recorded for tests\.jobs\.mail_handler"):
         send_after_commit(jobs.mail_handler_then_hang, {"order": 5}, key="mail:5")
     with pytest.raises(ValueError, match="limit must be a positive int"):
