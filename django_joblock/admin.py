@@ -18,7 +18,6 @@ never shown, so it cannot be probed with ``?owner__startswith=``).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any
@@ -27,7 +26,6 @@ import django
 from django.apps import apps
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.core.serializers.json import DjangoJSONEncoder
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
@@ -35,7 +33,7 @@ from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 
 from . import control, dashboard
-from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, bad_request
+from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, bad_request, pretty_json
 from .backend import REDIS_ERRORS
 from .deliveries import summary
 from .exceptions import LockBackendUnavailable
@@ -112,8 +110,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
     @admin.display(description="result")
     def result_pretty(self, obj: IdempotencyRecord) -> str:
-        text = json.dumps(obj.result, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
-        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+        return pretty_json(obj.result)
 
     @admin.display(description="deliveries")
     def deliveries(self, obj: IdempotencyRecord) -> str:

@@ -4,17 +4,20 @@ cannot probe hidden columns, a paginator that does not count a huge table, and p
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from django.contrib import admin
 from django.core.paginator import Paginator
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connections
 from django.db.models import QuerySet
 from django.db.models.constants import LOOKUP_SEP
 from django.http import HttpRequest, HttpResponse
 from django.utils.functional import cached_property
+from django.utils.html import format_html
 
-__all__ = ["EstimatedCountPaginator", "ReadOnlyAdmin", "bad_request"]
+__all__ = ["EstimatedCountPaginator", "ReadOnlyAdmin", "bad_request", "pretty_json"]
 
 
 def bad_request(message: str) -> HttpResponse:
@@ -69,3 +72,9 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
                 if row is not None and row[0] > 100_000:
                     return int(row[0])
         return int(super().count)
+
+
+def pretty_json(value: Any) -> str:
+    """``value`` as indented JSON in a ``<pre>``, escaped (a stored result, a payload)."""
+    text = json.dumps(value, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
+    return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)

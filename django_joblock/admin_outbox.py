@@ -4,16 +4,12 @@ delivery state and last error (read-only), and a "deliver now" action for users 
 
 from __future__ import annotations
 
-import json
-
 from django.contrib import admin, messages
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db.models import QuerySet
 from django.http import HttpRequest
-from django.utils.html import format_html
 
 from . import outbox
-from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin
+from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, pretty_json
 from .choices import OutboxStatus
 from .models import OutboxMessage
 
@@ -54,8 +50,7 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
 
     @admin.display(description="payload")
     def payload_pretty(self, obj: OutboxMessage) -> str:
-        text = json.dumps(obj.payload, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
-        return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+        return pretty_json(obj.payload)
 
     def has_deliver_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("django_joblock.deliver_outbox_message"))
