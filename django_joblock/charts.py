@@ -7,8 +7,7 @@ Three kinds, all with axes, tick labels and axis titles:
   Django time zone, a count axis on the left;
 - :func:`timeline_chart`: one row per resource over the last minutes, each run a bar from its
   start to its release (coloured by outcome), its wait from enqueue a thin line under the row
-  before it, and a
-  run that found the resource busy a mark.
+  before it, and a run that found the resource busy a mark.
 
 A chart whose values are all zero has no bars: the page says "no data" instead of drawing a
 flat line that looks like a broken chart. The numbers here are SVG user units; the template
