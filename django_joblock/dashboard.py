@@ -16,7 +16,15 @@ from typing import Any
 
 from . import active_index, alerts, metrics, monitoring, timeline
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
-from .health import DEAD, HEALTHY, Health, known_queues, lock_health, stuck_claims, stuck_jobs
+from .health import (
+    DEAD,
+    HEALTHY,
+    Health,
+    lock_health,
+    queue_connections,
+    stuck_claims,
+    stuck_jobs,
+)
 from .keys import family as family_of
 from .young import with_young
 
@@ -187,11 +195,10 @@ def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
 
 def _timeline(target: str) -> Chart:
     """The timeline of a family, or of one resource (``target`` contains ``:``)."""
-    fam = family_of(target) if ":" in target else target
-    clients = [queue.connection for queue in known_queues().values()]
+    fam = family_of(target)  # a family is its own family
     now = time.time()
-    spans = timeline.recent(fam, clients, since=now - TIMELINE_MINUTES * 60)
-    if ":" in target:
+    spans = timeline.recent(fam, queue_connections(), since=now - TIMELINE_MINUTES * 60)
+    if target != fam:
         spans = [span for span in spans if span.resource == target]
     return timeline_chart(
         f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)",

@@ -144,6 +144,11 @@ def _all_places() -> list[_Place]:
     return list(places.values())
 
 
+def queue_connections() -> list[Any]:
+    """One connection per distinct Redis server and database among the known queues."""
+    return [place.connection for place in _all_places()]
+
+
 @dataclass
 class _Seen:
     """What RQ says about one lock's job and worker (None: not looked at / not found)."""

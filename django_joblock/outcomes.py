@@ -140,14 +140,17 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     try:
         pipeline = job.connection.pipeline(transaction=False)
         pipeline.hset(job.key, "meta", job.serializer.dumps(job.meta))  # as job.save_meta()
-        if run.key is not None and run.worker:
+        if run.worker and (run.key is not None or run.resource is not None):
+            # One entry: the key's delivery history and the family's timeline share it.
             twin = str(extra.get("duplicate_of", ""))
             delivery = deliveries.entry(
                 job, outcome.value, run.began, run.waited, resource=run.resource, duplicate_of=twin
             )
-            deliveries.add_commands(pipeline, run.spec.scope, run.key, delivery)
-        if run.resource is not None and run.worker:
-            timeline.add_commands(pipeline, run.family, _span(run, outcome))
+            if run.key is not None:
+                deliveries.add_commands(pipeline, run.spec.scope, run.key, delivery)
+            if run.resource is not None:
+                span = timeline.Span.of(delivery, run.spec.name)
+                timeline.add_commands(pipeline, run.family, span)
         if run.idle is not None:
             admission.forget_if_idle(pipeline, run.idle)
         pipeline.execute()
@@ -159,19 +162,6 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
             exc_info=True,
             extra={"job_id": job.id, "outcome": outcome.value},
         )
-
-
-def _span(run: Run, outcome: JobOutcome) -> timeline.Span:
-    took = time.monotonic() - run.began
-    return timeline.Span(
-        resource=run.resource or "",
-        job_id=str(run.job.id),
-        func=run.spec.name,
-        started=round(time.time() - took, 3),
-        took=round(took, 3),
-        waited=None if run.waited is None else round(run.waited, 3),
-        outcome=outcome.value,
-    )
 
 
 def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:

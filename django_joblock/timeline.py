@@ -23,8 +23,8 @@ from typing import Any
 
 from . import conf
 from .backend import REDIS_ERRORS, text
+from .deliveries import Delivery
 from .keys import timeline_key
-from .queues import server_of
 
 __all__ = ["KEPT", "TTL", "Span", "add_commands", "recent"]
 
@@ -50,6 +50,19 @@ class Span:
     def ended(self) -> float:
         return self.started + self.took
 
+    @classmethod
+    def of(cls, run: Delivery, func: str) -> Span:
+        """The span of a run recorded as ``run`` (its delivery entry) of job function ``func``."""
+        return cls(
+            resource=run.resource,
+            job_id=run.job_id,
+            func=func,
+            started=run.started or 0.0,
+            took=run.took or 0.0,
+            waited=run.waited,
+            outcome=run.outcome,
+        )
+
 
 def add_commands(pipeline: Any, family: str, span: Span) -> None:
     """Queue the commands that append ``span`` to ``family``'s timeline on ``pipeline`` (the
@@ -62,17 +75,13 @@ def add_commands(pipeline: Any, family: str, span: Span) -> None:
 
 def recent(family: str, clients: list[Any], *, since: float | None = None) -> list[Span]:
     """``family``'s spans that ended after ``since`` (Unix seconds; default 10 minutes ago),
-    read from ``clients`` (the queues' connections; each server and database once), oldest
-    first. A Redis that does not answer is left out."""
+    read from ``clients`` (one connection per queue server and database:
+    ``health.queue_connections()``), oldest first. A Redis that does not answer is left
+    out."""
     since = time.time() - 600 if since is None else since
     name = timeline_key(conf.get().KEY_PREFIX, family)
     found: list[Span] = []
-    seen = set()
     for client in clients:
-        where = server_of(client)
-        if where in seen:
-            continue
-        seen.add(where)
         try:
             raw = client.lrange(name, 0, -1)
         except REDIS_ERRORS:

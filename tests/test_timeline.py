@@ -14,7 +14,7 @@ from rq import Retry
 from rq.job import JobStatus
 
 from django_joblock import lock, metrics, timeline
-from django_joblock.health import known_queues
+from django_joblock.health import queue_connections
 from tests import jobs
 from tests.harness import wait_for
 from tests.workers import Workers, wait_status
@@ -59,7 +59,7 @@ def test_the_timeline_draws_holders_waiters_and_busy_runs_of_real_workers(crew, 
     late = jobs.hold_requeue_only.delay(50, "late", 0.05)  # busy, requeued, then runs
     for job in (holder, late):
         assert wait_status(job, DONE, 60, crew) is JobStatus.FINISHED
-    spans = timeline.recent("res", [q.connection for q in known_queues().values()])
+    spans = timeline.recent("res", queue_connections())
     outcomes = sorted((span.job_id, span.outcome) for span in spans)
     assert (holder.id, "ran") in outcomes and (late.id, "ran") in outcomes, outcomes
     assert (late.id, "requeued") in outcomes, "the late job found the resource busy"
