@@ -124,3 +124,13 @@ def built_wheel_site(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory
     with zipfile.ZipFile(built_wheel) as archive:
         archive.extractall(site)
     return site
+
+
+@pytest.fixture
+def crew(settings: Any) -> Iterator[workers.Workers]:
+    """Worker processes on the test's ``JOBLOCK`` with a short requeue backoff (0.5 s doubling
+    to 2 s), all stopped after the test."""
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 0.5, "factor": 2, "max": 2}}
+    started = workers.Workers(settings.JOBLOCK)
+    yield started
+    started.stop()

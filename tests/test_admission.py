@@ -22,7 +22,7 @@ from django_joblock import admission, lock_info
 from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 from tests import admission_jobs
 from tests.harness import RedisServer, wait_for
-from tests.workers import Workers, intervals, wait_status
+from tests.workers import Workers, intervals, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -36,11 +36,6 @@ def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
     crew = Workers(settings.JOBLOCK)
     yield crew
     crew.stop()
-
-
-def _pid(rconn: Any, label: str, timeout: float = 20) -> int:
-    assert wait_for(lambda: rconn.get(f"test:pid:{label}"), timeout), f"{label} never started"
-    return int(rconn.get(f"test:pid:{label}"))
 
 
 def _exited(pid: int) -> bool:
@@ -82,7 +77,7 @@ def test_waiters_on_one_resource_start_in_fifo_order(workers, rconn):
     workers.start()
     workers.start()
     holder = admission_jobs.hot_hold.delay(1, "holder")
-    _pid(rconn, "holder")
+    pid_of(rconn, "holder")
     _next_second()
     labels = [f"w{i}" for i in range(8)]
     waiters = [admission_jobs.hot.delay(1, label, 0.05) for label in labels]
@@ -112,7 +107,7 @@ def test_negative_control_rq_rate_limit_alone_breaks_ties_by_job_id(workers, rco
     queue = Queue("default", connection=rconn)
     limit = admission.RateLimit(key="plain:1", concurrency=1)
     holder = queue.enqueue(admission_jobs.plain_hold, args=("holder",), rate_limit=limit)
-    _pid(rconn, "holder")
+    pid_of(rconn, "holder")
     _next_second()
     labels = [f"p{i}" for i in range(8)]
     jobs = [
@@ -131,7 +126,7 @@ def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
     workers.start(scheduler=True)
     workers.start()
     holder = admission_jobs.hot_hold.delay(2, "holder")
-    horse = _pid(rconn, "holder")
+    horse = pid_of(rconn, "holder")
     assert horse not in {proc.pid for proc in workers.procs}, "expected a forked work horse"
     waiters = [admission_jobs.hot.delay(2, f"w{i}", 0.05) for i in range(4)]
     _parked(waiters)
@@ -157,7 +152,7 @@ def test_waiting_jobs_run_after_the_releasing_horse_dies_between_hand_off_and_re
     workers.start(scheduler=True)
     workers.start()
     admission_jobs.hot_hold.delay(3, "blocker")
-    _pid(rconn, "blocker")
+    pid_of(rconn, "blocker")
     dying = admission_jobs.hot_die_after_commit.delay(3, "dying")
     waiters = [admission_jobs.hot.delay(3, f"w{i}", 0.05) for i in range(3)]
     _parked([dying, *waiters])
@@ -202,7 +197,7 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         workers.start(scheduler=True)
         workers.start()
         holder = admission_jobs.hot_hold.delay(4, "holder")
-        _pid(rconn, "holder")
+        pid_of(rconn, "holder")
         # job_timeout=5: RQ gives up a job lost with the restart 65 s after its last heartbeat
         waiters = [admission_jobs.hot.enqueue((4, f"w{i}", 0.05), job_timeout=5) for i in range(4)]
         _parked(waiters)
@@ -277,7 +272,7 @@ def test_wait_to_start_is_measured_and_shown(workers, rconn):
 
     workers.start()
     holder = admission_jobs.hot_hold.delay(5, "holder")
-    _pid(rconn, "holder")
+    pid_of(rconn, "holder")
     waiter = admission_jobs.hot.delay(5, "waiter", 0.0)
     time.sleep(1.0)
     rconn.set("test:go:holder", 1)

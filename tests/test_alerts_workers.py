@@ -16,24 +16,13 @@ from tests import harness, jobs
 from tests.harness import wait_for
 from tests.settings import _cache
 from tests.test_topologies import TopologyWorkers
-from tests.workers import Workers, wait_status
+from tests.workers import DONE, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-DONE = {JobStatus.FINISHED, JobStatus.FAILED}
-BACKOFF = {"base": 0.5, "factor": 2, "max": 2}
 
 
 def _names() -> set[str]:
     return {alert.name for alert in alerts.evaluate()}
-
-
-@pytest.fixture
-def crew(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
-    settings.JOBLOCK = {"REQUEUE_BACKOFF": BACKOFF}
-    workers = Workers(settings.JOBLOCK)
-    yield workers
-    workers.stop()
 
 
 def test_contention_and_its_spike_fire_from_jobs_that_find_their_resource_busy(

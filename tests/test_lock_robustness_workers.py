@@ -5,18 +5,15 @@ capped."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from rq.job import JobStatus
 from rq.suspension import suspend
 
 from tests import jobs
-from tests.workers import Workers, wait_status
+from tests.workers import DONE, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-DONE = {JobStatus.FINISHED, JobStatus.FAILED}
 
 
 class CappedWorkers(Workers):
@@ -31,13 +28,6 @@ class CappedWorkers(Workers):
         env["DJANGO_SETTINGS_MODULE"] = "tests.settings_capped"
         env["JOBLOCK_TEST_MAX_CONNECTIONS"] = str(self.max_connections)
         return env
-
-
-@pytest.fixture
-def crew() -> Iterator[Workers]:
-    workers = Workers({})
-    yield workers
-    workers.stop()
 
 
 def test_a_job_after_a_redis_restart_succeeds_on_its_first_attempt(server, rconn, crew):

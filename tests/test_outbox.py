@@ -25,12 +25,10 @@ from rq.job import JobStatus
 from django_joblock import OutboxMessage, outbox, send_after_commit
 from django_joblock.testing.provider import FakeProvider
 from tests import jobs
-from tests.harness import ROOT, child_env, wait_for
-from tests.workers import Workers, wait_status
+from tests.harness import ROOT, child_env
+from tests.workers import DONE, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-DONE = {JobStatus.FINISHED, JobStatus.FAILED}
 
 
 @pytest.fixture
@@ -38,18 +36,6 @@ def provider(rconn) -> Iterator[FakeProvider]:  # type: ignore[no-untyped-def]
     with FakeProvider() as fake:
         rconn.set("test:provider", fake.url)
         yield fake
-
-
-@pytest.fixture
-def crew() -> Iterator[Workers]:
-    workers = Workers({})
-    yield workers
-    workers.stop()
-
-
-def _pid(rconn, label: str) -> int:  # type: ignore[no-untyped-def]
-    assert wait_for(lambda: rconn.get(f"test:pid:{label}"), 20), f"{label} never started"
-    return int(rconn.get(f"test:pid:{label}"))
 
 
 def _doctor(key: str) -> str:
@@ -131,7 +117,7 @@ def test_the_outbox_sends_once_when_the_job_is_killed_between_send_and_commit(
 ):
     crew.start(scheduler=True)
     job = jobs.mail_via_outbox.enqueue((6,), retry=Retry(max=2, interval=1))
-    os.kill(_pid(rconn, "mail:6"), signal.SIGKILL)  # after send_after_commit, before commit
+    os.kill(pid_of(rconn, "mail:6"), signal.SIGKILL)  # after send_after_commit, before commit
     rconn.set("test:go:mail:6", 1)
     assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED, crew.logs()
     assert int(rconn.get("test:runs:mail:6")) == 2, "the killed run reached the send"
@@ -146,7 +132,7 @@ def test_the_outbox_sends_once_when_the_job_is_killed_between_send_and_commit(
 def test_negative_control_a_direct_send_is_made_twice_under_the_same_kill(provider, crew, rconn):
     crew.start(scheduler=True)
     job = jobs.mail_direct.enqueue((7,), retry=Retry(max=2, interval=1))
-    os.kill(_pid(rconn, "directmail:7"), signal.SIGKILL)  # after the send, before commit
+    os.kill(pid_of(rconn, "directmail:7"), signal.SIGKILL)  # after the send, before commit
     rconn.set("test:go:directmail:7", 1)
     assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED, crew.logs()
     assert int(rconn.get("test:runs:directmail:7")) == 2
@@ -158,7 +144,7 @@ def test_a_delivery_killed_after_the_provider_took_it_is_redelivered_with_its_ke
 ):
     crew.start()
     job = jobs.mail_via_outbox.enqueue((8,), kwargs={"hang_in": "delivery"})
-    os.kill(_pid(rconn, "deliver:mail:8"), signal.SIGKILL)  # provider answered, row not updated
+    os.kill(pid_of(rconn, "deliver:mail:8"), signal.SIGKILL)  # provider answered, row not updated
     assert wait_status(job, DONE, 40, crew) is JobStatus.FAILED, "the horse died"
     message = OutboxMessage.objects.get(key="mail:8")
     assert message.status == "pending", "committed, never acknowledged"

@@ -5,7 +5,6 @@ who waited and who failed, escaped, and counts the failures RQ retries."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 from django.contrib.auth.models import User
@@ -17,20 +16,11 @@ from django_joblock import lock, metrics, timeline
 from django_joblock.health import queue_connections
 from tests import jobs
 from tests.harness import wait_for
-from tests.workers import Workers, wait_status
+from tests.workers import DONE, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-DONE = {JobStatus.FINISHED, JobStatus.FAILED}
 DASHBOARD = "/admin/django_joblock/dashboard/"
-
-
-@pytest.fixture
-def crew(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
-    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 0.5, "factor": 2, "max": 2}}
-    workers = Workers(settings.JOBLOCK)
-    yield workers
-    workers.stop()
 
 
 def _client() -> Client:

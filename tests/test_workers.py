@@ -26,7 +26,7 @@ from django_joblock.requeue import delay_for
 from tests import jobs
 from tests.harness import wait_for
 from tests.testapp.models import Account
-from tests.workers import Workers, intervals, wait_status
+from tests.workers import Workers, intervals, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -51,11 +51,6 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def _pid(rconn, label: str, timeout: float = 20) -> int:  # type: ignore[no-untyped-def]
-    assert wait_for(lambda: rconn.get(f"test:pid:{label}"), timeout), f"{label} never started"
-    return int(rconn.get(f"test:pid:{label}"))
-
-
 def _ceiling(attempt: int) -> int:
     """The largest whole-second delay the workers' REQUEUE_BACKOFF allows for ``attempt``."""
     cap = ceiling(attempt, base=BACKOFF["base"], factor=BACKOFF["factor"], max_delay=BACKOFF["max"])
@@ -67,7 +62,7 @@ def test_two_jobs_on_one_resource_never_overlap_and_the_second_backs_off(workers
     workers.start(scheduler=True)
     workers.start()
     first = jobs.hold_requeue_only.delay(1, "first", 6.0)
-    _pid(rconn, "first")
+    pid_of(rconn, "first")
     second = jobs.hold_requeue_only.delay(1, "second", 0.2)
     assert first.id != second.id
     assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
@@ -128,7 +123,7 @@ def test_sigkilled_horse_frees_the_lock_after_ttl_and_the_retry_applies_once(wor
     Account.objects.create(name="acct", balance=0)
     workers.start(scheduler=True)
     job = jobs.credit_then_hang.enqueue(("acct", "K-1", 10), retry=Retry(max=2, interval=1))
-    horse = _pid(rconn, "K-1")
+    horse = pid_of(rconn, "K-1")
     assert horse not in {p.pid for p in workers.procs}, "expected a forked work horse"
     lock_key = "joblock:{account:acct}:lock"
     assert rconn.exists(lock_key)
@@ -149,7 +144,7 @@ def test_sigkilled_horse_frees_the_lock_after_ttl_and_the_retry_applies_once(wor
 def test_orphaned_horse_keeps_its_lock_and_blocks_redelivery(workers, rconn):
     parent = workers.start()
     orphan = jobs.hold_resource.delay(2, "orphan", 6.0)
-    horse = _pid(rconn, "orphan")
+    horse = pid_of(rconn, "orphan")
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     workers.start(scheduler=True)
@@ -174,7 +169,7 @@ def _stop_horse_past_ttl(workers, rconn, func, pause_mode: str):  # type: ignore
     workers.start()
     workers.start()
     paused = func.delay("acct", "P", 1)
-    horse = _pid(rconn, "P")
+    horse = pid_of(rconn, "P")
     os.kill(horse, signal.SIGSTOP)
     try:
         time.sleep(2.5)  # past the 2 s TTL: the lock expires on the server
@@ -247,7 +242,7 @@ def test_skip_and_fail_policies(workers, rconn):
 def test_rq_job_timeout_releases_the_heartbeating_lock(workers, rconn):
     workers.start()
     job = jobs.hold_resource.enqueue((6, "timeout", 30.0), job_timeout=2)
-    _pid(rconn, "timeout")
+    pid_of(rconn, "timeout")
     lock_key = "joblock:{res:6}:lock"
     assert rconn.exists(lock_key)
     assert wait_status(job, DONE, 30) is JobStatus.FAILED, workers.logs()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from io import StringIO
 
 import pytest
@@ -21,16 +20,9 @@ from django_joblock import monitoring
 from django_joblock.models import LockAudit
 from tests import jobs
 from tests.harness import wait_for
-from tests.workers import Workers, wait_status
+from tests.workers import wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def crew() -> Iterator[Workers]:
-    workers = Workers({})
-    yield workers
-    workers.stop()
 
 
 def test_a_lock_whose_horse_died_young_is_listed_judged_dead_and_reaped(crew, rconn):

@@ -16,7 +16,10 @@ from rq.job import Job, JobStatus
 from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args
 from tests.harness import ROOT, child_env
 
-__all__ = ["ROOT", "Workers", "intervals", "wait_status"]
+__all__ = ["DONE", "ROOT", "Workers", "intervals", "pid_of", "wait_status"]
+
+#: The statuses a job ends in.
+DONE = {JobStatus.FINISHED, JobStatus.FAILED}
 
 #: Where worker logs go: set once per run by the session fixture in tests/conftest.py.
 LOG_ROOT: Path | None = None
@@ -89,6 +92,16 @@ def wait_status(
             logs = f"\n{crew.logs()}" if crew is not None else ""
             raise AssertionError(f"job {job.id} still {status} after {timeout}s{logs}")
         time.sleep(0.05)
+
+
+def pid_of(client: Any, label: str, timeout: float = 20) -> int:
+    """The pid a test job wrote under ``test:pid:<label>`` (it has started), within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not client.get(f"test:pid:{label}"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{label} never started")
+        time.sleep(0.01)
+    return int(client.get(f"test:pid:{label}"))
 
 
 def intervals(client: Any) -> dict[str, tuple[float, float]]:
