@@ -278,11 +278,8 @@ def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[S
         if not ids:
             continue
         now = _server_now(queue.connection)
-        jobs = queue.job_class.fetch_many(
-            ids, connection=queue.connection, serializer=queue.serializer
-        )
-        for job in jobs:
-            if job is None or job.started_at is None:
+        for job in fetch_jobs(queue, ids):
+            if job.started_at is None:
                 continue
             started = (
                 job.started_at.replace(tzinfo=UTC)
@@ -305,6 +302,12 @@ def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[S
                     )
                 )
     return found
+
+
+def fetch_jobs(queue: Any, ids: list[str]) -> list[Any]:
+    """The RQ jobs ``ids`` of ``queue`` that still exist, in one pipelined read."""
+    jobs = queue.job_class.fetch_many(ids, connection=queue.connection, serializer=queue.serializer)
+    return [job for job in jobs if job is not None]
 
 
 def stuck_claims(limit: int = 50) -> list[Any]:

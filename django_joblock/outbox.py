@@ -182,10 +182,9 @@ def _locking(queryset: Any) -> Any:
     """``SELECT ... FOR UPDATE`` skipping rows another deliverer holds (where supported)."""
     from django.db import connections
 
-    features = connections[queryset.db].features
-    if not features.has_select_for_update:
-        return queryset  # SQLite: one writer at a time already
-    return queryset.select_for_update(skip_locked=features.has_select_for_update_skip_locked)
+    # Without FOR UPDATE (SQLite, one writer at a time anyway) Django leaves the query as is.
+    skip = connections[queryset.db].features.has_select_for_update_skip_locked
+    return queryset.select_for_update(skip_locked=skip)
 
 
 def _handler_path(handler: Callable[..., object] | str) -> str:

@@ -29,7 +29,7 @@ from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegis
 
 from . import conf
 from .backend import connection
-from .health import known_queues
+from .health import fetch_jobs, known_queues
 from .holders import read_many
 from .jobs import registry
 from .keys import family as family_of
@@ -97,8 +97,5 @@ def _candidates() -> list[Any]:
         for kind in (FailedJobRegistry, ScheduledJobRegistry):
             ids += kind(queue=queue).get_job_ids(-SCAN, -1, cleanup=False)  # the newest
         if ids:
-            fetched = queue.job_class.fetch_many(
-                list(dict.fromkeys(ids)), connection=queue.connection, serializer=queue.serializer
-            )
-            jobs += [job for job in fetched if job is not None]
+            jobs += fetch_jobs(queue, list(dict.fromkeys(ids)))
     return jobs
