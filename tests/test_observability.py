@@ -136,6 +136,15 @@ def test_a_lock_less_replay_in_a_forked_horse_is_counted(rconn):
     assert again.get_meta(refresh=True)["joblock"]["outcome"] == "replayed", crew.logs()
     counted = totals().counters["duplicates_blocked"][("rich", seam_jobs.rich_result.spec.name)]
     assert counted == 1
+    # joblock_doctor on the same runs: no lock, so no TTL to hold the durations against.
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("joblock_doctor", "--key", "rich:41", stdout=out)
+    assert "3. TTL and heartbeat against real durations [info]" in out.getvalue(), out.getvalue()
+    assert "no lock, so no TTL to outlive" in out.getvalue()
 
 
 def test_percentiles_read_back_within_one_bucket(rconn):
