@@ -202,19 +202,21 @@ def hand_off(job: Any) -> Any:
     return None if promoted else registry
 
 
-def forget_if_idle(pipeline: Any, registry: Any) -> None:
-    """Queue on ``pipeline`` the removal of an idle resource's rate-limit keys (RQ's own
-    clean-up script, which removes nothing while a job holds or waits for a slot).
+def forget_if_idle(registry: Any) -> list[Any]:
+    """The command that removes an idle resource's rate-limit keys (RQ's own clean-up script,
+    which removes nothing while a job holds or waits for a slot), for the job's outcome round
+    trip.
 
     Otherwise every resource ever locked would keep its config hash and its entry in RQ's
     set of rate-limit keys until RQ's maintenance, which then walks all of them (four round
     trips each): with one resource per order, that set grows by every order of the interval.
-    ``EVAL`` with the script's text: a pipeline with ``EVALSHA`` would first ask the server
+    ``EVAL`` with the script's text: ``EVALSHA`` in a batch would first have to ask the server
     whether it knows the script (one more round trip).
     """
     from rq.rate_limit import CLEANUP_REGISTRY_SCRIPT
 
-    pipeline.eval(
+    return [
+        "EVAL",
         CLEANUP_REGISTRY_SCRIPT,
         4,
         registry.allowed_key,
@@ -222,4 +224,4 @@ def forget_if_idle(pipeline: Any, registry: Any) -> None:
         registry.config_key,
         registry.rl_keys_key,
         registry.key,
-    )
+    ]

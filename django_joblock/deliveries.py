@@ -48,16 +48,16 @@ class Delivery:
     timeout: float | None = None  # the RQ job's job_timeout (seconds; None: none or unknown)
 
 
-def add_commands(
-    pipeline: Any, scope: str, key: str, entry: Delivery, started: float | None = None
-) -> None:
-    """Queue the commands that append ``entry`` to the history on ``pipeline`` (the job's
-    own outcome pipeline, on the queue's connection)."""
+def add_commands(scope: str, key: str, entry: Delivery) -> list[list[Any]]:
+    """The commands that append ``entry`` to the history, for the job's own outcome round
+    trip on the queue's connection (:func:`django_joblock.outcomes.finish`)."""
     settings = conf.get()
     name = deliveries_key(settings.KEY_PREFIX, scope, key)
-    pipeline.rpush(name, json.dumps(entry.__dict__, separators=(",", ":")))
-    pipeline.ltrim(name, -KEPT, -1)
-    pipeline.expire(name, max(1, int(settings.IDEMPOTENCY_TTL)))
+    return [
+        ["RPUSH", name, json.dumps(entry.__dict__, separators=(",", ":"))],
+        ["LTRIM", name, -KEPT, -1],
+        ["EXPIRE", name, max(1, int(settings.IDEMPOTENCY_TTL))],
+    ]
 
 
 def entry(

@@ -64,13 +64,15 @@ class Span:
         )
 
 
-def add_commands(pipeline: Any, family: str, span: Span) -> None:
-    """Queue the commands that append ``span`` to ``family``'s timeline on ``pipeline`` (the
-    job's own outcome pipeline, on the queue's connection)."""
+def add_commands(family: str, span: Span) -> list[list[Any]]:
+    """The commands that append ``span`` to ``family``'s timeline, for the job's own outcome
+    round trip on the queue's connection (:func:`django_joblock.outcomes.finish`)."""
     name = timeline_key(conf.get().KEY_PREFIX, family)
-    pipeline.rpush(name, json.dumps(span.__dict__, separators=(",", ":")))
-    pipeline.ltrim(name, -KEPT, -1)
-    pipeline.expire(name, TTL)
+    return [
+        ["RPUSH", name, json.dumps(span.__dict__, separators=(",", ":"))],
+        ["LTRIM", name, -KEPT, -1],
+        ["EXPIRE", name, TTL],
+    ]
 
 
 def recent(family: str, clients: list[Any], *, since: float | None = None) -> list[Span]:

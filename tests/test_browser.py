@@ -117,14 +117,10 @@ def _timeline_spans(rconn) -> None:  # type: ignore[no-untyped-def]
         ("order:778", "job-d", -150, 20.0, None, "failed"),
         ("order:778", "job-e", -100, 25.0, 2.0, "replayed"),
     ]
-    pipeline = rconn.pipeline()
     for resource, job_id, ago, took, waited, outcome in spans:
-        timeline.add_commands(
-            pipeline,
-            "order",
-            timeline.Span(resource, job_id, "shop.jobs.refund", now + ago, took, waited, outcome),
-        )
-    pipeline.execute()
+        span = timeline.Span(resource, job_id, "shop.jobs.refund", now + ago, took, waited, outcome)
+        for command in timeline.add_commands("order", span):
+            rconn.execute_command(*command)
 
 
 def _check_timeline(page) -> None:  # type: ignore[no-untyped-def]

@@ -81,10 +81,9 @@ def test_failed_runs_and_rq_retries_are_counted_beside_contention(crew):
 def test_the_timeline_escapes_what_it_shows_and_refuses_bad_targets(rconn):
     from django_redis import get_redis_connection
 
-    pipeline = get_redis_connection("default").pipeline()
     evil = timeline.Span("res:52", "<b>job</b>", "<i>f</i>", time.time() - 5, 1.0, None, "ran")
-    timeline.add_commands(pipeline, "res", evil)
-    pipeline.execute()
+    for command in timeline.add_commands("res", evil):
+        get_redis_connection("default").execute_command(*command)
     svg = _timeline_svg(_page(timeline="res"))
     assert "&lt;b&gt;job&lt;/b&gt;" in svg and "<b>job</b>" not in svg and "<i>f</i>" not in svg
     client = _client()
