@@ -19,6 +19,8 @@ W006       a ``@locked_job`` with an idempotency key and no lock has an RQ job t
 W010       (deploy) Redis does not answer (the locks' Redis, or a requeueing job's queue Redis)
 W011       (deploy) Redis ``maxmemory-policy`` can evict locks
 W012       (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
+W013       ``ALERTS`` ``BASELINE`` not longer than ``WINDOW`` (``contention_spike`` never fires)
+W014       ``METRICS_RETENTION`` shorter than the alerts read back (``WINDOW`` + ``BASELINE``)
 =========  ==================================================================================
 
 Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
@@ -64,7 +66,7 @@ def _serious(messages: list[CheckMessage]) -> bool:
 
 @register(Tags.compatibility, TAG)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E001-E004, W001, W003, W005: the shape and consistency of ``JOBLOCK``."""
+    """E001-E004, W001, W003, W005, W013, W014: the shape and consistency of ``JOBLOCK``."""
     raw = getattr(settings, "JOBLOCK", None)
     found = [_message(p.id, p.message) for p in conf.problems(raw)]
     return found

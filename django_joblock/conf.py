@@ -399,10 +399,41 @@ def _idempotency_ttl(merged: dict[str, Any]) -> list[Problem]:
     return found
 
 
+def _alert_periods(merged: dict[str, Any]) -> list[Problem]:
+    alerts, kept = merged["ALERTS"], merged["METRICS_RETENTION"]
+    window, baseline = alerts["WINDOW"], alerts["BASELINE"]
+    found = []
+    if baseline <= window:
+        found.append(
+            Problem(
+                "W013",
+                "ALERTS.BASELINE",
+                f"JOBLOCK['ALERTS']['BASELINE'] ({baseline:g}s) is not longer than "
+                f"JOBLOCK['ALERTS']['WINDOW'] ({window:g}s): the contention_spike alert "
+                "compares the window with a longer period before it, and never fires.",
+            )
+        )
+    # The spike reads the baseline before the window and the bucket in between.
+    needed = window + baseline + 60
+    if needed > kept:
+        found.append(
+            Problem(
+                "W014",
+                "METRICS_RETENTION",
+                f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the alerts read "
+                f"back (ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + one 60 s bucket "
+                f"= {needed:g}s): the older metrics are gone, so the alerts see less than "
+                "their window and contention_spike compares with a cut-short baseline.",
+            )
+        )
+    return found
+
+
 # Checks between keys, run once every key on its own is valid.
 _CROSS_CHECKS: tuple[Callable[[dict[str, Any]], list[Problem]], ...] = (
     _heartbeat,
     _idempotency_ttl,
+    _alert_periods,
 )
 
 

@@ -7,7 +7,8 @@
 - A key's metrics *family* is its part before the first ``:`` (``refund:R-1`` -> ``refund``),
   and ``other`` for a key without one (``invoice-42``) or with an unusual prefix, so that keys
   never become metric series of their own.
-- A fingerprint is the sha256 of the canonical JSON of the arguments.
+- A fingerprint is the sha256 of the canonical JSON of the arguments (sets, bytes and plain
+  objects included: :func:`fingerprint_of`).
 - A result is checked with the encoder the record stores it with (``DjangoJSONEncoder``, no NaN
   or infinity), so a result that passes the check can always be saved.
 """
@@ -84,6 +85,58 @@ def check_result(result: Any) -> str:
 
 
 def fingerprint_of(value: Any) -> str:
-    """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces)."""
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
+    """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces).
+
+    A value JSON cannot encode as it is (a set, bytes, a dict whose keys JSON cannot sort, a
+    model instance, a dataclass or another plain object) is encoded through
+    :func:`_canonical` instead, so that the same value has the same fingerprint in every
+    process: a set's order follows the per-process hash seed and a default ``repr`` holds a
+    memory address, either of which would make a replay in another worker a mismatch.
+    """
+    try:
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
+    except (TypeError, ValueError):
+        canonical = _dumps(_canonical(value, 0))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# Nesting followed by _canonical; deeper (or a cycle) is represented by its type and repr.
+_MAX_DEPTH = 32
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _canonical(value: Any, depth: int) -> Any:
+    """A JSON value standing for ``value``, the same in every process (see
+    :func:`fingerprint_of`). Tagged (``{"__set__": ...}``) where plain JSON would make two
+    different values alike."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if depth > _MAX_DEPTH:
+        return {"__type__": kind, "repr": repr(value)}
+    depth += 1
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item, depth) for item in value]
+    if isinstance(value, dict):
+        pairs = [(_canonical(k, depth), _canonical(v, depth)) for k, v in value.items()]
+        if all(isinstance(k, str) for k, _ in pairs):
+            return dict(pairs)
+        return {"__items__": sorted([_dumps(k), v] for k, v in pairs)}
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": sorted(_dumps(_canonical(item, depth)) for item in value)}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"__bytes__": bytes(value).hex()}
+    try:  # Decimal, datetime, UUID, lazy strings...: as the records store them
+        return json.loads(json.dumps(value, cls=DjangoJSONEncoder))
+    except (TypeError, ValueError):
+        pass
+    meta = getattr(value, "_meta", None)
+    if meta is not None and hasattr(meta, "label") and hasattr(value, "pk"):
+        return {"__model__": meta.label, "pk": _canonical(value.pk, depth)}
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict) and not isinstance(value, type):
+        return {"__type__": kind, "state": _canonical(state, depth)}
+    return {"__type__": kind, "repr": repr(value)}

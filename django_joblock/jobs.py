@@ -48,6 +48,7 @@ from .jobspec import (
     OnConflict,
     Template,
     TimeoutFinding,
+    check_rq_options,
     check_template,
     job_timeout,
     timeout_findings,
@@ -133,6 +134,11 @@ def locked_job(
     id is derived from the key, and ``.delay()`` of a logical job that is still live returns
     the existing job.
     """
+    if callable(queue):
+        raise TypeError(
+            "@locked_job takes the queue first, then keywords: @locked_job('default', "
+            f"lock='order:{{order_id}}'); got the function {getattr(queue, '__qualname__', '')!r}"
+        )
     if on_conflict not in CONFLICT_POLICIES:
         raise ValueError(
             f"@locked_job: on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
@@ -143,9 +149,12 @@ def locked_job(
         conf.MAX_WAIT_RANGE.check("@locked_job: max_wait", max_wait)
     if lock is None and idempotency_key is None:
         raise ValueError("@locked_job needs a lock resource, an idempotency_key, or both")
-    for name, flag in (("atomic", atomic), ("admission", admission), ("unique", unique)):
+    flags = {"heartbeat": heartbeat, "atomic": atomic, "admission": admission, "unique": unique}
+    for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise ValueError(f"@locked_job: {name} must be True or False, got {flag!r}")
+    if on_lost is not None and not callable(on_lost):
+        raise ValueError(f"@locked_job: on_lost must be a callable(lock, reason), got {on_lost!r}")
     if not atomic and idempotency_key is not None:
         raise ValueError(
             "@locked_job: atomic=False is only for jobs without an idempotency_key (the "
@@ -162,6 +171,7 @@ def locked_job(
         )
 
     def decorate(func: Callable[P, R]) -> LockedJob[P, R]:
+        check_rq_options(rq_options, f"@locked_job {func.__qualname__}")
         check_template(func, lock, "lock")
         check_template(func, idempotency_key, "idempotency_key")
         if idempotency_key is not None:
@@ -214,6 +224,7 @@ def _enqueue(
     kwargs: dict[str, Any],
     per_call: dict[str, Any],
 ) -> Any:
+    check_rq_options(per_call, f"{spec.name}.enqueue()")
     arguments = spec.bind(args, kwargs)  # TypeError now, not in the worker
     resource = spec.resource(arguments)
     key = spec.key(arguments)

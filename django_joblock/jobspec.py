@@ -15,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
+import rq
+from rq.exceptions import TimeoutFormatError
+from rq.queue import Queue
 from rq.utils import parse_timeout
 
 from . import conf
@@ -67,7 +70,10 @@ class JobSpec(Generic[P, R]):
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied (TypeError if they do not
         fit the function)."""
-        bound = self.signature.bind(*args, **kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from exc
         bound.apply_defaults()
         arguments = dict(bound.arguments)
         for param in self.signature.parameters.values():
@@ -147,6 +153,60 @@ class TimeoutFinding:
     id: str
     message: str
     hint: str
+
+
+@functools.cache
+def rq_option_names() -> frozenset[str]:
+    """The options the installed rq's ``Queue.enqueue`` takes besides the job's own arguments:
+    ``enqueue_call``'s parameters (``enqueue`` spells ``timeout`` as ``job_timeout``)."""
+    names = set(inspect.signature(Queue.enqueue_call).parameters)
+    return frozenset((names - {"self", "func", "args", "kwargs", "timeout"}) | {"job_timeout"})
+
+
+def check_rq_options(options: dict[str, Any], what: str) -> None:
+    """``ValueError`` naming an option RQ does not know, or a ``job_timeout`` RQ cannot use.
+
+    RQ's ``enqueue`` called with ``args=`` / ``kwargs=`` (as ``@locked_job`` calls it, so that a
+    job argument named ``description`` stays an argument) drops every other keyword without a
+    word: a typo such as ``job_timout=`` would leave the default timeout in force, and a job
+    argument passed to ``.enqueue()`` beside ``kwargs=`` would vanish.
+    """
+    unknown = sorted(set(options) - rq_option_names())
+    if unknown:
+        verb = "is not an option" if len(unknown) == 1 else "are not options"
+        raise ValueError(
+            f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
+            f"{', '.join(sorted(rq_option_names()))}), and RQ would drop it without a word. "
+            "The job's own arguments go in .delay(...) or .enqueue(args=(...), kwargs={...})."
+        )
+    if "job_timeout" in options:
+        parse_job_timeout(options["job_timeout"], what)
+
+
+def parse_job_timeout(value: Any, what: str) -> int | None:
+    """RQ's ``job_timeout`` in whole seconds (``None``: the queue's default, ``-1``: none), or
+    ``ValueError`` naming it: RQ's own ``TimeoutFormatError`` would surface only at enqueue
+    (or in a system check), and a timeout below 1 s is no timeout RQ can enforce."""
+    if value is None:
+        return None
+    seconds: int | None = None
+    problem = ""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        problem = f"a {type(value).__name__}"
+    elif isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        problem = "not a whole number of seconds"
+    else:
+        try:
+            seconds = parse_timeout(value)
+        except (TimeoutFormatError, ValueError, OverflowError) as exc:
+            problem = str(exc) or type(exc).__name__
+    if seconds is None or (seconds != -1 and seconds < 1):
+        raise ValueError(
+            f"{what}: job_timeout must be whole seconds of at least 1 (an int, or a str such "
+            f"as '90', '10m', '2h', '1d'), or -1 for none; got {value!r}"
+            + (f" ({problem})" if problem else "")
+        )
+    return int(seconds)
 
 
 def job_timeout(value: Any, queue: Any) -> float:

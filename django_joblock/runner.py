@@ -198,13 +198,6 @@ def _operator_note(held: Lock) -> tombstones.OperatorRelease | None:
             close(client)
 
 
-def _fingerprint(arguments: dict[str, Any]) -> str:
-    try:
-        return fingerprint_of(arguments)
-    except TypeError:  # arguments RQ can pickle but JSON cannot: fall back to their repr
-        return fingerprint_of(repr(sorted(arguments.items())))
-
-
 def _database() -> str:
     from .models import IdempotencyRecord
 
@@ -230,7 +223,7 @@ def _claim_and_run(
                 held.ensure_held()  # never commit the effect of a job that lost its lock
         return JobOutcome.RAN, result, {}
     claim_spec = idempotent(
-        key, scope=spec.scope, fingerprint=_fingerprint(arguments), using=_database()
+        key, scope=spec.scope, fingerprint=fingerprint_of(arguments), using=_database()
     )
     if held is not None:
         return _one_commit(state, claim_spec, args, kwargs, held)

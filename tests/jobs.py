@@ -174,3 +174,17 @@ def hold_young(resource_id: int, label: str, seconds: float) -> str:
     """A lock with a TTL long enough to look at it after its holder was killed."""
     _log_interval(label, seconds)
     return label
+
+
+class Options:
+    """A plain object as a job argument: its default repr holds a memory address."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+@locked_job("default", lock="tags:{order}", idempotency_key="tags:{order}", ttl=5)
+def tag_order(order: int, tags: set[str], opts: Options) -> list[str]:
+    """Arguments JSON cannot encode (a set, an object): a second delivery must replay."""
+    _redis().incr(f"test:effects:tags:{order}")
+    return [*sorted(tags), str(opts.value)]

@@ -96,11 +96,21 @@ def test_setting_errors_stop_manage_py_check(settings, joblock, check_id, text):
             "W005",
             "IDEMPOTENCY_LEASE",
         ),
+        ({"ALERTS": {"BASELINE": 600, "WINDOW": 3600}}, "W013", "never fires"),
+        ({"ALERTS": {"BASELINE": 600, "WINDOW": 600}}, "W013", "BASELINE'] (600s)"),
+        ({"ALERTS": {"WINDOW": 86400}}, "W014", "= 90060s"),
+        ({"METRICS_RETENTION": 600}, "W014", "METRICS_RETENTION'] (600s)"),
     ],
 )
 def test_setting_warnings_are_printed_not_raised(settings, joblock, check_id, text):
     settings.JOBLOCK = joblock
     assert_warning(check_id, text)
+
+
+def test_alert_periods_that_fit_raise_no_warning(settings):
+    settings.JOBLOCK = {"ALERTS": {"BASELINE": 3600, "WINDOW": 300}, "METRICS_RETENTION": 3960}
+    printed, error = check()
+    assert error is None and "W013" not in printed and "W014" not in printed, printed
 
 
 def test_unknown_queue_of_a_decorated_job_is_e006(scratch_registry):
@@ -247,9 +257,11 @@ TAGGED_RUNS: list[tuple[object, Any, set[str]]] = [
             "IDEMPOTENCY_TTL": 60,  # W003 (< REQUEUE_MAX_WAIT), W005 (< IDEMPOTENCY_LEASE)
             "IDEMPOTENCY_LEASE": 300,
             "REQUEUE_MAX_WAIT": 3600,
+            "ALERTS": {"BASELINE": 600, "WINDOW": 900},  # W013; W014 (> METRICS_RETENTION)
+            "METRICS_RETENTION": 900,
         },
         _warning_jobs,  # W002, W004, W006, W012; W011 from the server's eviction policy
-        {"W001", "W002", "W003", "W004", "W005", "W006", "W011", "W012"},
+        {"W001", "W002", "W003", "W004", "W005", "W006", "W011", "W012", "W013", "W014"},
     ),
 ]
 

@@ -31,6 +31,18 @@ def test_bad_worker_options_are_named(args, message):
         call_command("joblock_worker", "default", *args)
 
 
+def test_a_pid_file_that_cannot_be_written_is_named(tmp_path):
+    where = tmp_path / "no-such-dir" / "worker.pid"
+    with pytest.raises(CommandError, match=r"--pid .*no-such-dir.*cannot write the pid file"):
+        call_command("joblock_worker", "default", "--burst", "--pid", str(where))
+
+
+@pytest.mark.parametrize("command", ["joblock_purge", "joblock_outbox"])
+def test_an_unknown_database_alias_is_named(command):
+    with pytest.raises(CommandError, match=r"--database: invalid choice: 'nope'"):
+        call_command(command, "--database", "nope")
+
+
 def test_rqworker_options_run_a_real_worker(tmp_path, rconn):
     crew = Workers()
     try:

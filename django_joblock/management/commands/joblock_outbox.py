@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
 
 from django_joblock import outbox
 
@@ -30,7 +31,12 @@ class Command(BaseCommand):
             default=None,
             help="Seconds between passes; run until stopped (default: one pass).",
         )
-        parser.add_argument("--database", default=None)
+        parser.add_argument(
+            "--database",
+            default=None,
+            choices=tuple(connections),
+            help="The database alias of the outbox (default: the router's choice).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         limit, every = options["limit"], options["every"]

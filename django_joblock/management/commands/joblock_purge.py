@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connections
 from django.db.models import Q
 from django.utils import timezone
 
@@ -48,7 +49,12 @@ class Command(BaseCommand):
             default=1000,
             help="Records deleted per statement (default 1000).",
         )
-        parser.add_argument("--database", default="default")
+        parser.add_argument(
+            "--database",
+            default="default",
+            choices=tuple(connections),
+            help="The database alias of the records (default: 'default').",
+        )
         parser.add_argument(
             "--redis",
             action="store_true",

@@ -124,8 +124,11 @@ class Command(BaseCommand):
         except (ImportError, ValueError, TypeError) as exc:  # a bad --job-class/--serializer
             raise CommandError(f"Cannot start the worker: {exc}") from exc
         if options["pid"]:
-            with open(options["pid"], "w") as pid_file:
-                pid_file.write(str(os.getpid()))
+            try:
+                with open(options["pid"], "w") as pid_file:
+                    pid_file.write(str(os.getpid()))
+            except OSError as exc:
+                raise CommandError(f"--pid {options['pid']!r}: cannot write the pid file: {exc}")
         worker.work(
             burst=options["burst"],
             with_scheduler=options["with_scheduler"],

@@ -1,0 +1,104 @@
+"""What ``@locked_job`` accepts besides its own options: RQ's, by name, checked at decoration
+and at every ``.enqueue()``.
+
+Found by trying the app in a new project: RQ's ``enqueue`` called with ``args=`` / ``kwargs=``
+(as ``@locked_job`` calls it) drops every keyword it does not know without a word, so a typo
+(``job_timout=1``) left the default timeout in force, and a job argument passed to
+``.enqueue()`` beside ``kwargs=`` vanished; a ``job_timeout`` RQ cannot parse crashed
+``manage.py check`` with RQ's own traceback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from django_joblock import locked_job
+from django_joblock.jobs import registry
+from django_joblock.queues import get_queue
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def scratch_registry():  # type: ignore[no-untyped-def]
+    before = dict(registry)
+    yield
+    registry.clear()
+    registry.update(before)
+
+
+def test_rq_drops_unknown_keywords_beside_args_and_kwargs(rconn):
+    """Negative control: what RQ does with them, which ``@locked_job`` must not let happen."""
+    job = get_queue("default").enqueue(
+        "tests.jobs.hold_resource", args=(1, "x", 0.0), kwargs={}, job_timout=1, count=5
+    )
+    assert job.timeout == 180 and job.kwargs == {}, "RQ kept them after all"
+
+
+def test_an_unknown_rq_option_fails_at_decoration(scratch_registry):
+    with pytest.raises(ValueError, match=r"typo_opt: job_timout is not an option of RQ's enqueue"):
+
+        @locked_job("default", lock="t:{n}", job_timout=1)
+        def typo_opt(n: int) -> int:
+            return n
+
+
+def test_job_arguments_given_as_rq_options_fail_at_enqueue(scratch_registry, rconn):
+    @locked_job("default", lock="thing:{name}")
+    def lock_only(name: str, count: int = 1) -> int:
+        return count
+
+    queue = get_queue("default")
+    with pytest.raises(ValueError, match=r"lock_only.enqueue\(\): count is not an option"):
+        lock_only.enqueue(kwargs={"name": "e1"}, count=5)
+    with pytest.raises(ValueError, match=r"name is not an option.*\.delay\(\.\.\.\)"):
+        lock_only.enqueue(name="e1")
+    assert queue.count == 0, "nothing may be enqueued after a bad call"
+    job = lock_only.enqueue(kwargs={"name": "e1", "count": 5}, result_ttl=60)
+    assert job.kwargs == {"name": "e1", "count": 5} and job.result_ttl == 60
+
+
+@pytest.mark.parametrize("bad", ["abc", "1.5", 0, -5, True, math.inf, math.nan, [30]])
+def test_a_bad_job_timeout_is_named_at_decoration_and_at_enqueue(scratch_registry, rconn, bad):
+    with pytest.raises(ValueError, match=r"slow: job_timeout must be whole seconds"):
+
+        @locked_job("default", lock="t:{n}", job_timeout=bad)
+        def slow(n: int) -> None: ...
+
+    @locked_job("default", lock="t:{n}")
+    def fine(n: int) -> None: ...
+
+    with pytest.raises(ValueError, match=r"fine.enqueue\(\): job_timeout must be"):
+        fine.enqueue((1,), job_timeout=bad)
+    assert get_queue("default").count == 0
+
+
+def test_rq_timeout_forms_are_accepted(scratch_registry, rconn):
+    @locked_job("default", lock="t:{n}", job_timeout="10m")
+    def slow(n: int) -> None: ...
+
+    assert slow.delay(1).timeout == 600
+    assert slow.enqueue((2,), job_timeout=-1).timeout == -1
+    assert slow.enqueue((3,), job_timeout=90).timeout == 90
+
+
+def test_decorator_arguments_of_the_wrong_kind_are_named():
+    with pytest.raises(ValueError, match="heartbeat must be True or False, got 'no'"):
+        locked_job("default", lock="x", heartbeat="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_lost must be a callable"):
+        locked_job("default", lock="x", on_lost="print")  # type: ignore[arg-type]
+
+    def my_func(n: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"takes the queue first.*'test_decorator_arguments"):
+        locked_job(my_func)  # type: ignore[call-arg]
+
+
+def test_a_call_that_does_not_fit_names_the_job(scratch_registry, rconn):
+    @locked_job("default", lock="thing:{name}")
+    def lock_only(name: str) -> None: ...
+
+    with pytest.raises(TypeError, match=r"lock_only\(\): missing a required argument: 'name'"):
+        lock_only.delay()  # type: ignore[call-arg]
