@@ -27,7 +27,7 @@ from typing import Any
 
 from . import conf
 from .backend import connection, text
-from .keys import active_index_key, families_key
+from .keys import active_index_key, families_key, family
 
 
 def member(resource: str, owner: str) -> str:
@@ -105,6 +105,24 @@ def members(names: list[str], limit: int) -> list[tuple[str, str, str]]:
         pipe.zrange(active_index_key(prefix, fam), 0, limit - 1)
     replies = pipe.execute()
     return [(fam, *parse_member(raw)) for i, fam in enumerate(names) for raw in replies[2 * i + 1]]
+
+
+def indexed(holdings: list[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Which ``(resource, owner)`` holdings have an unexpired index entry: one round trip (a
+    reader that listed only some entries asks about the others here)."""
+    if not holdings:
+        return set()
+    prefix = conf.get().KEY_PREFIX
+    now_ms = int(time.time() * 1000)
+    pipe = _client().pipeline(transaction=False)
+    for resource, owner in holdings:
+        pipe.zscore(active_index_key(prefix, family(resource)), member(resource, owner))
+    scores = pipe.execute()
+    return {
+        holding
+        for holding, score in zip(holdings, scores, strict=True)
+        if score is not None and float(score) > now_ms
+    }
 
 
 def drop(stale: list[tuple[str, str, str]]) -> None:

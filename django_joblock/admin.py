@@ -18,7 +18,6 @@ never shown, so it cannot be probed with ``?owner__startswith=``).
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -38,12 +37,9 @@ from .backend import REDIS_ERRORS
 from .deliveries import summary
 from .exceptions import LockBackendUnavailable
 from .health import Health, job_queue, record_deliveries
-from .keys import owner_hash, validate_resource
+from .keys import is_owner_hash, owner_hash, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 from .monitoring import validate_family
-
-OWNER_RE = re.compile(r"[0-9a-f]{12}\Z|[0-9a-f]{32}\Z")
-
 
 # Where the operations runbook lives (a pip install carries no docs/ folder).
 DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"
@@ -261,7 +257,7 @@ class DashboardAdmin(ReadOnlyAdmin):
             validate_resource(resource)
         except ValueError as exc:
             return bad_request(str(exc))
-        if owner and not OWNER_RE.match(owner):
+        if owner and not is_owner_hash(owner):
             return bad_request(
                 f"Invalid owner {owner[:80]!r}: expected the 12-character owner hash shown "
                 "on the dashboard."

@@ -26,7 +26,7 @@ from .health import (
     stuck_jobs,
 )
 from .keys import family as family_of
-from .young import with_young
+from .young import merge, unindexed
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
@@ -121,24 +121,28 @@ def build(
             note="jobs parked behind a busy resource or requeued wait longer",
         ),
     ]
-    locks = with_young(
-        monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS),
-        family or None,
-    )
+    indexed = monitoring.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
+    young = unindexed(indexed, family or None)
+    locks = merge(indexed, young, per_family=LOCK_ROWS, total=LOCK_ROWS)
+    if not family:  # the locks that died young are known for the family shown only
+        active_total += len(young)
     health = lock_health(locks)
+    # Every lock read, before the health filter: a dead holder is stuck work whatever is shown.
+    dead_locks = []
     rows = []
     for active in locks:
         state = health.get(active.resource)
+        row = {
+            "lock": active,
+            "health": state.state.value if state is not None else HEALTHY.value,
+            "why": state.why if state is not None else "",
+            "ttl_left": max(0.0, active.pttl_ms / 1000),
+        }
+        if row["health"] == DEAD.value:
+            dead_locks.append(row)
         if health_filter and (state is None or state.state.value != health_filter):
             continue
-        rows.append(
-            {
-                "lock": active,
-                "health": state.state.value if state is not None else HEALTHY.value,
-                "why": state.why if state is not None else "",
-                "ttl_left": max(0.0, active.pttl_ms / 1000),
-            }
-        )
+        rows.append(row)
     fired = alerts.evaluate()
     cards = [
         ("Active locks", active_total),
@@ -171,10 +175,10 @@ def build(
         "health_filter": health_filter or "",
         "health_choices": [choice.value for choice in Health],
         "shown": len(rows),
-        "shown_of": counts.get(family, 0) if family else active_total,
+        "shown_of": counts.get(family, 0) + len(young) if family else active_total,
         "shown_limit": LOCK_ROWS,
         "stuck_jobs": stuck_jobs(),
-        "dead_locks": [row for row in rows if row["health"] == DEAD.value],
+        "dead_locks": dead_locks,
         "stuck_claims": stuck_claims() if claims else [],
         "claims_shown": claims,
         "alerts": fired,

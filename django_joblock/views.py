@@ -7,6 +7,7 @@ import hmac
 from django.http import HttpRequest, HttpResponse
 
 from . import conf
+from .backend import REDIS_ERRORS
 
 
 def _authorized(request: HttpRequest) -> bool:
@@ -36,4 +37,13 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         )
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return HttpResponse(exposition(), content_type=CONTENT_TYPE_LATEST)
+    try:
+        text = exposition()
+    except REDIS_ERRORS as exc:
+        # A scrape of a Redis that does not answer: the scraper shows the target down, with why.
+        return HttpResponse(
+            f"Redis does not answer: {type(exc).__name__}: {exc}",
+            status=503,
+            content_type="text/plain",
+        )
+    return HttpResponse(text, content_type=CONTENT_TYPE_LATEST)

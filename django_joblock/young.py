@@ -27,7 +27,7 @@ from typing import Any
 
 from rq.registry import FailedJobRegistry, ScheduledJobRegistry, StartedJobRegistry
 
-from . import conf
+from . import active_index, conf
 from .backend import connection
 from .health import fetch_jobs, known_queues
 from .holders import read_many
@@ -35,7 +35,7 @@ from .jobs import registry
 from .keys import family as family_of
 from .monitoring import ActiveLock
 
-__all__ = ["SCAN", "unindexed", "with_young"]
+__all__ = ["SCAN", "merge", "unindexed", "with_young"]
 
 logger = logging.getLogger("django_joblock")
 
@@ -43,15 +43,42 @@ logger = logging.getLogger("django_joblock")
 SCAN = 100
 
 
-def with_young(locks: list[ActiveLock], family: str | None = None) -> list[ActiveLock]:
-    """``locks`` (from the index) and the job locks missing from it, longest-held first."""
-    found = [*locks, *unindexed(locks, family)]
-    return sorted(found, key=lambda row: -row.held_for)
+def with_young(
+    locks: list[ActiveLock],
+    family: str | None = None,
+    *,
+    per_family: int | None = None,
+    total: int | None = None,
+) -> list[ActiveLock]:
+    """``locks`` (from the index) and the job locks missing from it: see :func:`merge`."""
+    return merge(locks, unindexed(locks, family), per_family=per_family, total=total)
+
+
+def merge(
+    locks: list[ActiveLock],
+    young: list[ActiveLock],
+    *,
+    per_family: int | None = None,
+    total: int | None = None,
+) -> list[ActiveLock]:
+    """``locks`` and ``young`` longest-held first, at most ``per_family`` of a family and
+    ``total`` in all (the limits the caller read the index with hold for both)."""
+    rows = sorted([*locks, *young], key=lambda row: -row.held_for)
+    if per_family is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for row in rows:
+            seen[row.family] = seen.get(row.family, 0) + 1
+            if seen[row.family] <= per_family:
+                kept.append(row)
+        rows = kept
+    return rows if total is None else rows[:total]
 
 
 def unindexed(listed: Iterable[ActiveLock], family: str | None = None) -> list[ActiveLock]:
-    """The locks of RQ jobs that ``listed`` (the index's locks) does not contain (see the
-    module docs), of ``family`` only when given."""
+    """The locks of RQ jobs that are not in the active-lock index (see the module docs), of
+    ``family`` only when given. ``listed`` are index entries the caller read already; one that
+    a limit left out is asked about in the index, so it never counts as unindexed."""
     known = {(row.resource, row.owner) for row in listed}
     wanted: dict[str, set[str]] = {}  # resource -> the job ids that may hold it
     for job in _candidates():
@@ -87,6 +114,9 @@ def unindexed(listed: Iterable[ActiveLock], family: str | None = None) -> list[A
                 read_ms=server_ms,
             )
         )
+    if found:
+        listed_now = active_index.indexed([(row.resource, row.owner) for row in found])
+        found = [row for row in found if (row.resource, row.owner) not in listed_now]
     return found
 
 

@@ -31,6 +31,13 @@ def hold_resource(resource_id: int, label: str, seconds: float) -> str:
     return label
 
 
+@locked_job("default", lock="res:{resource_id}", ttl=2, atomic=False)
+def hold_outside_db(resource_id: int, label: str, seconds: float) -> str:
+    """No transaction around the body: on SQLite, long holders do not queue on its write lock."""
+    _log_interval(label, seconds)
+    return label
+
+
 @locked_job("default", lock="res:{resource_id}", ttl=2, admission=False)
 def hold_requeue_only(resource_id: int, label: str, seconds: float) -> str:
     """The requeue path alone: a busy resource requeues with backoff (rq 2.x behaviour)."""

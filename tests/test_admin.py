@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
@@ -265,4 +266,5 @@ def test_reap_releases_dead_holders_and_leaves_live_ones(rconn):
     assert rconn.exists(live.key) and live.held, "a live holder is left alone"
     audit = LockAudit.objects.get()
     assert audit.action == "reap" and audit.resource == "order:dead"
+    assert audit.actor == f"joblock_reap ({getpass.getuser()})", "the command and the OS user"
     live.release()

@@ -10,9 +10,10 @@ import json
 import sys
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.alerts import evaluate
+from django_joblock.backend import REDIS_ERRORS
 
 
 class Command(BaseCommand):
@@ -22,7 +23,10 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print the alerts as JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        fired = evaluate()
+        try:
+            fired = evaluate()
+        except REDIS_ERRORS as exc:
+            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
         if options["json"]:
             self.stdout.write(json.dumps([alert.as_dict() for alert in fired], indent=2))
         elif not fired:

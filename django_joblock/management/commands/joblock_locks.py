@@ -14,9 +14,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_joblock.backend import REDIS_ERRORS
 from django_joblock.health import HEALTHY, LockHealth, lock_health
 from django_joblock.monitoring import active_locks, validate_family
 from django_joblock.young import with_young
+
+# Entries a family's index read may ask for (Redis takes 64-bit ranges; nobody reads more).
+MAX_LIMIT = 1_000_000
 
 
 class Command(BaseCommand):
@@ -33,17 +37,22 @@ class Command(BaseCommand):
         parser.add_argument("--limit", type=int, default=1000, help="At most this many per family.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["limit"] < 1:
-            raise CommandError(f"--limit must be >= 1, got {options['limit']}.")
+        if not 1 <= options["limit"] <= MAX_LIMIT:
+            raise CommandError(f"--limit must be 1 to {MAX_LIMIT}, got {options['limit']}.")
         if options["family"] is not None:
             try:
                 validate_family(options["family"])
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
-        locks = with_young(
-            active_locks(family=options["family"], limit=options["limit"]), options["family"]
-        )
-        health = lock_health(locks)
+        try:
+            locks = with_young(
+                active_locks(family=options["family"], limit=options["limit"]),
+                options["family"],
+                per_family=options["limit"],
+            )
+            health = lock_health(locks)
+        except REDIS_ERRORS as exc:
+            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
         rows = []
         for active in locks:
             state = health.get(active.resource, LockHealth(HEALTHY))

@@ -17,6 +17,9 @@ from django.db import connections
 
 from django_joblock import outbox
 
+# Messages one pass may take (a SQL LIMIT; the database refuses numbers past 64 bits).
+MAX_LIMIT = 1_000_000
+
 
 class Command(BaseCommand):
     help = "Deliver due outbox messages (side effects recorded with send_after_commit)."
@@ -42,6 +45,8 @@ class Command(BaseCommand):
         limit, every = options["limit"], options["every"]
         if limit < 1:
             raise CommandError(f"--limit must be at least 1, got {limit}")
+        if limit > MAX_LIMIT:
+            raise CommandError(f"--limit must be at most {MAX_LIMIT}, got {limit}")
         if every is not None and not (math.isfinite(every) and 0.1 <= every <= 86400):
             raise CommandError(f"--every must be between 0.1 and 86400 seconds, got {every}")
         while True:

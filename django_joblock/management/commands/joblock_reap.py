@@ -10,6 +10,7 @@ log with the evidence as its reason.
 
 from __future__ import annotations
 
+import getpass
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -27,7 +28,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            done = reap(dry_run=options["dry_run"])
+            done = reap(dry_run=options["dry_run"], actor=f"joblock_reap ({getpass.getuser()})")
         except LockBackendUnavailable as exc:
             raise CommandError(str(exc)) from exc
         except REDIS_ERRORS as exc:

@@ -1,0 +1,153 @@
+"""Bugs found by a hostile pass over the admin pages and the commands (each test failed before
+its fix): a token-shaped owner in the release form, row limits that the locks of running jobs
+broke, filters that hid dead holders from "Stuck jobs", changelist lookups the database cannot
+run, and commands that answered a down Redis or an out-of-range number with a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from io import StringIO
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
+from django.test import Client
+
+from django_joblock import dashboard
+from django_joblock.keys import owner_hash
+from tests import jobs
+from tests.harness import wait_for
+from tests.test_admin import DASHBOARD, RELEASE, held_lock, user
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _superuser() -> Client:
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", password="pw"))
+    return client
+
+
+def test_a_token_shaped_owner_is_a_plain_400_and_releases_nothing(rconn):
+    held = held_lock("order:1")
+    client = user("ops", can_release=True)
+    client.get(RELEASE, {"resource": "order:1", "owner": owner_hash(held.token)})  # CSRF cookie
+    token = client.cookies["csrftoken"].value
+    for method, data in (
+        (client.get, {"resource": "order:1", "owner": held.token}),
+        (client.post, {"resource": "order:1", "owner": held.token, "reason": "x"}),
+    ):
+        response = method(RELEASE, {**data, "csrfmiddlewaretoken": token})
+        assert response.status_code == 400, (method, response.status_code)
+    assert response["Content-Type"].startswith("text/plain")
+    assert b"12-character owner hash" in response.content
+    assert rconn.exists(held.key) and held.held
+    held.release()
+
+
+def test_the_lock_table_keeps_its_limit_and_its_count(crew, rconn, monkeypatch):
+    crew.start()
+    crew.start()
+    running = [jobs.hold_outside_db.delay(n, f"limit{n}", 30.0) for n in (1, 2)]
+    assert wait_for(lambda: rconn.llen("test:started") == 2, 30), crew.logs()
+    assert wait_for(lambda: rconn.zcard("joblock:active:res") == 2, 5), "both are indexed"
+    out = StringIO()
+    call_command("joblock_locks", "--family", "res", "--limit", "1", "--json", stdout=out)
+    rows = json.loads(out.getvalue())
+    assert len(rows) == 1, [row["resource"] for row in rows]
+    monkeypatch.setattr(dashboard, "LOCK_ROWS", 1)
+    page = _superuser().get(DASHBOARD, {"family": "res"}).content.decode()
+    shown = re.search(r'id="jl-shown">([^<]*)', page)
+    assert shown is not None and shown.group(1).startswith("showing 1 of 2 active locks"), shown
+    for job in running:
+        job.cancel()
+
+
+def test_a_filter_does_not_hide_a_dead_holder_from_stuck_jobs(rconn):
+    code = (
+        "import django, time; django.setup()\n"
+        "from django_joblock import lock\n"
+        "held = lock('order:dead', ttl=60, heartbeat=False); held.acquire()\n"
+        "print('held', flush=True); time.sleep(600)\n"
+    )
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
+    root = os.path.dirname(os.path.dirname(__file__))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, cwd=root
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert wait_for(lambda: rconn.zcard("joblock:active:order") == 1, 3.0)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    client = _superuser()
+    for query in ({}, {"health": "healthy"}, {"family": "order", "health": "healthy"}):
+        page = client.get(DASHBOARD, query).content.decode()
+        stuck = page[page.index('id="jl-stuck"') :]
+        assert "Lock whose holder is gone" in stuck and "order:dead" in stuck, query
+    assert "Nothing stuck." not in page
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/admin/django_joblock/idempotencyrecord/?key__regex=(",
+        "/admin/django_joblock/idempotencyrecord/?created_at__year=-1",
+        "/admin/django_joblock/idempotencyrecord/?attempts__in=99999999999999999999",
+        "/admin/django_joblock/lockaudit/?holder__contains=1",
+        "/admin/django_joblock/lockaudit/?holder__worker__contains=x",
+        "/admin/django_joblock/outboxmessage/?key__iregex=[",
+    ],
+)
+def test_changelist_lookups_the_database_cannot_run_are_a_400(url):
+    response = _superuser().get(url)
+    assert response.status_code == 400, (url, response.status_code)
+
+
+def test_plain_changelist_lookups_still_work():
+    client = _superuser()
+    for url in (
+        "/admin/django_joblock/idempotencyrecord/?attempts__gte=2",
+        "/admin/django_joblock/idempotencyrecord/?key__startswith=refund",
+        "/admin/django_joblock/lockaudit/?released__exact=1",
+    ):
+        assert client.get(url).status_code == 200, url
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["joblock_locks"],
+        ["joblock_alerts"],
+        ["joblock_doctor", "--resource", "order:3"],
+    ],
+)
+def test_commands_name_a_redis_that_does_not_answer(settings, argv):
+    settings.JOBLOCK = {"REDIS_ALIAS": "down"}
+    with pytest.raises(CommandError, match="Redis does not answer"):
+        call_command(*argv, stdout=StringIO())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["joblock_locks", "--limit", "99999999999999999999"], "--limit must be 1 to"),
+        (["joblock_outbox", "--limit", "99999999999999999999"], "--limit must be at most"),
+        (["joblock_doctor", "--job", "<script>"], "--job '<script>'"),
+    ],
+)
+def test_out_of_range_command_arguments_are_named(rconn, argv, message):
+    with pytest.raises(CommandError, match=re.escape(message)):
+        call_command(*argv, stdout=StringIO())
+
+
+def test_the_metrics_view_answers_503_when_redis_is_down(settings, admin_client):
+    settings.JOBLOCK = {"REDIS_ALIAS": "down"}
+    response = admin_client.get("/joblock/metrics/")
+    assert response.status_code == 503 and b"Redis does not answer" in response.content
