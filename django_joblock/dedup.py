@@ -5,8 +5,9 @@ the key's scope): ``joblock-<40 hex digits of sha256>``, stable across processes
 in RQ's allowed characters. ``.delay()`` of a logical job whose RQ job is still *live*
 (queued, scheduled, deferred, parked by admission, or started) returns that job instead of
 enqueueing another; it is counted as ``blocked_at_enqueue``. A finished, failed, stopped or
-canceled job (or one RQ has expired) is enqueued again under the same id, and its idempotency
-record then replays the stored result (or runs it again after a failure).
+canceled job (or one RQ has expired) is enqueued again under the same id, without the expiry
+its end gave it, and its idempotency record then replays the stored result (or runs it again
+after a failure).
 
 Check-and-enqueue is made atomic per job id by a short guard key on the queue's connection
 (``SET NX PX``, compare-and-delete): a concurrent ``.delay()`` of the same logical job waits
@@ -82,9 +83,8 @@ def enqueue_once(
             try:
                 status = _status(queue, job_id)
                 if status not in LIVE:
-                    if status == RecordStatus.FAILED:
-                        # Runs again under the same id: not failed any more.
-                        queue.failed_job_registry.remove(job_id)
+                    if status is not None:
+                        _forget_last_end(queue, job_id, status)
                     return enqueue()
                 existing = queue.fetch_job(job_id)
             finally:
@@ -99,6 +99,24 @@ def enqueue_once(
                 f"guard {guard!r} for {2 * GUARD_TTL:g}s."
             )
         time.sleep(_POLL)
+
+
+def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
+    """Job ``job_id`` ended (finished, failed, stopped, canceled) and runs again under its id.
+
+    RQ's enqueue rewrites the job's hash field by field and keeps the expiry its end gave it
+    (``result_ttl``, ``failure_ttl``): without the ``PERSIST`` the new job would vanish from
+    Redis while it waits, parked or queued, and never run. Its old registry entry goes too.
+    """
+    if status == RecordStatus.FAILED:
+        queue.failed_job_registry.remove(job_id)
+    elif status == "finished":
+        queue.finished_job_registry.remove(job_id)
+    old = queue.job_class(id=job_id, connection=queue.connection)
+    pipe = queue.connection.pipeline(transaction=False)
+    for key in (old.key, old.dependents_key, old.dependencies_key):
+        pipe.persist(key)
+    pipe.execute()
 
 
 def _blocked(job: Any, family: str, func: str) -> Any:

@@ -102,6 +102,22 @@ def test_after_it_finished_a_duplicate_is_enqueued_again_and_replays(workers, rc
     assert _blocked() == 0
 
 
+def test_a_job_enqueued_again_does_not_keep_the_expiry_of_its_last_end(workers, rconn):
+    """Found by a deployment test: the new job vanished while it waited, never ran."""
+    rconn.set("test:go:short", 1)
+    first = admission_jobs.send_once.enqueue((15, "short"), result_ttl=3)
+    workers.start(burst=True).wait(30)  # gone before the job is enqueued again
+    assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert 0 < rconn.ttl(first.key) <= 3, "negative control: its end gave the job an expiry"
+    again = admission_jobs.send_once.delay(15, "short")  # waits for a worker past that expiry
+    assert again.id == first.id and rconn.ttl(again.key) == -1
+    wait_for(lambda: False, 4.0)
+    assert rconn.exists(again.key), "the job waiting for a worker is still there"
+    workers.start(burst=True)
+    assert wait_status(again, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert again.get_meta(refresh=True)["joblock"]["outcome"] == "replayed"
+
+
 def test_concurrent_duplicate_delays_enqueue_one_job(rconn):
     queue = get_queue("default")
     found: list[str] = []
