@@ -41,9 +41,11 @@ is lost, RQ recovers the slot):
   failed (or retried) and releases the slot at once; a horse that hangs or is stopped keeps
   the slot until RQ's job timeout kills it (its lock expired long before);
 - the whole worker process dies (a ``SimpleWorker``, or a parent together with its horse): the
-  job's RQ execution expires ``min(job_timeout, 30) + 60`` s after the worker's last heartbeat
-  (RQ's ``job_monitoring_interval`` + 60), and the next RQ maintenance of any worker on the
-  queue marks it failed and frees the slot: bound = that expiry + ``--maintenance-interval``
+  job's RQ execution expires after the worker's last heartbeat, ``min(job_timeout, 30) + 60``
+  s for a forking worker (RQ's ``job_monitoring_interval`` + 60) and ``job_timeout + 60`` s
+  for a ``SimpleWorker`` (420 s without a timeout), and the next RQ maintenance of any
+  worker on the queue marks it failed and frees the slot: bound = that expiry +
+  ``--maintenance-interval``
   (``joblock_worker`` default 60 s, RQ's 600 s; :mod:`django_joblock.worker` makes idle
   workers wake up for it);
 - a Redis restart keeps the waiting set and the slot (with an append-only file, as RQ needs);
