@@ -25,6 +25,8 @@ died. Then ``on_conflict`` decides:
   ``REQUEUE_MAX_WAIT``) seconds of contention the job raises :class:`LockContentionTimeout`
   and ends *failed*, visible in RQ's failed registry with the reason: a valid job is never
   silently dropped.
+  A ``"requeue"`` job whose acquire finds the lock's Redis unavailable
+  (:class:`LockBackendUnavailable`) is requeued the same way (:func:`unavailable`).
 - ``"skip"``: finish without running (``job.meta["joblock"]["outcome"] = "skipped"``).
 - ``"fail"``: raise :class:`LockNotAcquired` (or :class:`IdempotencyInProgress`).
 
@@ -67,6 +69,18 @@ Ending = tuple[JobOutcome, Any, dict[str, Any]]
 def conflict(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
     """Apply ``on_conflict`` to a busy lock (``held``, not acquired) or a live claim."""
     return _handle(run, held, in_progress)  # its counts: flushed by the runner at the end
+
+
+def unavailable(run: Run, held: Lock, exc: LockBackendUnavailable) -> Ending:
+    """The lock's Redis did not answer the acquire of a worker's ``on_conflict="requeue"`` job:
+    requeue it with backoff as for a busy lock (the job has not started; nothing ran).
+
+    Failing it instead would fail a whole parked backlog within seconds of a short outage:
+    each failed job frees its admission slot and RQ promotes the next one at once. Bounded
+    like contention (``max_wait``, then :class:`LockContentionTimeout`); ``"skip"`` and
+    ``"fail"`` jobs, and inline calls, raise :class:`LockBackendUnavailable` as before.
+    """
+    return _requeue(run, held, f"the lock's Redis did not answer ({exc})", None)
 
 
 def _holder(held: Lock | None) -> LockInfo | None:

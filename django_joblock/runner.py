@@ -55,12 +55,12 @@ from .exceptions import (
     LockLost,
 )
 from .idempotency import Idempotent, fingerprint_of, idempotent
-from .jobspec import JobSpec
+from .jobspec import JobSpec, OnConflict
 from .locks import Lock, reset_current_lock, set_current_lock
 from .logs import logger
 from .one_commit import claim_in_transaction, record_failure, record_result
 from .outcomes import FINAL_SUCCESS, JobOutcome, Run, finish
-from .requeue import Ending, conflict
+from .requeue import Ending, conflict, unavailable
 
 __all__ = ["JobOutcome", "run"]
 
@@ -129,7 +129,13 @@ def _flow(
     # (it hands off first); a worker otherwise tries once, an inline call waits ACQUIRE_WAIT.
     handed_on = state.admitted and admission.handed_on(state.job)
     wait = (admission.HANDOFF_WAIT if handed_on else 0.0) if state.worker else None
-    if not held.acquire(wait=wait):
+    try:
+        acquired = held.acquire(wait=wait)
+    except LockBackendUnavailable as exc:
+        if not state.worker or spec.on_conflict is not OnConflict.REQUEUE:
+            raise
+        return unavailable(state, held, exc)
+    if not acquired:
         return conflict(state, held, None)
     state.started()
     token = set_current_lock(held)

@@ -85,3 +85,16 @@ def hold_briefly_renewed(n: int) -> int:
     """Holds a short-TTL lock (renewed every 2/3 s) until told to finish."""
     _wait_for_go(f"brief{n}")
     return n
+
+
+@locked_job("default", lock="outage:{n}", ttl=5)
+def run_after_outage(n: int, label: str) -> str:
+    """Requeues on contention (the default): also when the lock's Redis does not answer."""
+    Account.objects.create(name=label, balance=n)
+    return label
+
+
+@locked_job("default", lock="outage:{n}", ttl=5, on_conflict="fail")
+def fail_on_outage(n: int, label: str) -> str:
+    Account.objects.create(name=label, balance=n)
+    return label

@@ -75,7 +75,9 @@ def test_acquire_errors_fire_from_a_worker_whose_lock_redis_is_down(split):
     assert wait_status(before, DONE, 30, crew) is JobStatus.FINISHED, crew.logs()
     assert "acquire_errors" not in _names(), "negative control: a healthy acquire"
     lock_server.kill()
-    during = jobs.hold_resource.delay(30, "during", 0.0)
+    # on_conflict="fail": it fails at once (a requeueing job would be requeued until Redis is
+    # back, tests/test_topologies.py)
+    during = jobs.hold_or_fail.delay(30, "during", 0.0)
     assert wait_status(during, DONE, 30, crew) is JobStatus.FAILED, crew.logs()
     assert "LockBackendUnavailable" in during.latest_result().exc_string
     lock_server.start()

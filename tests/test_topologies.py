@@ -29,6 +29,7 @@ from django_joblock.models import LockAudit
 from tests import harness, seam_jobs
 from tests.harness import wait_for
 from tests.settings import _cache
+from tests.testapp.models import Account
 from tests.workers import ROOT, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -176,3 +177,40 @@ def test_rq_key_prefix_of_rq_3_is_followed(rconn):
         assert LockAudit.objects.count() == 0
     finally:
         crew.stop()
+
+
+def test_a_short_outage_of_the_lock_redis_requeues_jobs_instead_of_failing_them(settings):
+    """Found by a deployment test: a 3 s outage of the lock Redis failed most of a parked
+    backlog (each failed job freed its slot, and RQ promoted the next one at once)."""
+    lock_server = harness.RedisServer(harness.free_port())
+    lock_server.start()
+    main = harness.redis_url().rsplit("/", 1)[0]
+    lock_url, queue_url = f"redis://127.0.0.1:{lock_server.port}/0", f"{main}/1"
+    queues = redis.Redis.from_url(queue_url)
+    queues.flushdb()
+    settings.CACHES = {**settings.CACHES, "default": _cache(lock_url)}
+    settings.RQ_QUEUES = {"default": {"URL": queue_url}, "other": {"URL": queue_url}}
+    crew = TopologyWorkers(lock_url, queue_url)
+    try:
+        crew.start(scheduler=True)
+        lock_server.kill()
+        failing = seam_jobs.fail_on_outage.delay(2, "failed")
+        backlog = [seam_jobs.run_after_outage.delay(1, f"backlog{i}") for i in range(6)]
+        assert wait_status(failing, DONE, 60, crew) is JobStatus.FAILED, crew.logs()
+        result = failing.latest_result()
+        assert result is not None and "LockBackendUnavailable" in (result.exc_string or ""), (
+            "negative control: the lock's Redis is down"
+        )
+        assert wait_for(lambda: backlog[0].get_meta(refresh=True)["joblock"].get("requeues"), 30)
+        assert "did not answer" in backlog[0].get_meta()["joblock"]["reason"]
+        time.sleep(3)
+        lock_server.restart()
+        for job in backlog:
+            assert wait_status(job, DONE, 120, crew) is JobStatus.FINISHED, crew.logs()
+    finally:
+        crew.stop()
+        queues.flushdb()
+        lock_server.stop()
+    ran = sorted(Account.objects.filter(name__startswith="backlog").values_list("name", flat=True))
+    assert ran == [f"backlog{i}" for i in range(6)], "every job ran, once"
+    assert not Account.objects.filter(name="failed").exists()
