@@ -17,8 +17,10 @@ Two things are added to RQ's ``RateLimit``:
 
 - **FIFO.** RQ scores its waiting set in whole seconds and breaks ties by job id, which is
   random: two jobs enqueued within the same second would start in random order. A job that is
-  parked after its enqueue gets its enqueue time (``job.created_at``, microseconds) as score
-  (``ZADD XX``, so a job promoted meanwhile is never put back). A job that comes back from a
+  parked after its enqueue gets its enqueue time (``job.created_at``, microseconds) less one
+  second as score (``ZADD XX``, so a job promoted meanwhile is never put back): one second
+  early, so that a job RQ parks in the same second, scored in whole seconds until its own
+  ``ZADD``, can never be promoted before the jobs fixed earlier. A job that comes back from a
   requeue or an RQ retry re-enters at the back, as RQ does it.
 - **Early hand-off.** A work horse gives the slot to the next parked job (RQ's own
   ``release_and_enqueue``) as soon as the job's body has returned (or its replay is decided),
@@ -158,7 +160,11 @@ def keep_fifo(job: Any) -> None:
     if RateLimitRegistry is None or job.get_status(refresh=False) != PARKED:
         return
     registry = RateLimitRegistry(key=job.rate_limit_key, connection=job.connection)
-    job.connection.zadd(registry.rate_limited_key, {job.id: job.created_at.timestamp()}, xx=True)
+    # One second early: a job RQ parks meanwhile has a whole-second score (its enqueue second,
+    # floored) until its own ZADD, and must sort after every job fixed before it. With the
+    # plain enqueue time, a job fixed at 10.3 would sort after a newer job still at 10.
+    score = job.created_at.timestamp() - 1
+    job.connection.zadd(registry.rate_limited_key, {job.id: score}, xx=True)
 
 
 def handed_on(job: Any) -> bool:

@@ -122,6 +122,25 @@ def test_negative_control_rq_rate_limit_alone_breaks_ties_by_job_id(workers, rco
     assert order != labels, "tie broken by job id (1 in 40320 to be in enqueue order)"
 
 
+def test_a_job_parked_before_its_fifo_score_never_jumps_the_line(rconn):
+    """Found by a deployment test (1 job out of order in 4 of 8 runs): RQ parks a job with a
+    whole-second score, and the microsecond score comes one round trip later. A promotion in
+    between must not pick the newest job first."""
+    if not RATE_LIMITED:
+        assert admission.RateLimit is None  # rq 2.x: no admission, requeue only
+        return
+    admission_jobs.hot_hold.delay(2, "holder2")  # no worker: it keeps the resource's slot
+    _next_second()
+    first, second = (admission_jobs.hot.delay(2, label, 0.05) for label in ("a", "b"))
+    _parked([first, second])
+    registry = admission.RateLimitRegistry.from_job(first)
+    # The window: a third job as RQ parks it in the second of the others, before its fix.
+    rq_score = int(second.created_at.timestamp())
+    assert first.created_at.timestamp() > rq_score, "negative control: the old score sorts after"
+    rconn.zadd(registry.rate_limited_key, {"caught-in-the-window": rq_score})
+    assert registry.get_rate_limited_job_ids() == [first.id, second.id, "caught-in-the-window"]
+
+
 def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
     workers.start(scheduler=True)
     workers.start()
