@@ -134,3 +134,15 @@ def crew(settings: Any) -> Iterator[workers.Workers]:
     started = workers.Workers(settings.JOBLOCK)
     yield started
     started.stop()
+
+
+@pytest.fixture
+def scratch_registry() -> Iterator[None]:
+    """Jobs a test decorates leave the ``@locked_job`` registry when it ends (the registered
+    test jobs stay)."""
+    from django_joblock.jobs import registry
+
+    before = dict(registry)
+    yield
+    registry.clear()
+    registry.update(before)

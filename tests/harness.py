@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -142,6 +145,29 @@ class Proxy:
                 conn.close()
             except OSError:
                 pass
+
+
+def dead_holder(resource: str, client: Any) -> int:
+    """A process that took ``resource``'s lock without heartbeat (TTL 60 s) and was listed in
+    the active-lock index, then SIGKILLed: its lock lives on with a dead holder. Its pid."""
+    code = (
+        "import django, time; django.setup()\n"
+        "from django_joblock import lock\n"
+        f"held = lock({resource!r}, ttl=60, heartbeat=False); held.acquire()\n"
+        "print('held', flush=True); time.sleep(600)\n"
+    )
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    family = resource.split(":", 1)[0]
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert wait_for(lambda: client.zcard(f"joblock:active:{family}"), 5), "never indexed"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    return proc.pid
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.01) -> bool:

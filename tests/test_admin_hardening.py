@@ -6,11 +6,7 @@ run, and commands that answered a down Redis or an out-of-range number with a tr
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from io import StringIO
 
 import pytest
@@ -21,7 +17,7 @@ from django.test import Client
 from django_joblock import dashboard
 from django_joblock.keys import owner_hash
 from tests import jobs
-from tests.harness import wait_for
+from tests.harness import dead_holder, wait_for
 from tests.test_admin import DASHBOARD, RELEASE, held_lock, user
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,23 +65,7 @@ def test_the_lock_table_keeps_its_limit_and_its_count(crew, rconn, monkeypatch):
 
 
 def test_a_filter_does_not_hide_a_dead_holder_from_stuck_jobs(rconn):
-    code = (
-        "import django, time; django.setup()\n"
-        "from django_joblock import lock\n"
-        "held = lock('order:dead', ttl=60, heartbeat=False); held.acquire()\n"
-        "print('held', flush=True); time.sleep(600)\n"
-    )
-    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
-    root = os.path.dirname(os.path.dirname(__file__))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, cwd=root
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-        assert wait_for(lambda: rconn.zcard("joblock:active:order") == 1, 3.0)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    dead_holder("order:dead", rconn)
     client = _superuser()
     for query in ({}, {"health": "healthy"}, {"family": "order", "health": "healthy"}):
         page = client.get(DASHBOARD, query).content.decode()

@@ -3,11 +3,7 @@ bad day, and a Django user managing permissions would meet them."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +20,7 @@ from rq.job import JobStatus
 from django_joblock import idempotent, lock
 from django_joblock.models import IdempotencyRecord, LockAudit
 from tests import seam_jobs
-from tests.harness import wait_for
+from tests.harness import dead_holder, wait_for
 from tests.workers import Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -200,26 +196,11 @@ def test_force_release_while_redis_is_black_holed_answers_a_clear_page(settings,
 
 
 def test_dead_holder_row_names_the_evidence(rconn):
-    code = (
-        "import django, time; django.setup()\n"
-        "from django_joblock import lock\n"
-        "held = lock('order:dead', ttl=60, heartbeat=False); held.acquire()\n"
-        "print('held', flush=True); time.sleep(600)\n"
-    )
-    env = dict(os.environ, DJANGO_SETTINGS_MODULE="tests.settings")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
-        assert wait_for(lambda: rconn.zcard("joblock:active:order"), 5)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    pid = dead_holder("order:dead", rconn)
     page = login("root", superuser=True).get(DASHBOARD).content.decode()
     why = re.search(r'<td class="jl-why">([^<]*)</td>', page)
     assert why is not None, page[-3000:]
-    assert f"process {proc.pid} on " in why.group(1) and "is gone" in why.group(1)
+    assert f"process {pid} on " in why.group(1) and "is gone" in why.group(1)
     assert "never renewed" in why.group(1)
     assert "RQ job" not in why.group(1) and "worker" not in why.group(1), "no job: not evidence"
 

@@ -15,18 +15,9 @@ import math
 import pytest
 
 from django_joblock import locked_job
-from django_joblock.jobs import registry
 from django_joblock.queues import get_queue
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def scratch_registry():  # type: ignore[no-untyped-def]
-    before = dict(registry)
-    yield
-    registry.clear()
-    registry.update(before)
 
 
 def test_rq_drops_unknown_keywords_beside_args_and_kwargs(rconn):

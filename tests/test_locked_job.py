@@ -17,20 +17,11 @@ from django_joblock import (
     locked_job,
 )
 from django_joblock.checks import check_jobs, check_scheduler
-from django_joblock.jobs import registry
 from django_joblock.queues import get_queue
 from tests import jobs  # noqa: F401  (registers the worker tests' jobs)
 from tests.workers import Workers
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def scratch_registry():  # type: ignore[no-untyped-def]
-    before = dict(registry)
-    yield
-    registry.clear()
-    registry.update(before)
 
 
 def test_unknown_template_field_fails_at_decoration():

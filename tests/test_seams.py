@@ -23,7 +23,6 @@ from django_joblock import (
     lock,
     locked_job,
 )
-from django_joblock.jobs import registry
 from django_joblock.queues import get_queue
 from tests import seam_jobs
 from tests.harness import expire_now, wait_for
@@ -33,14 +32,6 @@ from tests.workers import Workers, wait_status
 pytestmark = pytest.mark.django_db(transaction=True)
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED}
-
-
-@pytest.fixture
-def scratch_registry() -> Iterator[None]:
-    before = dict(registry)
-    yield
-    registry.clear()
-    registry.update(before)
 
 
 @pytest.fixture

@@ -52,6 +52,16 @@ class TopologyWorkers(Workers):
         return env
 
 
+def _apart(settings: Any, lock_url: str, queue_url: str) -> tuple[TopologyWorkers, Any]:
+    """This process and its workers with the locks on ``lock_url`` and the queues on
+    ``queue_url`` (emptied first): the workers and a client of the queue Redis."""
+    queue_client = redis.Redis.from_url(queue_url)
+    queue_client.flushdb()
+    settings.CACHES = {**settings.CACHES, "default": _cache(lock_url)}
+    settings.RQ_QUEUES = {"default": {"URL": queue_url}, "other": {"URL": queue_url}}
+    return TopologyWorkers(lock_url, queue_url), queue_client
+
+
 @pytest.fixture(params=["databases", "servers"])
 def topology(request, settings, redis_server) -> Iterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
     """Locks on the test Redis; queues on its database 1, or on a second redis-server."""
@@ -63,11 +73,7 @@ def topology(request, settings, redis_server) -> Iterator[dict[str, Any]]:  # ty
         second = harness.RedisServer(harness.free_port())
         second.start()
         lock_url, queue_url = f"{main}/0", f"redis://127.0.0.1:{second.port}/0"
-    queue_client = redis.Redis.from_url(queue_url)
-    queue_client.flushdb()
-    settings.CACHES = {**settings.CACHES, "default": _cache(lock_url)}
-    settings.RQ_QUEUES = {"default": {"URL": queue_url}, "other": {"URL": queue_url}}
-    crew = TopologyWorkers(lock_url, queue_url)
+    crew, queue_client = _apart(settings, lock_url, queue_url)
     yield {
         "crew": crew,
         "lock": redis.Redis.from_url(lock_url),
@@ -186,11 +192,7 @@ def test_a_short_outage_of_the_lock_redis_requeues_jobs_instead_of_failing_them(
     lock_server.start()
     main = harness.redis_url().rsplit("/", 1)[0]
     lock_url, queue_url = f"redis://127.0.0.1:{lock_server.port}/0", f"{main}/1"
-    queues = redis.Redis.from_url(queue_url)
-    queues.flushdb()
-    settings.CACHES = {**settings.CACHES, "default": _cache(lock_url)}
-    settings.RQ_QUEUES = {"default": {"URL": queue_url}, "other": {"URL": queue_url}}
-    crew = TopologyWorkers(lock_url, queue_url)
+    crew, queues = _apart(settings, lock_url, queue_url)
     try:
         crew.start(scheduler=True)
         lock_server.kill()
