@@ -124,7 +124,7 @@ def _canonical(value: Any, depth: int) -> Any:
         pairs = [(_canonical(k, depth), _canonical(v, depth)) for k, v in value.items()]
         if all(isinstance(k, str) for k, _ in pairs):
             return dict(pairs)
-        return {"__items__": sorted([_dumps(k), v] for k, v in pairs)}
+        return {"__items__": sorted(([_dumps(k), v] for k, v in pairs), key=lambda kv: kv[0])}
     if isinstance(value, (set, frozenset)):
         return {"__set__": sorted(_dumps(_canonical(item, depth)) for item in value)}
     if isinstance(value, (bytes, bytearray, memoryview)):
