@@ -215,7 +215,7 @@ def test_w010_for_a_queue_redis_that_does_not_answer(scratch_registry, settings)
 def test_command_arguments_are_checked():
     from django.core.management.base import CommandError
 
-    with pytest.raises(CommandError, match="--limit must be >= 1"):
+    with pytest.raises(CommandError, match="--limit must be 1 to 1000000, got 0"):
         call_command("joblock_locks", "--limit", "0")
     with pytest.raises(CommandError, match="Invalid family"):
         call_command("joblock_locks", "--family", "<b>")

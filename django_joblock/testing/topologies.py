@@ -17,7 +17,9 @@ Guarantees and failure modes:
   gone, as in a real failover: that is what the tests of forgotten locks rely on.
 - ``replicate_via`` lets a test put something (a TCP proxy it can pause) between the primary
   and its replicas: it is called with the primary's port and returns the port the replicas
-  replicate from.
+  replicate from. The sentinels then never re-point a replica at the primary directly (they
+  do so, after Sentinel's ``failover-timeout``, to a replica whose master address is not the
+  primary's own), so a paused proxy really holds replication back.
 - :meth:`ClusterNodes.restart` kills one node and starts it again on the same port and
   directory: it keeps its slots (``nodes.conf``) and loses its keys (its script cache too).
 - A cluster node's bus port is a free port of its own (``cluster-port``, Redis >= 7.0), not
@@ -96,6 +98,10 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
     raise RedisServerError(f"{what} within {timeout:g}s")
 
 
+# Sentinel's failover-timeout (ms) when the replicas replicate through a proxy (see below).
+FIXED_REPLICA_AFTER_MS = 600_000
+
+
 class SentinelGroup:
     """A primary, ``replicas`` replicas and ``sentinels`` sentinels (quorum: a majority).
 
@@ -121,13 +127,19 @@ class SentinelGroup:
         self.replicate_via = replicate_via
         quorum = sentinels // 2 + 1
         ms = max(100, int(down_after * 1000))
+        # Sentinel "fixes" a replica whose master address is not the primary's own once
+        # failover-timeout has passed since its configuration changed (+fix-slave-config):
+        # it would re-point a replica that replicates through the caller's proxy straight at
+        # the primary, and a paused proxy would then hold nothing back. With a proxy, the
+        # timeout outlasts any test run; a failover never waits for it.
+        failover_ms = FIXED_REPLICA_AFTER_MS if replicate_via else max(2000, ms * 4)
         self.sentinels = [
             RedisServer(
                 extra_args=["--sentinel"],
                 config=(
                     f"sentinel monitor {master_name} 127.0.0.1 {self.primary.port} {quorum}\n"
                     f"sentinel down-after-milliseconds {master_name} {ms}\n"
-                    f"sentinel failover-timeout {master_name} {max(2000, ms * 4)}\n"
+                    f"sentinel failover-timeout {master_name} {failover_ms}\n"
                     f"sentinel parallel-syncs {master_name} 1\n"
                 ),
             )
