@@ -18,21 +18,17 @@ RQ's worker loop waits out a Redis outage only inside its blocking dequeue loop 
 with backoff, 1 s doubling to 60 s). The same connection error one step earlier or later, in
 the heartbeat after a job, the ``rq suspend`` check, the registry maintenance or the "idle"
 state written before the dequeue loop, makes an RQ worker log "found an unhandled exception,
-quitting" and exit: a Redis restart that lands between two jobs stops the worker. So does one
-that lands during a job: the forking worker's heartbeat while its work horse runs, the
-status it reads when the horse ends, a simple worker's writing of the job's result or
-failure. A worker that quits takes the scheduler with it when it runs one. Those steps only
-refresh bookkeeping, so these workers log the error (``django_joblock`` logger, warning) and
-go on to the dequeue, which waits with RQ's backoff until Redis answers again. A job whose
-*own* bookkeeping (its result, its status) failed is not retried here: RQ's registry
-maintenance ends it once its execution expires (failed, or retried by its ``Retry``; its
-idempotency key replays it), as for a dead worker.
+quitting" and exit: a Redis restart that lands between two jobs stops the worker. Those steps
+only refresh the worker's own bookkeeping, so these workers log the error (``django_joblock``
+logger, warning) and go on to the dequeue, which waits with RQ's backoff until Redis answers
+again. A job whose *own* bookkeeping
+(its result, its status) fails because Redis is down is not retried here: RQ's registry
+maintenance and the job's ``Retry`` cover it, as for a dead worker.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -94,40 +90,6 @@ class _RidesOutOutages:
             super().check_for_suspension(burst)  # type: ignore[misc]
         except redis.exceptions.ConnectionError as exc:
             self._outage("suspension check", exc)
-
-    def maintain_heartbeats(self, *args: Any, **kwargs: Any) -> None:
-        # A forking worker's heartbeat while its work horse runs: the horse goes on
-        try:
-            super().maintain_heartbeats(*args, **kwargs)  # type: ignore[misc]
-        except redis.exceptions.ConnectionError as exc:
-            self._outage("heartbeat while a job runs", exc)
-
-    def execute_job(self, job: Any, queue: Any) -> Any:
-        try:
-            return super().execute_job(job, queue)  # type: ignore[misc]
-        except redis.exceptions.ConnectionError as exc:
-            # The job's bookkeeping (its status, its result, its failure) met the outage
-            self._await_horse()
-            logger.warning(
-                "worker %s: Redis unavailable in the bookkeeping of job %s (%s); RQ's "
-                "maintenance ends the job (failed, or retried by its Retry) once its execution "
-                "expires, and this worker waits for Redis in the next dequeue",
-                self.name,
-                job.id,
-                exc,
-            )
-            return None
-
-    def _await_horse(self) -> None:
-        """A work horse still running when the monitoring failed is waited for (it ends under
-        its own job timeout): never two horses of one worker at a time."""
-        pid = getattr(self, "_horse_pid", 0)
-        if pid:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass  # reaped already
-            self._horse_pid = 0
 
     def run_maintenance_tasks(self) -> None:
         try:

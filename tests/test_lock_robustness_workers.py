@@ -5,14 +5,13 @@ capped."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 from rq.job import JobStatus
 from rq.suspension import suspend
 
 from tests import jobs
-from tests.workers import DONE, Workers, pid_of, wait_status
+from tests.workers import DONE, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -82,39 +81,6 @@ def test_negative_control_an_rq_worker_quits_on_the_same_outage(server, crew):
     _outage_while_suspended(server, crew, "rqworker")  # --worker-class=rq.SimpleWorker
     deadline = time.monotonic() + 30
     while crew.procs[0].poll() is None:
-        assert time.monotonic() < deadline, f"the plain RQ worker survived\n{crew.logs()}"
-        time.sleep(0.1)
-    assert "found an unhandled exception, quitting" in crew.logs(tail=10**6)
-
-
-def _outage_during_a_job(server, rconn, crew: Workers, **start: Any) -> Any:
-    """Redis goes away 1 s into a 4 s job and comes back 5 s later: the job ends (and RQ
-    writes its end) while Redis is down. Found by a deployment test: workers quit there."""
-    proc = crew.start(**start)
-    jobs.hold_resource.delay(1, "during-outage", 4.0)
-    pid_of(rconn, "during-outage", 30)
-    time.sleep(1)
-    server.kill()
-    time.sleep(5)
-    server.start()
-    return proc
-
-
-@pytest.mark.parametrize("simple", [False, True], ids=["forking", "simple"])
-def test_a_joblock_worker_waits_out_a_redis_outage_during_a_job(server, rconn, crew, simple):
-    proc = _outage_during_a_job(server, rconn, crew, simple=simple)
-    after = jobs.hold_resource.delay(2, "after-outage", 0.0)
-    assert wait_status(after, DONE, 60, crew) is JobStatus.FINISHED, crew.logs()
-    assert proc.poll() is None, crew.logs()
-    logs = crew.logs(tail=10**6)
-    assert "Redis unavailable in the " in logs, "the outage was met"
-    assert "unhandled exception" not in logs
-
-
-def test_negative_control_an_rq_worker_quits_on_an_outage_during_a_job(server, rconn, crew):
-    proc = _outage_during_a_job(server, rconn, crew, simple=True, command="rqworker")
-    deadline = time.monotonic() + 30
-    while proc.poll() is None:
         assert time.monotonic() < deadline, f"the plain RQ worker survived\n{crew.logs()}"
         time.sleep(0.1)
     assert "found an unhandled exception, quitting" in crew.logs(tail=10**6)
