@@ -150,6 +150,11 @@ def is_unavailable(exc: BaseException) -> bool:
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
 
 
+def no_answer(exc: BaseException) -> str:
+    """What the commands and views say when Redis did not answer (one of ``REDIS_ERRORS``)."""
+    return f"Redis does not answer: {type(exc).__name__}: {exc}"
+
+
 def unavailable(
     exc: BaseException, action: str, *, resource: str, key: str, owner: str
 ) -> LockBackendUnavailable:

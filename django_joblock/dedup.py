@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rq.job import JobStatus
+
 from . import conf, metrics
-from .choices import RecordStatus
 from .exceptions import JoblockError
 
 logger = logging.getLogger("django_joblock")
@@ -108,9 +109,9 @@ def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
     (``result_ttl``, ``failure_ttl``): without the ``PERSIST`` the new job would vanish from
     Redis while it waits, parked or queued, and never run. Its old registry entry goes too.
     """
-    if status == RecordStatus.FAILED:
+    if status == JobStatus.FAILED:
         queue.failed_job_registry.remove(job_id)
-    elif status == "finished":
+    elif status == JobStatus.FINISHED:
         queue.finished_job_registry.remove(job_id)
     old = queue.job_class(id=job_id, connection=queue.connection)
     pipe = queue.connection.pipeline(transaction=False)

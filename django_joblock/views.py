@@ -7,7 +7,7 @@ import hmac
 from django.http import HttpRequest, HttpResponse
 
 from . import conf
-from .backend import REDIS_ERRORS
+from .backend import REDIS_ERRORS, no_answer
 
 
 def _authorized(request: HttpRequest) -> bool:
@@ -42,7 +42,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     except REDIS_ERRORS as exc:
         # A scrape of a Redis that does not answer: the scraper shows the target down, with why.
         return HttpResponse(
-            f"Redis does not answer: {type(exc).__name__}: {exc}",
+            no_answer(exc),
             status=503,
             content_type="text/plain",
         )

@@ -13,7 +13,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.alerts import evaluate
-from django_joblock.backend import REDIS_ERRORS
+from django_joblock.backend import REDIS_ERRORS, no_answer
 
 
 class Command(BaseCommand):
@@ -26,7 +26,7 @@ class Command(BaseCommand):
         try:
             fired = evaluate()
         except REDIS_ERRORS as exc:
-            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
+            raise CommandError(no_answer(exc)) from exc
         if options["json"]:
             self.stdout.write(json.dumps([alert.as_dict() for alert in fired], indent=2))
         elif not fired:

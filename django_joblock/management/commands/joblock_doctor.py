@@ -12,7 +12,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_joblock.backend import REDIS_ERRORS
+from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.doctor import NotFound, diagnose, render
 from django_joblock.exceptions import InvalidResource
 
@@ -43,7 +43,7 @@ class Command(BaseCommand):
         except ValueError as exc:  # RQ refuses a job id it could never have made
             raise CommandError(f"--job {options['job']!r}: {exc}") from exc
         except REDIS_ERRORS as exc:
-            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
+            raise CommandError(no_answer(exc)) from exc
         if options["json"]:
             self.stdout.write(json.dumps(found.as_dict(), indent=2, default=str))
         else:

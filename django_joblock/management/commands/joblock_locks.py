@@ -14,7 +14,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_joblock.backend import REDIS_ERRORS
+from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.health import HEALTHY, LockHealth, lock_health
 from django_joblock.monitoring import active_locks, validate_family
 from django_joblock.young import with_young
@@ -52,7 +52,7 @@ class Command(BaseCommand):
             )
             health = lock_health(locks)
         except REDIS_ERRORS as exc:
-            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
+            raise CommandError(no_answer(exc)) from exc
         rows = []
         for active in locks:
             state = health.get(active.resource, LockHealth(HEALTHY))

@@ -26,7 +26,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_joblock import cleanup, conf
-from django_joblock.backend import REDIS_ERRORS
+from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.models import IdempotencyRecord
 
 
@@ -106,7 +106,7 @@ class Command(BaseCommand):
                 )
             found = cleanup.purge_redis(dry_run=dry_run)
         except REDIS_ERRORS as exc:
-            raise CommandError(f"Redis does not answer: {type(exc).__name__}: {exc}") from exc
+            raise CommandError(no_answer(exc)) from exc
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(found.kinds.items())) or "none"
         if dry_run:
             self.stdout.write(f"{found.found} key(s) under {prefix!r}: ({kinds}) would be removed.")

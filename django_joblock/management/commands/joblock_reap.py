@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_joblock.backend import REDIS_ERRORS
+from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.control import reap
 from django_joblock.exceptions import LockBackendUnavailable
 
@@ -32,7 +32,7 @@ class Command(BaseCommand):
         except LockBackendUnavailable as exc:
             raise CommandError(str(exc)) from exc
         except REDIS_ERRORS as exc:
-            raise CommandError(f"Redis did not answer: {type(exc).__name__}: {exc}") from exc
+            raise CommandError(no_answer(exc)) from exc
         for resource, outcome in done:
             self.stdout.write(f"{resource}: {outcome}")
         self.stdout.write(f"{len(done)} lock(s) with a dead holder.")
