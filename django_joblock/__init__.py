@@ -18,6 +18,7 @@ from .exceptions import (
     LockError,
     LockLost,
     LockNotAcquired,
+    ResourceInTransaction,
     StaleFence,
 )
 from .fencing import fenced_update
@@ -47,6 +48,7 @@ __all__ = [
     "LockNotAcquired",
     "LockState",
     "OutboxMessage",
+    "ResourceInTransaction",
     "StaleFence",
     "current_lock",
     "fenced_update",

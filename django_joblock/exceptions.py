@@ -48,6 +48,12 @@ class LockNotAcquired(LockError):
     """Another owner holds the lock and it did not come free within the allowed wait."""
 
 
+class ResourceInTransaction(LockNotAcquired):
+    """The lock is this run's, but the resource's previous holder, whose lock was lost, is still
+    inside its database transaction (PostgreSQL): nothing ran, ``on_conflict`` applies (see
+    :mod:`django_joblock.resource_guard`)."""
+
+
 class LockContentionTimeout(LockNotAcquired):
     """A job gave up after waiting ``REQUEUE_MAX_WAIT`` seconds in total for a busy lock."""
 

@@ -76,10 +76,12 @@ from .idempotency_store import (
     EXISTING,
     GUARDED,
     INSERTED,
+    RESOURCE_GUARDED,
     in_progress,
     insert_or_read,
 )
-from .locks import current_lock
+from .locks import Lock, current_lock
+from .resource_guard import refused
 from .signals import duplicate_blocked
 
 __all__ = [
@@ -266,13 +268,22 @@ idempotent = factory(
 )
 
 
-def claim(spec: Idempotent, *, guard: bool = False, finished: bool = False) -> Claim:
+def claim(
+    spec: Idempotent,
+    *,
+    guard: bool = False,
+    finished: bool = False,
+    under: Lock | None = None,
+) -> Claim:
     """Claim ``spec.key`` race-free; see the module docs for the protocol.
 
-    ``guard`` and ``finished`` are for a claim inside a job's transaction
+    ``guard``, ``finished`` and ``under`` are for a claim inside a job's transaction
     (:func:`django_joblock.one_commit.claim_in_transaction`): the key's guard is taken in the
-    same statement, and the row is written as it will be committed (``succeeded``, finished
-    now, no lease), since nobody sees it before the commit and a rollback removes it.
+    same statement (and, ``under`` a held lock, its resource guard: raises
+    :class:`~django_joblock.ResourceInTransaction` when taken, see
+    :mod:`django_joblock.resource_guard`), and the row is written as it will be committed
+    (``succeeded``, finished now, no lease), since nobody sees it before the commit and a
+    rollback removes it.
     """
     model = _model()
     token = secrets.token_hex(16)
@@ -303,7 +314,16 @@ def claim(spec: Idempotent, *, guard: bool = False, finished: bool = False) -> C
         "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
     }
     for _ in range(_TAKEOVER_TRIES):
-        found, record_id, row = insert_or_read(model, spec.using, values, guard=guard)
+        found, record_id, row = insert_or_read(
+            model,
+            spec.using,
+            values,
+            guard=guard,
+            lock_key=under.key if guard and under is not None else None,
+        )
+        if found == RESOURCE_GUARDED:
+            assert under is not None
+            raise refused(under)
         if found == INSERTED:
             assert record_id is not None
             return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)

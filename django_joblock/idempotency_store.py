@@ -18,6 +18,9 @@ made inside a job's transaction.
   database's write lock instead, at most the connection's busy timeout
   (``OPTIONS["timeout"]``, Django's default 5 s); :func:`in_progress_on_busy` turns that
   timeout into :class:`~django_joblock.exceptions.IdempotencyInProgress`.
+- ``lock_key`` (with ``guard``, on PostgreSQL): the same statement also takes the guard of the
+  lock's resource (:mod:`django_joblock.resource_guard`); taken by another transaction, the
+  answer is ``RESOURCE_GUARDED``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections, transaction
 
 from .exceptions import IdempotencyInProgress
+from .resource_guard import GUARD_SQL, name_for
 
 ROW_FIELDS = (
     "id",
@@ -42,13 +46,15 @@ ROW_FIELDS = (
     "lock_resource",
 )
 # What insert_or_read found: a new row, an existing one, neither (ask again), the key's guard
-# taken by another transaction, or (PostgreSQL, guard=True) no row: insert it at the end.
-INSERTED, EXISTING, NOTHING, GUARDED, ABSENT = (
+# taken by another transaction, or (PostgreSQL, guard=True) no row: insert it at the end; or
+# the lock's resource guard taken by another transaction.
+INSERTED, EXISTING, NOTHING, GUARDED, ABSENT, RESOURCE_GUARDED = (
     "inserted",
     "existing",
     "nothing",
     "guarded",
     "absent",
+    "resource guarded",
 )
 
 
@@ -60,7 +66,12 @@ def _select_row(model: Any, using: str, scope: str, key: str) -> dict[str, Any] 
 
 
 def insert_or_read(
-    model: Any, using: str, values: dict[str, Any], *, guard: bool = False
+    model: Any,
+    using: str,
+    values: dict[str, Any],
+    *,
+    guard: bool = False,
+    lock_key: str | None = None,
 ) -> tuple[str, int | None, dict[str, Any] | None]:
     """Insert the row unless (scope, key) exists: ``(INSERTED, id, None)``, ``(EXISTING, None,
     row)``, ``(NOTHING, None, None)`` when a concurrent insert committed too late for this
@@ -70,12 +81,13 @@ def insert_or_read(
     reads the row; without a row the answer is ``(ABSENT, None, None)`` and the caller inserts
     the row at the end of its transaction (:func:`insert`), with the job's result: one
     statement fewer than an insert now and an update of the result later. The guard keeps
-    every other guarded claim of the key out meanwhile; the unique key still decides.
+    every other guarded claim of the key out meanwhile; the unique key still decides. With
+    ``lock_key`` too, the statement also takes that lock's resource guard (module docs).
     """
     connection = connections[using]
     if connection.vendor == "postgresql":
         if guard:
-            return _guard_and_read_postgresql(model, connection, values)
+            return _guard_and_read_postgresql(model, connection, values, lock_key)
         return _insert_or_read_postgresql(model, connection, values, guard)
     inserted = insert(model, using, values)
     if inserted is not None:
@@ -127,11 +139,8 @@ def try_guard(using: str, scope: str, key: str) -> bool:
     if connection.vendor != "postgresql":
         return True
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {_GUARD}", [_guard_name(scope, key)])
+        cursor.execute(f"SELECT {GUARD_SQL}", [_guard_name(scope, key)])
         return bool(cursor.fetchone()[0])
-
-
-_GUARD = "pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
 
 
 def _guard_name(scope: str, key: str) -> str:
@@ -170,7 +179,7 @@ def _insert_or_read_postgresql(
     placeholders = ", ".join(["%s"] * len(params))
     fields = ", ".join(quote(meta.get_field(name).column) for name in ROW_FIELDS)
     nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
-    ok = _GUARD if guard else "TRUE"
+    ok = GUARD_SQL if guard else "TRUE"
     sql = (
         f"WITH g AS MATERIALIZED (SELECT {ok} AS ok), "
         f"ins AS (INSERT INTO {table} ({columns}) SELECT {placeholders} FROM g WHERE g.ok "
@@ -199,23 +208,29 @@ def _insert_or_read_postgresql(
 
 
 def _guard_and_read_postgresql(
-    model: Any, connection: Any, values: dict[str, Any]
+    model: Any, connection: Any, values: dict[str, Any], lock_key: str | None
 ) -> tuple[str, int | None, dict[str, Any] | None]:
-    # One read-only statement: the guard (never waiting) and the row, if there is one. A
+    # One read-only statement: the guards (never waiting) and the row, if there is one. A
     # replay is this one query.
     meta = model._meta
     quote = connection.ops.quote_name
     fields = ", ".join(f"t.{quote(meta.get_field(name).column)}" for name in ROW_FIELDS)
+    resource = GUARD_SQL if lock_key is not None else "TRUE"
     sql = (
-        f"SELECT {_GUARD}, {fields} FROM (SELECT 1) AS one LEFT JOIN {quote(meta.db_table)} t "
+        f"SELECT {resource}, {GUARD_SQL}, {fields} FROM (SELECT 1) AS one "
+        f"LEFT JOIN {quote(meta.db_table)} t "
         f"ON t.{quote(meta.get_field('scope').column)} = %s "
         f"AND t.{quote(meta.get_field('key').column)} = %s"
     )
+    head = [name_for(lock_key)] if lock_key is not None else []
     with connection.cursor() as cursor:
         cursor.execute(
-            sql, [_guard_name(values["scope"], values["key"]), values["scope"], values["key"]]
+            sql,
+            [*head, _guard_name(values["scope"], values["key"]), values["scope"], values["key"]],
         )
-        ok, *rest = cursor.fetchone()
+        resource_ok, ok, *rest = cursor.fetchone()
+    if not resource_ok:
+        return RESOURCE_GUARDED, None, None
     if not ok:
         return GUARDED, None, None
     row = dict(zip(ROW_FIELDS, rest, strict=True))

@@ -24,6 +24,7 @@ from .holders import job_context
 from .idempotency import Claim, Idempotent, claim
 from .idempotency_inputs import check_result
 from .idempotency_store import in_progress_on_busy, insert, set_result, try_guard
+from .locks import Lock
 
 logger = logging.getLogger("django_joblock")
 
@@ -34,7 +35,7 @@ def _record_model() -> Any:
     return IdempotencyRecord
 
 
-def claim_in_transaction(spec: Idempotent) -> Claim:
+def claim_in_transaction(spec: Idempotent, held: Lock | None = None) -> Claim:
     """Claim ``spec.key`` inside the caller's transaction, for the one-commit flow (§4.9).
 
     The claim row is inserted (or taken over) by the first statement of the caller's
@@ -44,6 +45,10 @@ def claim_in_transaction(spec: Idempotent) -> Claim:
     of the same key (possible only after a lock loss) does not wait for it: on PostgreSQL it
     finds the key's guard taken, on SQLite it waits at most the busy timeout; either way it
     raises :class:`IdempotencyInProgress`. Of two runs, at most one commits (the unique key).
+    With the run's ``held`` lock, the same statement takes its resource guard on PostgreSQL
+    (:mod:`django_joblock.resource_guard`): :class:`~django_joblock.ResourceInTransaction` when the
+    resource's
+    previous holder is still inside its transaction.
     Raises :class:`IdempotencyError` outside a transaction on ``spec.using``.
     """
     if not connections[spec.using].in_atomic_block:
@@ -53,7 +58,7 @@ def claim_in_transaction(spec: Idempotent) -> Claim:
             scope=spec.scope,
         )
     with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
-        return claim(spec, guard=True, finished=True)
+        return claim(spec, guard=True, finished=True, under=held)
 
 
 def record_result(held: Claim, result: Any) -> None:

@@ -28,7 +28,8 @@ died. Then ``on_conflict`` decides:
   A ``"requeue"`` job whose acquire finds the lock's Redis unavailable
   (:class:`LockBackendUnavailable`) is requeued the same way (:func:`unavailable`).
 - ``"skip"``: finish without running (``job.meta["joblock"]["outcome"] = "skipped"``).
-- ``"fail"``: raise :class:`LockNotAcquired` (or :class:`IdempotencyInProgress`).
+- ``"fail"``: raise :class:`LockNotAcquired` (or :class:`IdempotencyInProgress`, or
+  :class:`ResourceInTransaction`).
 
 A run that cannot be requeued (an inline call, or a synchronous queue: no worker would run the
 requeued job) treats ``"requeue"`` like ``lock()``: it has already waited up to
@@ -50,6 +51,7 @@ from .exceptions import (
     LockBackendUnavailable,
     LockContentionTimeout,
     LockNotAcquired,
+    ResourceInTransaction,
 )
 from .holders import LockInfo, lock_info
 from .jobspec import JobSpec, OnConflict
@@ -66,8 +68,12 @@ STALE_MARGIN = 0.25
 Ending = tuple[JobOutcome, Any, dict[str, Any]]
 
 
-def conflict(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
-    """Apply ``on_conflict`` to a busy lock (``held``, not acquired) or a live claim."""
+Busy = IdempotencyInProgress | ResourceInTransaction
+
+
+def conflict(run: Run, held: Lock | None, in_progress: Busy | None) -> Ending:
+    """Apply ``on_conflict`` to a busy lock (``held``, not acquired), a live claim, or a
+    resource whose previous holder is still inside its transaction (``in_progress``)."""
     return _handle(run, held, in_progress)  # its counts: flushed by the runner at the end
 
 
@@ -102,9 +108,10 @@ def describe(info: LockInfo | None) -> str:
     return f"{text} ({info.expires_in:.1f}s of TTL left)"
 
 
-def _handle(run: Run, held: Lock | None, in_progress: IdempotencyInProgress | None) -> Ending:
+def _handle(run: Run, held: Lock | None, in_progress: Busy | None) -> Ending:
     spec = run.spec
-    # A live claim under our own lock: the lock is ours, the key is someone else's.
+    # A live claim, or an open transaction, under our own lock: the lock is ours; the key, or
+    # the resource's rows, are still someone else's.
     info = _holder(held) if in_progress is None else None
     run.holder = describe(info)
     twin: str | None = None

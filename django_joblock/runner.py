@@ -21,7 +21,12 @@ record's unique key). A replay is one query. A run that raised leaves a ``failed
 its own first, as before: that separate claim is what keeps two concurrent duplicates from
 both running non-database side effects. A job with a lock and no idempotency key follows the
 same transaction rule (unless declared ``atomic=False``), so a lost lock rolls its writes back
-too. The transaction is on the database the idempotency records use.
+too. The transaction is on the database the idempotency records use. Under a held lock it
+first takes the resource's transaction guard (:mod:`django_joblock.resource_guard`, PostgreSQL:
+in the claim statement, or before a lock-only job's first query), so a run never reads the
+resource's rows while a previous holder that lost the lock is still inside its transaction;
+one that finds it taken raises :class:`ResourceInTransaction` before running, and its
+``on_conflict`` applies.
 
 Contention is handled by :mod:`django_joblock.requeue`; outcomes, the one log line per run
 and the wait-to-start metric by :mod:`django_joblock.outcomes`.
@@ -45,7 +50,7 @@ from typing import Any
 from django.db import DatabaseError, router, transaction
 from rq import get_current_job
 
-from . import admission, conf, metrics, tombstones
+from . import admission, conf, metrics, resource_guard, tombstones
 from .abort import Abort
 from .backend import REDIS_ERRORS, close, connection, renewal_client
 from .exceptions import (
@@ -53,6 +58,7 @@ from .exceptions import (
     LockBackendUnavailable,
     LockContentionTimeout,
     LockLost,
+    ResourceInTransaction,
 )
 from .idempotency import Idempotent, fingerprint_of, idempotent
 from .jobspec import JobSpec, OnConflict
@@ -154,7 +160,7 @@ def _flow(
                 key=held.key,
                 owner=held.owner,
             ) from exc
-    except IdempotencyInProgress as exc:
+    except (IdempotencyInProgress, ResourceInTransaction) as exc:
         return conflict(state, held, exc)
     finally:
         reset_current_lock(token)
@@ -222,8 +228,13 @@ def _claim_and_run(
         return JobOutcome.RAN, spec.func(*args, **kwargs), {}  # its own transactions: fenced
     if key is None:
         # A lock-only job: same transaction rule as the others, so a lost lock rolls back.
-        with transaction.atomic(using=_database()):
-            result = spec.func(*args, **kwargs)
+        using = _database()
+        with transaction.atomic(using=using):
+            if held is None:
+                result = spec.func(*args, **kwargs)
+            else:
+                with resource_guard.before_first_query(using, held):
+                    result = spec.func(*args, **kwargs)
             state.hand_off()
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
@@ -250,7 +261,7 @@ def _one_commit(
     claimed = False
     try:
         with transaction.atomic(using=claim_spec.using):
-            claim = claim_in_transaction(claim_spec)
+            claim = claim_in_transaction(claim_spec, held)
             claimed = True
             if claim.done:
                 state.hand_off()

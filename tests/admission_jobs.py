@@ -11,7 +11,7 @@ from django_redis import get_redis_connection
 from redis.exceptions import RedisError
 from rq import Queue
 
-from django_joblock import locked_job
+from django_joblock import current_lock, fenced_update, locked_job
 from tests.testapp.models import Account
 
 
@@ -121,6 +121,43 @@ def credit_slowly(name: str, credit_id: str, amount: int) -> dict[str, int]:
     """Credits inside the job's transaction, then waits for its flag before committing."""
     _credit_and_wait(name, credit_id, amount)
     return {"credited": amount}
+
+
+# A read-modify-write of one account by two logical jobs (two keys, or none), heartbeat off
+# and a long TTL as above: the first keeps its transaction open (until its flag) after its
+# lock was taken away; the second must not read the balance before the first commits, or its
+# write (accepted: its fence is newer) would overwrite the first's credit.
+@locked_job(
+    "default",
+    lock="account:{name}",
+    idempotency_key="add:{credit_id}",
+    ttl=30,
+    heartbeat=False,
+    admission=False,
+    job_timeout=25,
+)
+def add_to_balance(name: str, credit_id: str, amount: int, wait: bool) -> int:
+    return _add_to_balance(name, credit_id, amount, wait)
+
+
+@locked_job(
+    "default", lock="account:{name}", ttl=30, heartbeat=False, admission=False, job_timeout=25
+)
+def add_to_balance_without_key(name: str, credit_id: str, amount: int, wait: bool) -> int:
+    """The same as a lock-only job (the job's transaction, no idempotency record)."""
+    return _add_to_balance(name, credit_id, amount, wait)
+
+
+def _add_to_balance(name: str, credit_id: str, amount: int, wait: bool) -> int:
+    account = Account.objects.get(name=name)
+    held = current_lock()
+    assert held is not None and held.fence is not None
+    value = account.balance + amount
+    fenced_update(Account.objects.filter(pk=account.pk), held.fence, balance=value)
+    _redis().rpush(f"test:bodies:{credit_id}", os.getpid())
+    if wait:
+        _wait_for(f"test:go:{credit_id}")
+    return value
 
 
 # -- unique=True -----------------------------------------------------------------------------

@@ -132,6 +132,9 @@ def test_commands_name_a_redis_that_does_not_answer(settings, argv):
         (["joblock_locks", "--limit", "99999999999999999999"], "--limit must be 1 to"),
         (["joblock_outbox", "--limit", "99999999999999999999"], "--limit must be at most"),
         (["joblock_doctor", "--job", "<script>"], "--job '<script>'"),
+        # argparse took a value equal to the old "" default for no value at all
+        (["joblock_doctor", "--job", ""], "--job is empty"),
+        (["joblock_doctor", "--resource", " "], "--resource is empty"),
     ],
 )
 def test_out_of_range_command_arguments_are_named(rconn, argv, message):

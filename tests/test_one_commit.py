@@ -124,6 +124,49 @@ def test_a_replay_is_one_statement_on_postgresql(rconn):
     assert len(statements) == expected, statements
 
 
+def test_each_guard_taken_by_another_transaction_refuses_at_once(rconn):
+    """The key's guard and the resource's, held by another session: a claim (or a lock-only
+    job's first query) is refused at once and nothing runs. SQLite takes neither guard (its
+    write lock serialises the transactions)."""
+    from django.db import transaction
+
+    from django_joblock import IdempotencyInProgress, ResourceInTransaction, lock
+    from django_joblock.resource_guard import guarded, name_for
+
+    Account.objects.create(name="acct", balance=0)
+    if connection.vendor != "postgresql":
+        assert not guarded("default")
+        assert admission_jobs.add_to_balance_without_key("acct", "G-0", 1, False) == 1
+        return
+    import psycopg
+
+    db = connection.settings_dict
+    other = psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"]
+    )
+    try:
+        with other.transaction():
+            taken = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
+            other.execute(taken, ["django_joblock\x1ftests\x1fG-1"])
+            with pytest.raises(IdempotencyInProgress, match="being claimed"):
+                with transaction.atomic():
+                    claim_in_transaction(idempotent("G-1", scope="tests"))
+            other.execute(taken, [name_for(LOCK_KEY)])
+            with lock("account:acct") as held, transaction.atomic():
+                with pytest.raises(ResourceInTransaction, match="still inside its database"):
+                    claim_in_transaction(idempotent("G-2", scope="tests"), held)
+            for job in (admission_jobs.add_to_balance, admission_jobs.add_to_balance_without_key):
+                with pytest.raises(ResourceInTransaction) as refused:
+                    job("acct", "G-3", 1, False)
+                assert refused.value.resource == "account:acct"
+        assert rconn.llen("test:bodies:G-3") == 0, "a refused run reads nothing, runs nothing"
+    finally:
+        other.close()
+    # The other transaction ended: the guards are free again.
+    assert admission_jobs.add_to_balance_without_key("acct", "G-3", 1, False) == 1
+    assert admission_jobs.add_to_balance("acct", "G-4", 1, False) == 2
+
+
 def test_claim_in_transaction_refuses_to_run_outside_one():
     from django_joblock import IdempotencyError
 
@@ -159,8 +202,9 @@ def _values(key: str) -> dict[str, Any]:
 
 def test_a_duplicate_does_not_wait_long_on_a_key_being_claimed(workers, rconn):
     """A run whose lock was lost and that stays in its transaction: on PostgreSQL the duplicate
-    finds the key's guard taken and is "in progress" at once (requeued, no wait); on SQLite it
-    waits for the database's write lock (the busy timeout bounds it)."""
+    finds the guards taken (the resource's first: it runs under the same lock) and is
+    requeued at once, without a wait; on SQLite it waits for the database's write lock (the
+    busy timeout bounds it)."""
     workers.start(scheduler=True)
     workers.start()
     first = admission_jobs.credit_and_wait.delay("acct", "B-1", 10)
@@ -171,9 +215,59 @@ def test_a_duplicate_does_not_wait_long_on_a_key_being_claimed(workers, rconn):
         assert wait_status(second, {JobStatus.SCHEDULED}, 10), workers.logs()
         state = second.get_meta(refresh=True)["joblock"]
         assert state["outcome"] == "requeued", state
-        assert "being claimed by another transaction" in state["reason"], state
+        assert "still inside its database transaction" in state["reason"], state
     rconn.set("test:go:B-1", 1)
     assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
     assert wait_status(second, DONE, 40) is JobStatus.FINISHED, workers.logs()
     assert second.get_meta(refresh=True)["joblock"]["outcome"] == "replayed"
     assert _bodies(rconn, "B-1") == 1 and _ledger("B-1") == 1
+
+
+def _requeued(job: Any) -> bool:
+    return int(job.get_meta(refresh=True).get("joblock", {}).get("requeues", 0)) > 0
+
+
+def _waiting_for_the_row() -> bool:
+    """PostgreSQL: a backend's UPDATE of an account waits for another transaction's row lock."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query ILIKE 'UPDATE%%testapp_account%%'"
+        )
+        return bool(cursor.fetchone()[0])
+
+
+@pytest.mark.parametrize(
+    "job",
+    [admission_jobs.add_to_balance, admission_jobs.add_to_balance_without_key],
+    ids=["idempotency-key", "lock-only"],
+)
+def test_a_lost_holder_still_in_its_transaction_loses_no_update(workers, rconn, job):
+    """Regression (a short chaos run: one resource's balance off by a lost update, no stale
+    write accepted). The first run's lock is taken away while it is still inside its
+    transaction, past its last ensure_held() (heartbeat off: it commits). The next holder of
+    the resource read the balance before that commit and wrote its own sum after it: its
+    fence was newer, so the write was accepted, and the first run's credit was lost. The
+    next holder's transaction now does not start while the previous one's is open
+    (PostgreSQL: the resource's transaction guard; SQLite: the database's write lock)."""
+    Account.objects.create(name="acct", balance=0)
+    workers.start(scheduler=True)
+    workers.start()
+    first = job.delay("acct", "T-1", 10, True)
+    assert wait_for(lambda: _bodies(rconn, "T-1") == 1, 20), workers.logs()
+    expire_now(rconn, LOCK_KEY)
+    second = job.delay("acct", "T-2", 5, False)
+    if connection.vendor == "postgresql":
+        # Negative control: the second took the lock while the first's transaction was open
+        # (it either waits for the first's row lock, or is refused at its start, and requeued).
+        assert wait_for(lambda: _requeued(second) or _waiting_for_the_row(), 20), workers.logs()
+    else:
+        # Negative control: the second holds the lock, waiting for the database's write lock.
+        assert wait_for(lambda: (lock_info("account:acct") or _Nobody).job_id == second.id, 20)
+    rconn.set("test:go:T-1", 1)
+    assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert wait_status(second, DONE, 40) is JobStatus.FINISHED, workers.logs()
+    assert Account.objects.get(name="acct").balance == 15, "the first run's credit was lost"
+    if connection.vendor == "postgresql":
+        state = second.get_meta(refresh=True)["joblock"]
+        assert state["requeues"] >= 1 and state["outcome"] == "ran", state

@@ -22,21 +22,26 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         target = parser.add_mutually_exclusive_group(required=True)
-        target.add_argument("--job", default="", help="An RQ job id.")
-        target.add_argument("--key", default="", help="An idempotency key.")
-        target.add_argument("--resource", default="", help="A lock resource (order:123).")
+        # default None, not "": argparse takes a value equal to the default for no value at
+        # all, and would answer --job "" with "one of the arguments ... is required".
+        target.add_argument("--job", help="An RQ job id.")
+        target.add_argument("--key", help="An idempotency key.")
+        target.add_argument("--resource", help="A lock resource (order:123).")
         parser.add_argument(
             "--scope", default="", help="The key's job (dotted name), when several use it."
         )
         parser.add_argument("--json", action="store_true", help="Print the diagnosis as JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        for name in ("job", "key", "resource"):
+            if options[name] is not None and not options[name].strip():
+                raise CommandError(f"--{name} is empty: give the {name} to explain.")
         try:
             found = diagnose(
-                job_id=options["job"],
-                key=options["key"],
+                job_id=options["job"] or "",
+                key=options["key"] or "",
                 scope=options["scope"],
-                resource=options["resource"],
+                resource=options["resource"] or "",
             )
         except (NotFound, InvalidResource) as exc:
             raise CommandError(str(exc)) from exc
