@@ -159,6 +159,10 @@ def test_each_guard_taken_by_another_transaction_refuses_at_once(rconn):
                 with pytest.raises(ResourceInTransaction) as refused:
                     job("acct", "G-3", 1, False)
                 assert refused.value.resource == "account:acct"
+            # A body that swallows the refusal still cannot commit: the block's end raises it.
+            with pytest.raises(ResourceInTransaction):
+                admission_jobs.swallow_database_errors("acct", "G-5")
+            assert rconn.llen("test:bodies:G-5") == 1
         assert rconn.llen("test:bodies:G-3") == 0, "a refused run reads nothing, runs nothing"
     finally:
         other.close()
