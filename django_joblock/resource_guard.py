@@ -13,17 +13,27 @@ So under a held lock, ``@locked_job``'s transaction (on the database of the idem
 first takes a transaction-scoped advisory lock on the lock's Redis key, never waiting
 (``pg_try_advisory_xact_lock`` of a 64-bit hash). The commit or rollback frees it, and the
 runner releases the Redis lock only after that, so a next holder finds it free unless the
-lock was lost under a transaction still open. It is taken
+lock was lost under a transaction still open. It is the transaction's first statement, before
+the job's body runs: in the claim statement of a job with an idempotency key (no extra round
+trip, :mod:`django_joblock.idempotency_store`), on its own for a lock-only job (:func:`take`).
 
-- in the claim statement of a job with an idempotency key (no extra round trip,
-  :mod:`django_joblock.idempotency_store`);
-- just before the first query of a lock-only job's transaction (:func:`before_first_query`;
-  a job that never touches the database pays nothing).
-
-A run that finds it taken has read nothing: it raises :class:`ResourceInTransaction` (a
+A run that finds it taken has run nothing: it raises :class:`ResourceInTransaction` (a
 ``LockNotAcquired``) and its ``on_conflict`` applies: ``"requeue"`` runs it again with backoff,
-after the old transaction has ended. A hash collision can only make an unrelated resource look
-busy (a requeue; 1 in 2**64).
+after the old transaction has ended. A run without a worker (an inline call, a synchronous
+queue) first waits for it up to ``ACQUIRE_WAIT``, as it does for the lock. A hash collision can
+only make an unrelated resource look busy (a requeue; 1 in 2**64).
+
+The guard assumes PostgreSQL's default isolation, READ COMMITTED, where each statement reads
+what was committed before it. Under REPEATABLE READ or SERIALIZABLE the transaction's snapshot
+is taken by its first statement, the guard's own, so an old holder that commits just before
+the guard is granted stays invisible to the whole transaction (its writes to the same rows
+then fail with a serialization error instead of being lost).
+
+An inline call inside an enclosing transaction (``ATOMIC_REQUESTS``, a caller's ``atomic()``)
+runs in a savepoint: its effects, and the guard, stay with the enclosing transaction until
+that ends, while the Redis lock is released when the call returns. A worker that takes the
+lock meanwhile is refused until that commit, which is right (the effects are not committed
+yet), and says so.
 
 Not guarded: SQLite (one writer at a time: with ``transaction_mode="IMMEDIATE"`` the next
 holder's transaction waits for the old one to end), other databases, writes on another
@@ -34,9 +44,8 @@ expressions (docs/locks.md).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+import time
+from typing import Protocol
 
 from django.db import connections
 
@@ -57,6 +66,8 @@ class Held(Protocol):
 # One 64-bit advisory lock per name, scoped to the transaction; shared with the idempotency
 # key's guard (idempotency_store), whose names start differently.
 GUARD_SQL = "pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
+# How often a run without a worker asks again while it waits (seconds).
+_RETRY_EVERY = 0.05
 
 
 def name_for(lock_key: str) -> str:
@@ -72,54 +83,27 @@ def guarded(using: str) -> bool:
 def refused(held: Held) -> ResourceInTransaction:
     """The error of a run that found ``held``'s guard taken."""
     return ResourceInTransaction(
-        "The resource's previous holder, whose lock was lost, is still inside its database "
-        "transaction; this run read nothing and waits for it to end",
+        "The resource's previous holder is still inside its database transaction (its lock "
+        "was lost, or it ran inline inside an enclosing transaction that has not ended); this "
+        "run ran nothing",
         resource=held.resource,
         key=held.key,
         owner=held.owner,
     )
 
 
-class _FirstQuery:
-    """``execute_wrapper`` taking the guard before the transaction's first query."""
-
-    def __init__(self, held: Held) -> None:
-        self.held = held
-        self.state: bool | None = None  # None: not asked yet; then the guard's answer
-        self.asking = False
-
-    def __call__(
-        self,
-        execute: Callable[..., Any],
-        sql: str,
-        params: Any,
-        many: bool,
-        context: dict[str, Any],
-    ) -> Any:
-        if self.state is None and not self.asking:
-            self.asking = True  # the guard's own query comes through here too
-            try:
-                with context["connection"].cursor() as cursor:
-                    cursor.execute(f"SELECT {GUARD_SQL}", [name_for(self.held.key)])
-                    self.state = bool(cursor.fetchone()[0])
-            finally:
-                self.asking = False
-        if self.state is False:
-            raise refused(self.held)
-        return execute(sql, params, many, context)
-
-
-@contextlib.contextmanager
-def before_first_query(using: str, held: Held) -> Iterator[None]:
-    """Inside a transaction on ``using``: take ``held``'s guard before the block's first query
-    there (PostgreSQL; elsewhere nothing). Every query of a refused run raises
-    :class:`ResourceInTransaction`, and so does the block's end when the block swallowed that
-    error, so a refused run can never commit."""
+def take(using: str, held: Held, *, wait: float = 0.0) -> None:
+    """Take ``held``'s guard in the current transaction on ``using`` (PostgreSQL; elsewhere
+    nothing), trying for up to ``wait`` seconds; raises :class:`ResourceInTransaction` when
+    it stays taken. Taking it again in the same transaction succeeds at once."""
     if not guarded(using):
-        yield
         return
-    guard = _FirstQuery(held)
-    with connections[using].execute_wrapper(guard):
-        yield
-    if guard.state is False:
-        raise refused(held)
+    deadline = time.monotonic() + wait
+    with connections[using].cursor() as cursor:
+        while True:
+            cursor.execute(f"SELECT {GUARD_SQL}", [name_for(held.key)])
+            if cursor.fetchone()[0]:
+                return
+            if time.monotonic() >= deadline:
+                raise refused(held)
+            time.sleep(min(_RETRY_EVERY, max(0.0, deadline - time.monotonic())))

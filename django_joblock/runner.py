@@ -23,10 +23,10 @@ both running non-database side effects. A job with a lock and no idempotency key
 same transaction rule (unless declared ``atomic=False``), so a lost lock rolls its writes back
 too. The transaction is on the database the idempotency records use. Under a held lock it
 first takes the resource's transaction guard (:mod:`django_joblock.resource_guard`, PostgreSQL:
-in the claim statement, or before a lock-only job's first query), so a run never reads the
+in the claim statement, or as a lock-only job's first statement), so a run never reads the
 resource's rows while a previous holder that lost the lock is still inside its transaction;
-one that finds it taken raises :class:`ResourceInTransaction` before running, and its
-``on_conflict`` applies.
+one that finds it taken raises :class:`ResourceInTransaction` before running (a run without a
+worker first waits up to ``ACQUIRE_WAIT`` for it), and its ``on_conflict`` applies.
 
 Contention is handled by :mod:`django_joblock.requeue`; outcomes, the one log line per run
 and the wait-to-start metric by :mod:`django_joblock.outcomes`.
@@ -216,6 +216,12 @@ def _database() -> str:
     return str(router.db_for_write(IdempotencyRecord))
 
 
+def _guard_wait(state: Run) -> float:
+    """How long a run waits for its resource's transaction guard: a worker's run not at all
+    (it requeues), a run without a worker up to ``ACQUIRE_WAIT``, as for the lock."""
+    return 0.0 if state.worker else conf.get().ACQUIRE_WAIT
+
+
 def _claim_and_run(
     state: Run,
     arguments: dict[str, Any],
@@ -230,11 +236,9 @@ def _claim_and_run(
         # A lock-only job: same transaction rule as the others, so a lost lock rolls back.
         using = _database()
         with transaction.atomic(using=using):
-            if held is None:
-                result = spec.func(*args, **kwargs)
-            else:
-                with resource_guard.before_first_query(using, held):
-                    result = spec.func(*args, **kwargs)
+            if held is not None:
+                resource_guard.take(using, held, wait=_guard_wait(state))
+            result = spec.func(*args, **kwargs)
             state.hand_off()
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
@@ -261,6 +265,8 @@ def _one_commit(
     claimed = False
     try:
         with transaction.atomic(using=claim_spec.using):
+            if not state.worker:  # it waits for the guard too; the claim then has it at once
+                resource_guard.take(claim_spec.using, held, wait=_guard_wait(state))
             claim = claim_in_transaction(claim_spec, held)
             claimed = True
             if claim.done:

@@ -160,17 +160,6 @@ def _add_to_balance(name: str, credit_id: str, amount: int, wait: bool) -> int:
     return value
 
 
-@locked_job("default", lock="account:{name}", ttl=30, heartbeat=False, admission=False)
-def swallow_database_errors(name: str, credit_id: str) -> str:
-    """A body that swallows every error of its queries (and so the guard's refusal)."""
-    try:
-        Account.objects.filter(name=name).update(balance=-1)
-    except Exception:  # the point of this job
-        pass
-    _redis().rpush(f"test:bodies:{credit_id}", os.getpid())
-    return "ran"
-
-
 # -- unique=True -----------------------------------------------------------------------------
 @locked_job("default", lock="hot:{k}", idempotency_key="send:{message}", ttl=2, unique=True)
 def send_once(k: int, message: str) -> str:

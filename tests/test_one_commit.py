@@ -124,15 +124,19 @@ def test_a_replay_is_one_statement_on_postgresql(rconn):
     assert len(statements) == expected, statements
 
 
-def test_each_guard_taken_by_another_transaction_refuses_at_once(rconn):
+def test_each_guard_taken_by_another_transaction_refuses_and_nothing_runs(settings, rconn):
     """The key's guard and the resource's, held by another session: a claim (or a lock-only
-    job's first query) is refused at once and nothing runs. SQLite takes neither guard (its
-    write lock serialises the transactions)."""
+    job's first statement) is refused, and nothing runs; a run without a worker waits for the
+    resource's guard up to ACQUIRE_WAIT. SQLite takes neither guard (its write lock
+    serialises the transactions)."""
+    import threading
+
     from django.db import transaction
 
     from django_joblock import IdempotencyInProgress, ResourceInTransaction, lock
     from django_joblock.resource_guard import guarded, name_for
 
+    settings.JOBLOCK = {"ACQUIRE_WAIT": 0.1}
     Account.objects.create(name="acct", balance=0)
     if connection.vendor != "postgresql":
         assert not guarded("default")
@@ -144,9 +148,9 @@ def test_each_guard_taken_by_another_transaction_refuses_at_once(rconn):
     other = psycopg.connect(
         host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"]
     )
+    taken = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
     try:
         with other.transaction():
-            taken = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
             other.execute(taken, ["django_joblock\x1ftests\x1fG-1"])
             with pytest.raises(IdempotencyInProgress, match="being claimed"):
                 with transaction.atomic():
@@ -159,16 +163,26 @@ def test_each_guard_taken_by_another_transaction_refuses_at_once(rconn):
                 with pytest.raises(ResourceInTransaction) as refused:
                     job("acct", "G-3", 1, False)
                 assert refused.value.resource == "account:acct"
-            # A body that swallows the refusal still cannot commit: the block's end raises it.
-            with pytest.raises(ResourceInTransaction):
-                admission_jobs.swallow_database_errors("acct", "G-5")
-            assert rconn.llen("test:bodies:G-5") == 1
-        assert rconn.llen("test:bodies:G-3") == 0, "a refused run reads nothing, runs nothing"
+        assert rconn.llen("test:bodies:G-3") == 0, "a refused run runs nothing"
+        # The other transaction ended: the guards are free again.
+        assert admission_jobs.add_to_balance_without_key("acct", "G-3", 1, False) == 1
+        assert admission_jobs.add_to_balance("acct", "G-4", 1, False) == 2
+        # An inline run waits for the guard (here: until the other session commits).
+        other.execute(taken, [name_for(LOCK_KEY)])
+        ended = threading.Event()
+
+        def end_the_other_transaction() -> None:
+            ended.set()
+            other.commit()
+
+        settings.JOBLOCK = {"ACQUIRE_WAIT": 30}
+        timer = threading.Timer(0.3, end_the_other_transaction)
+        timer.start()
+        assert admission_jobs.add_to_balance("acct", "G-5", 1, False) == 3
+        assert ended.is_set(), "it ran only after the other transaction ended"
+        timer.join()
     finally:
         other.close()
-    # The other transaction ended: the guards are free again.
-    assert admission_jobs.add_to_balance_without_key("acct", "G-3", 1, False) == 1
-    assert admission_jobs.add_to_balance("acct", "G-4", 1, False) == 2
 
 
 def test_claim_in_transaction_refuses_to_run_outside_one():
