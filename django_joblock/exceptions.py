@@ -49,8 +49,9 @@ class LockNotAcquired(LockError):
 
 
 class ResourceInTransaction(LockNotAcquired):
-    """The lock is this run's, but the resource's previous holder, whose lock was lost, is still
-    inside its database transaction (PostgreSQL): nothing ran, ``on_conflict`` applies (see
+    """The lock is this run's, but the resource's previous holder is still inside its database
+    transaction (PostgreSQL; its lock was lost, or it ran inline inside an enclosing
+    transaction): nothing ran, ``on_conflict`` applies (see
     :mod:`django_joblock.resource_guard`)."""
 
 

@@ -46,9 +46,8 @@ def claim_in_transaction(spec: Idempotent, held: Lock | None = None) -> Claim:
     finds the key's guard taken, on SQLite it waits at most the busy timeout; either way it
     raises :class:`IdempotencyInProgress`. Of two runs, at most one commits (the unique key).
     With the run's ``held`` lock, the same statement takes its resource guard on PostgreSQL
-    (:mod:`django_joblock.resource_guard`): :class:`~django_joblock.ResourceInTransaction` when the
-    resource's
-    previous holder is still inside its transaction.
+    (:mod:`django_joblock.resource_guard`): :class:`~django_joblock.ResourceInTransaction`
+    when the resource's previous holder is still inside its transaction.
     Raises :class:`IdempotencyError` outside a transaction on ``spec.using``.
     """
     if not connections[spec.using].in_atomic_block:
