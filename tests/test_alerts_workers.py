@@ -5,6 +5,7 @@ jobs that find their resource busy, and Redis errors on acquire from a worker wh
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -145,7 +146,9 @@ def test_active_growth_fires_while_real_workers_hold_ever_more_locks(settings):
             first = first or time.monotonic()
             assert "active_growth" not in _names(), f"negative control: {n} sample(s)"
         fired = [alert for alert in alerts.evaluate() if alert.name == "active_growth"]
-        assert fired and "grew from 1 to 3" in fired[0].message, fired
+        # "from 1", or "from 0" when a slow machine's first evaluation read the index before
+        # the first lock's entry was in it (the compatibility run once did): growth either way.
+        assert fired and re.search(r"grew from [01] to 3 ", fired[0].message), fired
     finally:
         crew.stop()
 
