@@ -22,15 +22,19 @@ Two things are added to RQ's ``RateLimit``:
   early, so that a job RQ parks in the same second, scored in whole seconds until its own
   ``ZADD``, can never be promoted before the jobs fixed earlier. A job that comes back from a
   requeue or an RQ retry re-enters at the back, as RQ does it.
-- **Early hand-off.** A work horse gives the slot to the next parked job (RQ's own
+- **Early hand-off.** A work horse running a job that was itself parked and promoted (a busy
+  resource: others likely wait behind it) gives the slot to the next parked job (RQ's own
   ``release_and_enqueue``) as soon as the job's body has returned (or its replay is decided),
   instead of after its commit, its lock release and RQ's bookkeeping of the finished job. The
   next job needs a few milliseconds to be dequeued and prepared by RQ, which overlap that
   tail; a job that was parked and promoted therefore waits up to ``HANDOFF_WAIT`` for its
   lock (the job before it is releasing it) before it counts as contended (a job let through
-  at its enqueue does not wait: a busy lock then has a holder outside admission). RQ's own
-  release after its bookkeeping is skipped for that job (nothing left to release). Not for a
-  body that raised: RQ fails or retries that job and releases its slot itself.
+  at its enqueue does not wait: a busy lock then has a holder outside admission). A job let
+  through at its enqueue hands off in its outcome's round trip instead, after its commit and
+  release (:func:`hand_off_commands`: no round trip of its own on the uncontended path). RQ's
+  own release after its bookkeeping is skipped for the job either way (nothing left to
+  release). Not for a body that raised: RQ fails or retries that job and releases its slot
+  itself.
 
 What frees a slot, and the bound on a waiting job when the holder's process dies (no wake-up
 is lost, RQ recovers the slot):
@@ -208,6 +212,43 @@ def hand_off(job: Any) -> Any:
     # a repeat or a requeue by RQ is rate limited again).
     job.rate_limit_key = None
     return None if promoted else registry
+
+
+def hand_off_commands(job: Any) -> list[list[Any]]:
+    """The commands that give this job's slot to the next parked job and, when nobody waits,
+    remove the resource's rate-limit keys (RQ's own release and clean-up scripts), for the
+    job's outcome round trip: the hand-off of a job that was not itself promoted from the
+    waiting set (see module docs). Empty on rq 2.x. Call :func:`handed_off` once they ran.
+
+    The release script's arguments are those of RQ's ``release_and_enqueue``; the clean-up
+    script after it removes nothing when the release promoted a job (it then holds a slot).
+    """
+    if RateLimitRegistry is None:
+        return []
+    from rq.rate_limit import RELEASE_AND_ENQUEUE_SCRIPT
+    from rq.utils import current_timestamp, now, utcformat
+
+    registry = RateLimitRegistry.from_job(job)
+    release = [
+        "EVAL",
+        RELEASE_AND_ENQUEUE_SCRIPT,
+        2,
+        registry.allowed_key,
+        registry.rate_limited_key,
+        job.rate_limit_concurrency,
+        current_timestamp(),
+        utcformat(now()),
+        Queue.redis_queue_namespace_prefix,
+        Job.redis_job_namespace_prefix,
+        job.id,
+    ]
+    return [release, forget_if_idle(registry)]
+
+
+def handed_off(job: Any) -> None:
+    """The slot of ``job`` was released by :func:`hand_off_commands`: RQ's own release after
+    its bookkeeping is skipped (as after :func:`hand_off`)."""
+    job.rate_limit_key = None
 
 
 def forget_if_idle(registry: Any) -> list[Any]:

@@ -105,14 +105,9 @@ def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
                 return int(model.objects.using(using).create(**values).pk)
         except IntegrityError:
             return None
-    columns, params = _columns(model, connection, values)
-    sql = (
-        f"INSERT INTO {connection.ops.quote_name(model._meta.db_table)} ({columns}) "
-        f"VALUES ({', '.join(['%s'] * len(params))}) {_on_conflict(model, connection)} "
-        f"RETURNING {connection.ops.quote_name(model._meta.pk.column)}"
-    )
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        sql = _insert_sql(model, connection, tuple(values))
+        cursor.execute(sql, _params(model, connection, values))
         row = cursor.fetchone()
     return None if row is None else int(row[0])
 
@@ -148,14 +143,68 @@ def _guard_name(scope: str, key: str) -> str:
 
 
 def _columns(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
+    return _column_list(model, connection, tuple(values)), _params(model, connection, values)
+
+
+def _params(model: Any, connection: Any, values: dict[str, Any]) -> list[Any]:
+    meta = model._meta
+    return [meta.get_field(name).get_db_prep_save(v, connection) for name, v in values.items()]
+
+
+# The statements' text depends only on the model, the backend (its quoting) and the columns:
+# built once per process, not on every job with an idempotency key. Few entries: one per
+# statement, backend and column set.
+_SQL: dict[tuple[Any, ...], str] = {}
+
+
+def _cached_sql(kind: str, model: Any, connection: Any, names: tuple[str, ...]) -> str:
+    key = (kind, model, connection.vendor, names)
+    sql = _SQL.get(key)
+    if sql is None:
+        sql = _SQL[key] = _BUILDERS[kind](model, connection, names)
+    return sql
+
+
+def _column_list(model: Any, connection: Any, names: tuple[str, ...]) -> str:
+    return _cached_sql("columns", model, connection, names)
+
+
+def _insert_sql(model: Any, connection: Any, names: tuple[str, ...]) -> str:
+    return _cached_sql("insert", model, connection, names)
+
+
+def _build_columns(model: Any, connection: Any, names: tuple[str, ...]) -> str:
+    quote = connection.ops.quote_name
+    return ", ".join(quote(model._meta.get_field(name).column) for name in names)
+
+
+def _build_insert(model: Any, connection: Any, names: tuple[str, ...]) -> str:
+    quote = connection.ops.quote_name
+    return (
+        f"INSERT INTO {quote(model._meta.db_table)} ({_column_list(model, connection, names)}) "
+        f"VALUES ({', '.join(['%s'] * len(names))}) {_on_conflict(model, connection)} "
+        f"RETURNING {quote(model._meta.pk.column)}"
+    )
+
+
+def _build_guard_and_read(model: Any, connection: Any, names: tuple[str, ...]) -> str:
     meta = model._meta
     quote = connection.ops.quote_name
-    columns, params = [], []
-    for name, value in values.items():
-        model_field = meta.get_field(name)
-        columns.append(quote(model_field.column))
-        params.append(model_field.get_db_prep_save(value, connection))
-    return ", ".join(columns), params
+    fields = ", ".join(f"t.{quote(meta.get_field(name).column)}" for name in ROW_FIELDS)
+    resource = GUARD_SQL if names else "TRUE"  # names: ("lock",) with a resource guard
+    return (
+        f"SELECT {resource}, {GUARD_SQL}, {fields} FROM (SELECT 1) AS one "
+        f"LEFT JOIN {quote(meta.db_table)} t "
+        f"ON t.{quote(meta.get_field('scope').column)} = %s "
+        f"AND t.{quote(meta.get_field('key').column)} = %s"
+    )
+
+
+_BUILDERS = {
+    "columns": _build_columns,
+    "insert": _build_insert,
+    "guard_and_read": _build_guard_and_read,
+}
 
 
 def _on_conflict(model: Any, connection: Any) -> str:
@@ -213,15 +262,8 @@ def _guard_and_read_postgresql(
     # One read-only statement: the guards (never waiting) and the row, if there is one. A
     # replay is this one query.
     meta = model._meta
-    quote = connection.ops.quote_name
-    fields = ", ".join(f"t.{quote(meta.get_field(name).column)}" for name in ROW_FIELDS)
-    resource = GUARD_SQL if lock_key is not None else "TRUE"
-    sql = (
-        f"SELECT {resource}, {GUARD_SQL}, {fields} FROM (SELECT 1) AS one "
-        f"LEFT JOIN {quote(meta.db_table)} t "
-        f"ON t.{quote(meta.get_field('scope').column)} = %s "
-        f"AND t.{quote(meta.get_field('key').column)} = %s"
-    )
+    names = ("lock",) if lock_key is not None else ()
+    sql = _cached_sql("guard_and_read", model, connection, names)
     head = [name_for(lock_key)] if lock_key is not None else []
     with connection.cursor() as cursor:
         cursor.execute(

@@ -67,7 +67,9 @@ class Run:
     job: Any
     worker: bool
     admitted: bool = False  # holds an admission slot of its resource
+    promoted: bool = False  # admitted from the waiting set: others may wait behind it too
     handed_off: bool = False
+    deferred: bool = False  # its hand-off rides with the outcome's round trip
     idle: Any = None  # the resource's rate-limit registry, when nobody waited on it
     holder: str = ""  # who held the resource, when it was busy (for the log line)
     waited: float | None = None
@@ -82,16 +84,23 @@ class Run:
         return key_family(self.key or "")
 
     def hand_off(self) -> None:
-        """The job will not run again: give its admission slot to the next parked job now.
+        """The job will not run again: give its admission slot to the next parked job.
 
         Called as soon as the body has returned (or a replay is decided), before the commit
-        and the lock's release: the next job needs a few milliseconds to be dequeued and
-        prepared by RQ, which overlap them (it waits up to ``admission.HANDOFF_WAIT`` for the
-        lock, see :mod:`django_joblock.admission`).
+        and the lock's release. A job that was itself promoted from the waiting set (a busy
+        resource: others likely wait behind it) hands off now: the next job needs a few
+        milliseconds to be dequeued and prepared by RQ, which overlap the commit and the
+        release (it waits up to ``admission.HANDOFF_WAIT`` for the lock). Any other job's
+        hand-off rides with its outcome's round trip in :func:`finish` (one round trip less
+        per job; a job parked behind it meanwhile starts that commit and release later).
+        See :mod:`django_joblock.admission`.
         """
         if self.admitted and not self.handed_off:
             self.handed_off = True
-            self.idle = admission.hand_off(self.job)
+            if self.promoted:
+                self.idle = admission.hand_off(self.job)
+            else:
+                self.deferred = True
 
     def note_duration(self) -> None:
         """Count a worker's run that took ``ALERTS["TIMEOUT_RATIO"]`` or more of its RQ
@@ -152,14 +161,14 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
             commands += timeline.add_commands(run.family, timeline.Span.of(delivery, run.spec.name))
     if run.idle is not None:
         commands.append(admission.forget_if_idle(run.idle))
+    hand_off = admission.hand_off_commands(job) if run.deferred else []
     try:
         # The lean path: one round trip without redis-py's pipeline machinery (about half
         # this step's client-side cost). Not sent twice: an RPUSH must not repeat.
-        refused = [
-            reply
-            for reply in lean.execute_many(job.connection, commands, retry=False)
-            if isinstance(reply, ResponseError)
-        ]
+        replies = lean.execute_many(job.connection, [*hand_off, *commands], retry=False)
+        if hand_off and not isinstance(replies[0], ResponseError):
+            admission.handed_off(job)
+        refused = [reply for reply in replies if isinstance(reply, ResponseError)]
         if refused:
             raise refused[0]
     except REDIS_ERRORS:

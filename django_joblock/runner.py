@@ -81,13 +81,15 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     job = _own_job(spec)
     resource = spec.resource(arguments)
     worker = job is not None and getattr(job, "worker_name", None) != "sync"
+    admitted = worker and admission.admitted(job, resource)
     state = Run(
         spec,
         resource,
         spec.key(arguments),
         job,
         worker=worker,
-        admitted=worker and admission.admitted(job, resource),
+        admitted=admitted,
+        promoted=admitted and admission.handed_on(job),
     )
     try:
         try:
@@ -133,8 +135,7 @@ def _flow(
     )
     # Handed the resource by the job before it, which may still be committing and releasing
     # (it hands off first); a worker otherwise tries once, an inline call waits ACQUIRE_WAIT.
-    handed_on = state.admitted and admission.handed_on(state.job)
-    wait = (admission.HANDOFF_WAIT if handed_on else 0.0) if state.worker else None
+    wait = (admission.HANDOFF_WAIT if state.promoted else 0.0) if state.worker else None
     try:
         acquired = held.acquire(wait=wait)
     except LockBackendUnavailable as exc:
