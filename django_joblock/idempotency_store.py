@@ -32,7 +32,7 @@ from typing import Any
 from django.db import IntegrityError, OperationalError, connections, transaction
 
 from .exceptions import IdempotencyInProgress
-from .resource_guard import GUARD_SQL, name_for
+from .resource_guard import GUARD_SQL, name_for, try_name
 
 ROW_FIELDS = (
     "id",
@@ -130,12 +130,7 @@ def set_result(model: Any, using: str, record_id: int, owner: str, result: Any) 
 def try_guard(using: str, scope: str, key: str) -> bool:
     """Take the key's transaction-scoped guard on PostgreSQL without waiting (True elsewhere).
     Must run inside a transaction."""
-    connection = connections[using]
-    if connection.vendor != "postgresql":
-        return True
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {GUARD_SQL}", [_guard_name(scope, key)])
-        return bool(cursor.fetchone()[0])
+    return try_name(using, _guard_name(scope, key))
 
 
 def _guard_name(scope: str, key: str) -> str:

@@ -92,18 +92,23 @@ def refused(held: Held) -> ResourceInTransaction:
     )
 
 
+def try_name(using: str, name: str) -> bool:
+    """Try the guard called ``name`` once in the current transaction on ``using``, never
+    waiting: True when this transaction has it now (always True off PostgreSQL). Taking it
+    again in the same transaction succeeds at once."""
+    if not guarded(using):
+        return True
+    with connections[using].cursor() as cursor:
+        cursor.execute(f"SELECT {GUARD_SQL}", [name])
+        return bool(cursor.fetchone()[0])
+
+
 def take(using: str, held: Held, *, wait: float = 0.0) -> None:
     """Take ``held``'s guard in the current transaction on ``using`` (PostgreSQL; elsewhere
     nothing), trying for up to ``wait`` seconds; raises :class:`ResourceInTransaction` when
     it stays taken. Taking it again in the same transaction succeeds at once."""
-    if not guarded(using):
-        return
     deadline = time.monotonic() + wait
-    with connections[using].cursor() as cursor:
-        while True:
-            cursor.execute(f"SELECT {GUARD_SQL}", [name_for(held.key)])
-            if cursor.fetchone()[0]:
-                return
-            if time.monotonic() >= deadline:
-                raise refused(held)
-            time.sleep(min(_RETRY_EVERY, max(0.0, deadline - time.monotonic())))
+    while not try_name(using, name_for(held.key)):
+        if time.monotonic() >= deadline:
+            raise refused(held)
+        time.sleep(min(_RETRY_EVERY, max(0.0, deadline - time.monotonic())))
