@@ -235,7 +235,7 @@ def hand_off_commands(job: Any) -> list[list[Any]]:
         2,
         registry.allowed_key,
         registry.rate_limited_key,
-        job.rate_limit_concurrency,
+        job.rate_limit_concurrency or 1,  # ours is always 1; RQ loads it with the job
         current_timestamp(),
         utcformat(now()),
         Queue.redis_queue_namespace_prefix,

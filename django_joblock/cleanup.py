@@ -3,7 +3,10 @@
 Every key the app writes lives under ``JOBLOCK["KEY_PREFIX"] + ":"`` (locks, fence counters,
 operator notes, the active-lock index, the families set, metric buckets and totals; see
 :mod:`django_joblock.keys`). Most expire on their own, but the index, the families set and the
-metric totals do not, so an uninstall would leave them behind forever.
+metric totals do not, so an uninstall would leave them behind forever. The keys a job's run
+writes next to its RQ job (the family's timeline, the idempotency key's delivery history) are
+on the Redis of its queue, which may be another database or server than the locks': the purge
+walks the lock Redis and the Redis of every known queue (each server and database once).
 
 This is the one place that walks the keyspace (``SCAN MATCH <prefix>:*``, never ``KEYS``):
 it is an operator's one-off command, not a page or a hot path, and a ``SCAN`` is the only way
@@ -20,6 +23,8 @@ from typing import Any
 from . import conf
 from .active_index import active_counts
 from .backend import connection, text
+from .health import known_queues
+from .queues import server_of
 
 BATCH = 500
 
@@ -52,10 +57,26 @@ def held_locks() -> int:
 
 
 def purge_redis(*, dry_run: bool = False, client: Any = None) -> Purge:
-    """Find (and unless ``dry_run``, ``UNLINK``) every key under the app's prefix."""
+    """Find (and unless ``dry_run``, ``UNLINK``) every key under the app's prefix: on
+    ``client`` only, or by default on the lock Redis and on the Redis of every known queue
+    (see the module docs)."""
     prefix = conf.get().KEY_PREFIX
-    client = client or connection(conf.get().REDIS_ALIAS)
     result = Purge()
+    for each in [client] if client is not None else _clients():
+        _purge(each, prefix, result, dry_run)
+    return result
+
+
+def _clients() -> list[Any]:
+    """The lock Redis and each other server / database that a known queue is on."""
+    locks = connection(conf.get().REDIS_ALIAS)
+    found = {server_of(locks): locks}
+    for queue in known_queues().values():
+        found.setdefault(server_of(queue.connection), queue.connection)
+    return list(found.values())
+
+
+def _purge(client: Any, prefix: str, result: Purge, dry_run: bool) -> None:
     batch: list[str] = []
     for raw in client.scan_iter(match=f"{prefix}:*", count=1000):
         key = text(raw)
@@ -68,4 +89,3 @@ def purge_redis(*, dry_run: bool = False, client: Any = None) -> Purge:
             batch = []
     if batch:
         result.removed += int(client.unlink(*batch))
-    return result

@@ -11,7 +11,8 @@ becomes one giant transaction or a long table lock. The condition is repeated in
 ``DELETE``, so a record claimed between the read and the delete is kept.
 
 With ``--redis`` (uninstall): remove every key django-joblock wrote to Redis, under
-``JOBLOCK["KEY_PREFIX"]`` only (see :mod:`django_joblock.cleanup`). It refuses while locks are
+``JOBLOCK["KEY_PREFIX"]`` only, on the lock Redis and on the Redis of every known queue (see
+:mod:`django_joblock.cleanup`). It refuses while locks are
 held (stop the workers first), unless ``--force``; ``--dry-run`` counts them by kind.
 """
 
