@@ -77,7 +77,7 @@ from typing import Any
 from rq.job import Job
 from rq.queue import Queue
 
-from . import conf
+from . import conf, lean
 from .backend import REDIS_ERRORS
 from .keys import LockKeys
 
@@ -198,56 +198,58 @@ def hand_off(job: Any) -> Any:
     if RateLimitRegistry is None:
         return None
     registry = RateLimitRegistry.from_job(job)
-    # The job carries its limit's concurrency: spare the round trip that reads it back from
-    # the registry's config hash (a cached property; were it ever a plain property, this
-    # would merely cost that read again).
-    registry.__dict__.setdefault("concurrency", job.rate_limit_concurrency)
     try:
-        promoted = registry.release_and_enqueue(job.id)
+        promoted = lean.execute(job.connection, *_release(job, registry))
     except REDIS_ERRORS:
         logger.debug("early hand-off of job %s failed; RQ releases its slot", job.id)
         return None
-    # The slot is released: RQ's own release after its bookkeeping would repeat the same two
-    # round trips for nothing (on this in-memory job only; the stored job keeps its limit, so
-    # a repeat or a requeue by RQ is rate limited again).
-    job.rate_limit_key = None
+    handed_off(job)
     return None if promoted else registry
 
 
 def hand_off_commands(job: Any) -> list[list[Any]]:
     """The commands that give this job's slot to the next parked job and, when nobody waits,
-    remove the resource's rate-limit keys (RQ's own release and clean-up scripts), for the
-    job's outcome round trip: the hand-off of a job that was not itself promoted from the
-    waiting set (see module docs). Empty on rq 2.x. Call :func:`handed_off` once they ran.
+    remove the resource's rate-limit keys, for the job's outcome round trip: the hand-off of
+    a job that was not itself promoted from the waiting set (see module docs). Empty on rq
+    2.x. Call :func:`handed_off` once the first one ran.
 
-    The release script's arguments are those of RQ's ``release_and_enqueue``; the clean-up
-    script after it removes nothing when the release promoted a job (it then holds a slot).
+    The clean-up script after the release removes nothing when the release promoted a job
+    (it then holds a slot).
     """
     if RateLimitRegistry is None:
         return []
+    registry = RateLimitRegistry.from_job(job)
+    return [_release(job, registry), forget_if_idle(registry)]
+
+
+def _release(job: Any, registry: Any) -> list[Any]:
+    """RQ's own ``release_and_enqueue`` of ``job``'s slot as one command: its script, with the
+    arguments RQ passes it (the concurrency from the job, which carries it: ours is always 1),
+    sent by ``EVAL`` (in a batch, ``EVALSHA`` would first have to ask whether the server knows
+    the script). Replies with the promoted job ids."""
     from rq.rate_limit import RELEASE_AND_ENQUEUE_SCRIPT
     from rq.utils import current_timestamp, now, utcformat
 
-    registry = RateLimitRegistry.from_job(job)
-    release = [
+    return [
         "EVAL",
         RELEASE_AND_ENQUEUE_SCRIPT,
         2,
         registry.allowed_key,
         registry.rate_limited_key,
-        job.rate_limit_concurrency or 1,  # ours is always 1; RQ loads it with the job
+        job.rate_limit_concurrency or 1,
         current_timestamp(),
         utcformat(now()),
         Queue.redis_queue_namespace_prefix,
         Job.redis_job_namespace_prefix,
         job.id,
     ]
-    return [release, forget_if_idle(registry)]
 
 
 def handed_off(job: Any) -> None:
-    """The slot of ``job`` was released by :func:`hand_off_commands`: RQ's own release after
-    its bookkeeping is skipped (as after :func:`hand_off`)."""
+    """The slot of ``job`` was released (:func:`hand_off`, :func:`hand_off_commands`): RQ's
+    own release after its bookkeeping would repeat it for nothing, so it is skipped, on this
+    in-memory job only (the stored job keeps its limit, so a repeat or a requeue by RQ is rate
+    limited again)."""
     job.rate_limit_key = None
 
 

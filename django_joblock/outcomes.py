@@ -69,7 +69,6 @@ class Run:
     admitted: bool = False  # holds an admission slot of its resource
     promoted: bool = False  # admitted from the waiting set: others may wait behind it too
     handed_off: bool = False
-    deferred: bool = False  # its hand-off rides with the outcome's round trip
     idle: Any = None  # the resource's rate-limit registry, when nobody waited on it
     holder: str = ""  # who held the resource, when it was busy (for the log line)
     waited: float | None = None
@@ -99,8 +98,6 @@ class Run:
             self.handed_off = True
             if self.promoted:
                 self.idle = admission.hand_off(self.job)
-            else:
-                self.deferred = True
 
     def note_duration(self) -> None:
         """Count a worker's run that took ``ALERTS["TIMEOUT_RATIO"]`` or more of its RQ
@@ -161,7 +158,9 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
             commands += timeline.add_commands(run.family, timeline.Span.of(delivery, run.spec.name))
     if run.idle is not None:
         commands.append(admission.forget_if_idle(run.idle))
-    hand_off = admission.hand_off_commands(job) if run.deferred else []
+    # A hand-off decided but not sent yet (Run.hand_off) rides along.
+    deferred = run.handed_off and not run.promoted
+    hand_off = admission.hand_off_commands(job) if deferred else []
     try:
         # The lean path: one round trip without redis-py's pipeline machinery (about half
         # this step's client-side cost). Not sent twice: an RPUSH must not repeat.
