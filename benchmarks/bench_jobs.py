@@ -64,3 +64,39 @@ def hot_locked(k: int, ms: float, tag: str) -> tuple[float, float]:
 def hot_requeue(k: int, ms: float, tag: str) -> tuple[float, float]:
     """@locked_job on the requeue-only path (rq 2.x, or admission=False)."""
     return _work(ms)
+
+
+# -- benchmarks/jobs.py: the floor of the safe flow's I/O, written by hand -------------------
+_RELEASE = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+
+
+def floor_update(row: int, run: str, i: int) -> int:
+    """What any lock + idempotency + one-commit flow must send, and nothing else: ``SET NX PX``
+    (acquire), ``BEGIN``, one guard-and-read statement, the same ``UPDATE``, the record's
+    ``INSERT``, ``COMMIT``, a compare-and-delete (release). No fence, heartbeat, metrics,
+    timeline or error handling: not a usable job, a ceiling for one."""
+    import secrets
+
+    from django.db import connection, transaction
+    from rq import get_current_job
+
+    redis = get_current_job().connection
+    key, token = f"floor:{i}", secrets.token_hex(16)
+    if not redis.set(key, token, nx=True, px=30_000):
+        raise RuntimeError("floor: resource busy")
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_try_advisory_xact_lock(hashtextextended(%s, 0)), "
+                "(SELECT 1 FROM bench_record WHERE key = %s)",
+                [key, f"{run}:{i}"],
+            )
+            cursor.execute("UPDATE bench_row SET n = n + 1 WHERE id = %s", [row])
+            cursor.execute(
+                "INSERT INTO bench_record (key, result) VALUES (%s, %s)", [f"{run}:{i}", row]
+            )
+    finally:
+        redis.eval(_RELEASE, 1, key, token)
+    return row

@@ -9,10 +9,18 @@ one transaction, docs/jobs.md). Each round enqueues N jobs of one kind and times
 draining them, for each kind in turn (interleaved, so machine noise hits all alike); jobs/s is
 the median over rounds and ratios are medians of per-round ratios against plain RQ with the
 same body. Every job has its own resource and idempotency key (no contention: this measures the
-overhead of the safe flow itself). Redis: a private redis-server when the binary is on PATH
-(else ``REDIS_URL``); database: a throwaway PostgreSQL database next to ``--database-url``
-(default ``DATABASE_URL``, else postgres://postgres@127.0.0.1:5432/postgres), or a throwaway
-SQLite file with ``--database-url sqlite``.
+overhead of the safe flow itself).
+
+The ``floor`` row (PostgreSQL) is a job written by hand that sends only the I/O any lock +
+idempotency + one-commit flow needs (``SET NX PX``; ``BEGIN``, a guard-and-read statement, the
+same ``UPDATE``, the record's ``INSERT``, ``COMMIT``; a compare-and-delete), with no fence,
+heartbeat, metrics, timeline or error handling: the ceiling for *any* implementation of that
+flow on this machine. The last line prints ``@locked_job`` against it.
+
+Redis: a private redis-server when the binary is on PATH (else ``REDIS_URL``); database: a
+throwaway PostgreSQL database next to ``--database-url`` (default ``DATABASE_URL``, else
+postgres://postgres@127.0.0.1:5432/postgres), or a throwaway SQLite file with
+``--database-url sqlite``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from locks import private_redis
 
 ROWS = 1000
+FLOOR = "UPDATE: floor (hand-written, I/O only)"
+OURS = "UPDATE: @locked_job (lock + idempotency)"
 
 
 def database(url: str) -> tuple[dict[str, Any], Callable[[], None]]:
@@ -85,6 +95,7 @@ def setup(url: str, db: dict[str, Any]) -> None:
     with connection.cursor() as cursor:
         cursor.execute("CREATE TABLE bench_row (id integer PRIMARY KEY, n bigint NOT NULL)")
         cursor.executemany("INSERT INTO bench_row VALUES (%s, 0)", [(i,) for i in range(ROWS)])
+        cursor.execute("CREATE TABLE bench_record (key text PRIMARY KEY, result bigint)")
 
 
 def drain(queue: Any, worker_class: Any, n: int, enqueue: Callable[[int], Any]) -> float:
@@ -123,6 +134,7 @@ def main() -> int:
         setup(url, db)
         logging.getLogger("rq").setLevel(logging.WARNING)
         from bench_jobs import (
+            floor_update,
             lock_and_idempotency,
             lock_and_idempotency_update,
             lock_only,
@@ -146,6 +158,8 @@ def main() -> int:
                 lambda i: lock_and_idempotency_update.delay(i % ROWS, run, i)
             ),
         }
+        if connection.vendor == "postgresql":
+            kinds[FLOOR] = lambda run: lambda i: queue.enqueue(floor_update, i % ROWS, run, i)
         print(
             f"Python {sys.version.split()[0]}; database {connection.vendor}; {args.rounds} "
             "interleaved rounds; jobs/s is the median, ratios are medians of per-round ratios "
@@ -154,6 +168,7 @@ def main() -> int:
         header = f"{'worker':13} {'job':42} {'jobs/s':>8} {'vs plain':>9}"
         print(header)
         print("-" * len(header))
+        floor_notes = []
         for label, worker_class, n in (
             ("SimpleWorker", JoblockSimpleWorker, args.jobs),
             ("Worker (fork)", JoblockWorker, args.fork_jobs),
@@ -171,6 +186,13 @@ def main() -> int:
                     a / b for a, b in zip(values, rates[plain_kind], strict=True)
                 )
                 print(f"{label:13} {kind:42} {statistics.median(values):8.0f} {ratio:8.2f}x")
+            if FLOOR in rates:
+                of_floor = statistics.median(
+                    a / b for a, b in zip(rates[OURS], rates[FLOOR], strict=True)
+                )
+                floor_notes.append(f"{label}: {of_floor:.2f}x of the floor")
+        if floor_notes:
+            print(f"\n{OURS.split(': ', 1)[1]} against the floor: " + "; ".join(floor_notes))
     finally:
         drop()
         if server is not None:
