@@ -67,19 +67,16 @@ def hot_requeue(k: int, ms: float, tag: str) -> tuple[float, float]:
 
 
 # -- benchmarks/jobs.py: the floor of the safe flow's I/O, written by hand -------------------
-_RELEASE = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-)
-
-
 def floor_update(row: int, run: str, i: int) -> int:
     """What any lock + idempotency + one-commit flow must send, and nothing else: ``SET NX PX``
     (acquire), ``BEGIN``, one guard-and-read statement, the same ``UPDATE``, the record's
-    ``INSERT``, ``COMMIT``, a compare-and-delete (release). No fence, heartbeat, metrics,
-    timeline or error handling: not a usable job, a ceiling for one."""
+    ``INSERT``, ``COMMIT``, the compare-and-delete of ``benchmarks/locks.py``'s floor
+    (release, by ``EVALSHA``). No fence, heartbeat, metrics, timeline or error handling: not
+    a usable job, a ceiling for one."""
     import secrets
 
     from django.db import connection, transaction
+    from locks import RELEASE  # benchmarks/ is on the path of jobs.py and its workers
     from rq import get_current_job
 
     redis = get_current_job().connection
@@ -98,5 +95,5 @@ def floor_update(row: int, run: str, i: int) -> int:
                 "INSERT INTO bench_record (key, result) VALUES (%s, %s)", [f"{run}:{i}", row]
             )
     finally:
-        redis.eval(_RELEASE, 1, key, token)
+        redis.register_script(RELEASE)(keys=[key], args=[token])
     return row

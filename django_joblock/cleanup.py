@@ -23,7 +23,7 @@ from typing import Any
 from . import conf
 from .active_index import active_counts
 from .backend import connection, text
-from .health import known_queues
+from .health import queue_connections
 from .queues import server_of
 
 BATCH = 500
@@ -71,8 +71,8 @@ def _clients() -> list[Any]:
     """The lock Redis and each other server / database that a known queue is on."""
     locks = connection(conf.get().REDIS_ALIAS)
     found = {server_of(locks): locks}
-    for queue in known_queues().values():
-        found.setdefault(server_of(queue.connection), queue.connection)
+    for each in queue_connections():
+        found.setdefault(server_of(each), each)
     return list(found.values())
 
 
