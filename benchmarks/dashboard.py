@@ -92,9 +92,10 @@ def setup(redis_url: str, pg_url: str) -> tuple[str, object]:
 
 def add_locks(start: int, stop: int) -> None:
     """Hold locks ``start..stop-1`` the way real holders do (script + index + families)."""
-    from django_joblock import conf, lua
+    from django_joblock import conf
     from django_joblock.backend import connection
-    from django_joblock.keys import LockKeys, families_key, index_member, owner_hash
+    from django_joblock.locks import scripts as lua
+    from django_joblock.locks.keys import LockKeys, families_key, index_member, owner_hash
 
     client = connection("default")
     lua.load_all(client)

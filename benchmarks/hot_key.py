@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 
 from locks import private_redis  # noqa: E402
 
-from django_joblock.testing.workers import WorkerProcesses  # noqa: E402
+from tests.procs.workers import WorkerProcesses  # noqa: E402
 
 QUEUE = "hot"
 
@@ -68,7 +68,7 @@ def setup(url: str, db_path: str, *, migrate: bool) -> None:
 
 def worker_main(url: str, db_path: str, index: int) -> None:
     setup(url, db_path, migrate=False)
-    from django_joblock.queues import get_queue
+    from django_joblock.jobs.queues import get_queue
     from django_joblock.worker import JoblockSimpleWorker
 
     queue = get_queue(QUEUE)
@@ -156,7 +156,7 @@ def main() -> int:
         from rq import RateLimit, Worker
         from rq.scheduler import RQScheduler
 
-        from django_joblock.queues import get_queue
+        from django_joblock.jobs.queues import get_queue
 
         queue = get_queue(QUEUE)
         for index in range(args.workers):

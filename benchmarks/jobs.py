@@ -143,7 +143,7 @@ def main() -> int:
         )
         from django.db import connection
 
-        from django_joblock.queues import get_queue
+        from django_joblock.jobs.queues import get_queue
         from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 
         queue = get_queue("bench")

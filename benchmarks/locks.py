@@ -45,8 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from django_joblock.testing import redis_server
-from django_joblock.testing.redis_server import RedisServer
+from tests.procs import redis_server
+from tests.procs.redis_server import RedisServer
 
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -356,7 +356,7 @@ def hot_table(url: str, procs: int, cycles: int, hold: float, rounds: int) -> No
 
 def hold_many(count: int, ttl: float) -> None:
     from django_joblock import Lock
-    from django_joblock.renewal import renewer
+    from django_joblock.locks.renewal import renewer
 
     held = [Lock(f"hold:{i}", ttl=ttl) for i in range(count)]
     started = time.perf_counter()

@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from django_joblock.testing.redis_server import RedisServer
+from tests.procs.redis_server import RedisServer
 
 Measure = Callable[[Callable[[str], Any], int, str], tuple[float, list[float]]]
 

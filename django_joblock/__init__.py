@@ -21,11 +21,11 @@ from .exceptions import (
     ResourceInTransaction,
     StaleFence,
 )
-from .fencing import fenced_update
-from .holders import LockInfo, lock_info
-from .idempotency import Claim, fingerprint_of, idempotent
-from .jobs import locked_job
-from .locks import Lock, LockState, current_lock, lock
+from .idempotency.claims import Claim, fingerprint_of, idempotent
+from .jobs.decorator import locked_job
+from .locks.fencing import fenced_update
+from .locks.info import LockInfo, lock_info
+from .locks.lock import Lock, LockState, current_lock, lock
 from .outbox import send_after_commit
 
 __all__ = [

@@ -31,15 +31,14 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 
-from . import control, dashboard
 from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, bad_request, pretty_json
 from .backend import REDIS_ERRORS
-from .deliveries import summary
 from .exceptions import LockBackendUnavailable
-from .health import Health, job_queue, record_deliveries
-from .keys import is_owner_hash, owner_hash, validate_resource
+from .jobs.history import summary
+from .locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
-from .monitoring import validate_family
+from .monitor import control, dashboard
+from .monitor.health import Health, job_queue, record_deliveries
 
 # Where the operations runbook lives (a pip install carries no docs/ folder).
 DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"
@@ -111,7 +110,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     @admin.display(description="deliveries")
     def deliveries(self, obj: IdempotencyRecord) -> str:
         """Every run of this key by a worker (newest last), from the key's delivery history."""
-        found = record_deliveries(obj.scope, obj.key)
+        found = record_deliveries(obj.scope, obj.key, obj.lock_resource)
         if not found:
             return "-"
         rows = format_html_join(

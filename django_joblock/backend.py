@@ -1,17 +1,29 @@
-"""The Redis connection behind the locks, and the mapping of Redis failures to one exception.
+"""The Redis clients of django-joblock, its scripts' runner, and what a Redis failure means.
 
-The connection is django-redis' ``get_redis_connection(alias, write=True)`` (never
-``cache.lock()``), or, for the ``REDIS_ALIAS`` alias when ``JOBLOCK["REDIS_CLIENT"]`` names a
-factory, the client that factory returns (a ``RedisCluster``: django-redis has no Cluster
-client). The lock scripts go through the lean command path of
-:mod:`django_joblock.lean` on that client's server. The renewal thread gets its *own* client on
-the same server with short socket timeouts and no client-side retries
-(:func:`renewal_client`), because redis-py's defaults can block for about a minute on a
-black-holed server, far past the lock's TTL.
+The *base* of an alias is django-redis' ``get_redis_connection(alias, write=True)`` (never
+``cache.lock()``), or, for ``JOBLOCK["REDIS_ALIAS"]`` when ``JOBLOCK["REDIS_CLIENT"]`` names a
+factory, the ``RedisCluster`` it returns. The locks never send on the base itself: each alias
+gets dedicated clients built with redis-py's public constructors from the base's connection
+class and arguments (so TLS, passwords, Sentinel and Cluster settings carry over):
+
+- :func:`client`: a small blocking pool of :data:`POOL_SIZE` connections with socket timeouts
+  of ``JOBLOCK["REDIS_TIMEOUT"]`` (or shorter, for the renewal of short TTLs) and no
+  client-side retries: a Redis that does not answer raises within the timeout, an acquire is
+  never retried blindly, and the user's own pool (the Django cache) is never starved. A
+  connection the server closed while idle (a restart, a failover) is replaced by redis-py's
+  pool before the next command is sent.
+- :func:`blocking_client`: the connections waiting acquires block on (``BLPOP``), with a
+  socket timeout longer than any block, so a blocked waiter never holds one of the above.
+
+Clients are cached per alias and dropped when ``CACHES`` or ``JOBLOCK`` change; redis-py's pools
+replace their connections in a forked child on their own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -23,13 +35,17 @@ from django_redis import get_redis_connection
 from redis import exceptions as redis_exceptions
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import conf, lean
+from . import conf
 from .exceptions import JoblockConfigError, LockBackendUnavailable
 
+POOL_SIZE = 16  # connections per alias for commands; more concurrent callers wait for one
+MAX_BLOCK = 1.0  # longest single BLPOP of a waiting acquire, seconds
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
 _UNAVAILABLE_PREFIXES = (
     "OOM",
@@ -41,49 +57,122 @@ _UNAVAILABLE_PREFIXES = (
     "TRYAGAIN",
     "NOREPLICAS",
 )
-
-
-# redis-py maps some of those replies to classes (and strips the prefix from the message).
+# redis-py maps some of those replies to classes of their own (without the prefix).
 _UNAVAILABLE_CLASSES = tuple(
     getattr(redis_exceptions, name)
     for name in ("OutOfMemoryError", "BusyLoadingError", "ReadOnlyError")
     if hasattr(redis_exceptions, name)
 )
 
-
-_clients: dict[str, Any] = {}
+_bases: dict[str, Any] = {}
+_clients: dict[tuple[str, float, bool], Any] = {}
+_guard = threading.Lock()
 
 
 def connection(alias: str) -> Any:
-    """The django-redis client of cache ``alias`` (write side); raises on a bad alias.
+    """The base client of ``alias`` (see the module docs); raises on a bad alias."""
+    base = _bases.get(alias)
+    if base is None:
+        current = conf.get()
+        if current.REDIS_CLIENT is not None and alias == current.REDIS_ALIAS:
+            base = client_from_factory(current.REDIS_CLIENT)
+        else:
+            base = cache_connection(alias)
+        _bases[alias] = base
+    return base
 
-    Cached per alias (redis-py clients are thread-safe and fork-safe: the pool reconnects in a
-    child); the cache is dropped when ``CACHES`` or ``JOBLOCK`` change.
-    """
-    client = _clients.get(alias)
-    if client is None:
-        client = _clients[alias] = _lookup(alias)
-    return client
+
+def client(alias: str, timeout: float | None = None) -> Any:
+    """The dedicated command client of ``alias`` with ``timeout``-second sockets (default
+    ``REDIS_TIMEOUT``)."""
+    return _dedicated(alias, timeout or conf.get().REDIS_TIMEOUT, blocking=False)
 
 
-def forget_connections() -> None:
-    """Drop cached clients and close the lean path's connections (after a settings change)."""
-    _clients.clear()
-    lean.forget()
+def blocking_client(alias: str) -> Any:
+    """The client waiting acquires block on: its sockets outlast any ``BLPOP`` block."""
+    return _dedicated(alias, MAX_BLOCK + conf.get().REDIS_TIMEOUT, blocking=True)
+
+
+def _dedicated(alias: str, timeout: float, *, blocking: bool) -> Any:
+    key = (alias, timeout, blocking)
+    found = _clients.get(key)
+    if found is None:
+        with _guard:
+            found = _clients.get(key)
+            if found is None:
+                found = _clients[key] = dedicated(connection(alias), timeout, grow=blocking)
+    return found
+
+
+def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
+    """A client on ``base``'s server(s): ``timeout``-second sockets, no retries; a pool of
+    :data:`POOL_SIZE` connections that callers wait for, or with ``grow`` one that opens a
+    connection per concurrent caller (blocked waiters)."""
+    overrides: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+        "client_name": "joblock",  # what CLIENT LIST shows for the locks' connections
+    }
+    if is_cluster(base):
+        from redis.cluster import ClusterNode
+
+        kwargs = {
+            name: value
+            for name, value in base.nodes_manager.connection_kwargs.items()
+            if name not in _CLUSTER_OWN_KWARGS
+        }
+        if int(redis.__version__.split(".")[0]) < 6:
+            overrides["cluster_error_retry_attempts"] = 0  # 5.x counts retries here
+        nodes = [ClusterNode(node.host, node.port) for node in base.get_nodes()]
+        return redis.RedisCluster(startup_nodes=nodes, **{**kwargs, **overrides})
+    pool = base.connection_pool
+    kwargs = {**pool.connection_kwargs, **overrides}
+    for retries in ("retry_on_error", "retry_on_timeout"):  # no retries: ``retry`` says so
+        kwargs.pop(retries, None)
+    if grow:
+        new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    else:
+        new_pool = redis.BlockingConnectionPool(
+            connection_class=pool.connection_class,
+            max_connections=POOL_SIZE,
+            timeout=timeout,
+            **kwargs,
+        )
+    return redis.Redis(connection_pool=new_pool)
+
+
+# Arguments RedisCluster puts among its nodes' connection arguments itself (bound to that
+# client, or its retry policy): a new client must not inherit them.
+_CLUSTER_OWN_KWARGS = frozenset(
+    {
+        "host",
+        "port",
+        "retry",
+        "retry_on_error",
+        "retry_on_timeout",
+        "redis_connect_func",
+        "oss_cluster_maint_notifications_handler",
+        "maint_notifications_config",
+    }
+)
+
+
+def forget() -> None:
+    """Drop the cached clients (after a settings change), closing the dedicated ones."""
+    with _guard:
+        dropped = list(_clients.values())
+        _clients.clear()
+        _bases.clear()
+    for each in dropped:
+        close(each)
 
 
 @receiver(setting_changed)
 def _on_setting_changed(setting: str, **kwargs: Any) -> None:
-    # JOBLOCK names the alias (REDIS_ALIAS), CACHES where it points.
     if setting in ("JOBLOCK", "CACHES"):
-        forget_connections()
-
-
-def _lookup(alias: str) -> Any:
-    current = conf.get()
-    if current.REDIS_CLIENT is not None and alias == current.REDIS_ALIAS:
-        return client_from_factory(current.REDIS_CLIENT)
-    return cache_connection(alias)
+        forget()
 
 
 def client_from_factory(path: str) -> Any:
@@ -92,8 +181,7 @@ def client_from_factory(path: str) -> Any:
     Raises :class:`JoblockConfigError` naming the setting when it cannot be imported, is not
     callable, raises, or returns something that is not a redis-py client; and
     :class:`LockBackendUnavailable` when it raised because Redis did not answer (a
-    ``RedisCluster`` asks its nodes for the slot map when it is made): a server that is down is
-    not a configuration error.
+    ``RedisCluster`` asks its nodes for the slot map when it is made).
     """
     what = f"JOBLOCK['REDIS_CLIENT'] = {path!r}"
     try:
@@ -103,18 +191,17 @@ def client_from_factory(path: str) -> Any:
     if not callable(factory):
         raise JoblockConfigError(f"{what} is not callable (a {type(factory).__name__})")
     try:
-        client = factory()
+        made = factory()
     except Exception as exc:
-        # RedisCluster(...) reports nodes that do not answer as RedisClusterException.
         if is_unavailable(exc) or "cannot be connected" in str(exc):
             raise LockBackendUnavailable(f"{what} could not reach Redis: {exc}") from exc
         raise JoblockConfigError(f"{what} raised {type(exc).__name__}: {exc}") from exc
-    if not callable(getattr(client, "execute_command", None)):
+    if not isinstance(made, (redis.Redis, redis.RedisCluster)):
         raise JoblockConfigError(
-            f"{what} returned {type(client).__name__}, not a redis-py client "
+            f"{what} returned {type(made).__name__}, not a redis-py client "
             "(redis.Redis or redis.cluster.RedisCluster)"
         )
-    return client
+    return made
 
 
 def cache_connection(alias: str) -> Any:
@@ -147,9 +234,6 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith(_UNAVAILABLE_PREFIXES)
 
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
-
-
 def no_answer(exc: BaseException) -> str:
     """What the commands and views say when Redis did not answer (one of ``REDIS_ERRORS``)."""
     return f"Redis does not answer: {type(exc).__name__}: {exc}"
@@ -160,9 +244,9 @@ def unavailable(
 ) -> LockBackendUnavailable:
     """The :class:`LockBackendUnavailable` to raise for ``exc`` (one of ``REDIS_ERRORS``).
 
-    Re-raises ``exc`` itself when it is not an availability problem (e.g. a WRONGTYPE reply:
-    a bug or a foreign key in our namespace, which must not be reported as "Redis down").
-    Use as ``except REDIS_ERRORS as exc: raise unavailable(exc, ...) from exc``.
+    Re-raises ``exc`` itself when it is not an availability problem (a WRONGTYPE reply: a bug
+    or a foreign key in our namespace, which must not be reported as "Redis down"). Use as
+    ``except REDIS_ERRORS as exc: raise unavailable(exc, ...) from exc``.
     """
     if not is_unavailable(exc):
         raise exc
@@ -174,81 +258,77 @@ def unavailable(
     )
 
 
-def is_cluster(client: Any) -> bool:
+def is_cluster(found: Any) -> bool:
     """True for a Redis Cluster client."""
-    return isinstance(client, redis.RedisCluster)
+    return isinstance(found, redis.RedisCluster)
 
 
-def renewal_client(base: Any, timeout: float) -> Any:
-    """A client on ``base``'s server with ``timeout``-second sockets and no retries.
+def close(found: Any) -> None:
+    """Close a client's connections."""
+    try:
+        found.close() if is_cluster(found) else found.connection_pool.disconnect()
+    except REDIS_ERRORS:
+        pass
 
-    On a Sentinel-managed pool its connections still ask the sentinels for the primary (they
-    share the pool's ``connection_pool`` argument); on Redis Cluster it is a new
-    ``RedisCluster`` on the same nodes, which routes each key to its node.
+
+def server_infos(found: Any, section: str) -> dict[str, dict[str, Any]]:
+    """``INFO section`` of every server behind a client, by ``host:port``: the one server of a
+    plain client, every primary of a Redis Cluster (each asked on its own)."""
+    if not is_cluster(found):
+        kwargs = found.connection_pool.connection_kwargs
+        name = str(kwargs.get("path") or f"{kwargs.get('host', 'localhost')}:{kwargs.get('port')}")
+        return {name: found.info(section)}
+    return {node.name: found.info(section, target_nodes=node) for node in found.get_primaries()}
+
+
+class Script:
+    """A Lua script, sent by ``EVALSHA`` and loaded into the server's script cache when the
+    server does not know it (a restart, ``SCRIPT FLUSH``, a failover; on Redis Cluster,
+    ``SCRIPT LOAD`` goes to every primary)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, found: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the script on client ``found`` (one round trip; two after a ``NOSCRIPT``)."""
+        try:
+            return found.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            found.script_load(self.source)
+            return found.evalsha(self.sha, len(keys), *keys, *args)
+
+
+# One command of a round trip: a script call, or a plain command's arguments.
+Call = tuple[Script, Sequence[str], Sequence[Any]] | Sequence[Any]
+
+
+def send(found: Any, calls: Sequence[Call]) -> list[Any]:
+    """Several commands in one round trip: a pipeline without ``MULTI`` (on Redis Cluster each
+    command goes to the node of its key).
+
+    Returns one reply per call, in order. A command the server refused gives its exception as
+    its reply (the others still ran); a script the server had forgotten is loaded and run
+    again on its own. A connection error raises (it is not known which commands ran).
     """
-    if is_cluster(base):
-        return _cluster_renewal_client(base, timeout)
-    pool = base.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    kwargs.update(
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry_on_timeout=False,
-        retry=Retry(NoBackoff(), 0),
-        client_name="joblock-renewer",
-        health_check_interval=0,
-    )
-    kwargs.pop("retry_on_error", None)
-    new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-    return redis.Redis(connection_pool=new_pool)
+    pipe = found.pipeline(transaction=False)
+    for call in calls:
+        if isinstance(call, tuple) and isinstance(call[0], Script):
+            script, keys, args = call
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        else:
+            pipe.execute_command(*call)
+    replies: list[Any] = pipe.execute(raise_on_error=False)
+    for index, call in enumerate(calls):
+        if isinstance(replies[index], NoScriptError) and isinstance(call, tuple):
+            script, keys, args = call
+            replies[index] = script(found, keys, args)
+    return replies
 
 
-# Arguments redis-py's RedisCluster puts among its nodes' connection arguments itself (bound
-# to that client, or its retry policy): a new client must not inherit them.
-_CLUSTER_OWN_KWARGS = (
-    "host",
-    "port",
-    "retry",
-    "retry_on_error",
-    "retry_on_timeout",
-    "redis_connect_func",
-    "oss_cluster_maint_notifications_handler",
-    "maint_notifications_config",
-)
-# redis-py >= 6 retries cluster commands by its ``retry`` object; 5.x counts them with
-# ``cluster_error_retry_attempts`` and gives ``retry`` to the nodes' connections.
-_CLUSTER_RETRY_OBJECT = int(redis.__version__.split(".")[0]) >= 6
-
-
-def _cluster_renewal_client(base: Any, timeout: float) -> Any:
-    from redis.cluster import ClusterNode
-
-    kwargs = dict(base.nodes_manager.connection_kwargs)
-    for name in _CLUSTER_OWN_KWARGS:
-        kwargs.pop(name, None)
-    kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=0)
-    kwargs.update(retry=Retry(NoBackoff(), 0))
-    if not _CLUSTER_RETRY_OBJECT:
-        kwargs.update(cluster_error_retry_attempts=0)
-    nodes = [ClusterNode(node.host, node.port) for node in base.get_nodes()]  # type: ignore[no-untyped-call]
-    return redis.RedisCluster(startup_nodes=nodes, **kwargs)
-
-
-def close(client: Any) -> None:
-    """Close ``client``'s connections (a short-lived client made by :func:`renewal_client`)."""
-    if is_cluster(client):
-        client.close()
-    else:
-        client.connection_pool.disconnect()
-
-
-def server_infos(client: Any, section: str) -> dict[str, dict[str, Any]]:
-    """``INFO section`` of every server behind ``client``, by ``host:port``: the one server of
-    a plain client, every primary of a Redis Cluster (each asked on its own)."""
-    if not is_cluster(client):
-        kwargs = client.connection_pool.connection_kwargs
-        name = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-        if kwargs.get("path"):
-            name = str(kwargs["path"])
-        return {name: client.info(section)}
-    return {node.name: client.info(section, target_nodes=node) for node in client.get_primaries()}
+def raise_refused(replies: list[Any]) -> list[Any]:
+    """``replies`` of :func:`send`, or the first refusal among them raised."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies

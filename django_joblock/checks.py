@@ -41,15 +41,15 @@ from .backend import (
     client_from_factory,
     close,
     connection,
+    dedicated,
     is_cluster,
-    renewal_client,
     server_infos,
 )
 from .exceptions import JoblockConfigError, LockBackendUnavailable
-from .jobs import job_timeout, registered_jobs, timeout_findings
-from .jobspec import OnConflict
-from .monitoring import has_scheduler, requeueing_queues
-from .queues import get_queue
+from .jobs.decorator import job_timeout, registered_jobs, timeout_findings
+from .jobs.queues import get_queue
+from .jobs.spec import OnConflict
+from .monitor.active import has_scheduler, requeueing_queues
 
 DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
 TAG = "django_joblock"
@@ -140,7 +140,7 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     alias = conf.get().REDIS_ALIAS
     client = None
     try:
-        client = renewal_client(connection(alias), timeout=2.0)
+        client = dedicated(connection(alias), 2.0)
         memories = server_infos(client, "memory")
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
         return [
@@ -223,7 +223,7 @@ def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     found: list[CheckMessage] = []
     for name, queue in requeueing_queues().items():
         try:
-            client = renewal_client(queue.connection, timeout=2.0)
+            client = dedicated(queue.connection, 2.0)
             try:
                 served = has_scheduler(queue, client)
             finally:

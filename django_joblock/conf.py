@@ -268,10 +268,12 @@ class JoblockSettings:
     ALERTS: dict[str, float] = _setting(  # noqa: RUF009
         ALERT_RULES.defaults(), ALERT_RULES, "alert thresholds"
     )
-    RENEW_TIMEOUT: float = _setting(
+    REDIS_TIMEOUT: float = _setting(
         2.0,
-        Range(0.001, 60.0),
-        "upper bound of the renewal thread's socket timeout (it also stays below TTL / 5)",
+        Range(0.01, 60.0),
+        "socket timeout of every lock, renewal and operator command (the locks' own Redis "
+        "client; a renewal's stays below TTL / 5 too): a Redis that does not answer raises "
+        "`LockBackendUnavailable` within it",
     )
     METRICS: bool = _setting(True, Flag(), "record metrics in Redis (`False` turns it off)")
     # Buckets are a minute long and expire after the retention (EXPIRE takes whole seconds).
@@ -310,6 +312,7 @@ def default_of(key: str) -> Any:
 
 
 DEFAULTS: dict[str, Any] = {key: default_of(key) for key in KEYS}
+RENAMED = {"RENEW_TIMEOUT": "REDIS_TIMEOUT"}  # old key -> its name now (E002 says so)
 
 
 @dataclass(frozen=True)
@@ -447,7 +450,9 @@ def problems(raw: object) -> list[Problem]:
         Problem(
             "E002",
             str(key),
-            f"Unknown key JOBLOCK[{key!r}]; known keys: {', '.join(sorted(KEYS))}.",
+            f"Unknown key JOBLOCK[{key!r}]"
+            + (f" (renamed {RENAMED[key]!r})" if key in RENAMED else "")
+            + f"; known keys: {', '.join(sorted(KEYS))}.",
         )
         for key in raw
         if key not in KEYS

@@ -12,15 +12,23 @@ token), ``lock_ttl`` (seconds), ``fence``, ``outcome`` and ``reason``. A job run
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .holding import Holding
+from typing import Protocol
 
 logger = logging.getLogger("django_joblock")
 
 
-def log_lock(level: int, outcome: str, lock: Holding, message: str, reason: str = "") -> None:
+class Logged(Protocol):
+    """What a lock event's log line says of the lock."""
+
+    job_id: str
+    resource: str
+    key: str
+    owner: str
+    ttl: float
+    fence: int | None
+
+
+def log_lock(level: int, outcome: str, lock: Logged, message: str, reason: str = "") -> None:
     """Log one lock event with the structured ``extra`` fields."""
     if not logger.isEnabledFor(level):
         return

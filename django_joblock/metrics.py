@@ -5,7 +5,7 @@ kind, help), read by the recorder here and by the Prometheus exporter; the field
 is written and parsed only here.
 
 Events are first added to a per-process buffer (a dict increment: no I/O on the hot path) and
-flushed to Redis by one Lua call that adds them to two hashes:
+flushed to Redis by one Lua call (:data:`FLUSH`) that adds them to two hashes:
 
 - ``P:{metrics}:b:<minute>``: the 60-second bucket the flush falls in, expiring after
   ``METRICS_RETENTION`` seconds: rates, ratios and percentiles over recent windows
@@ -35,12 +35,41 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import conf, lua
-from .backend import REDIS_ERRORS, connection, text
-from .keys import active_samples_key, metric_bucket_key, metric_totals_key
+from . import conf
+from .backend import REDIS_ERRORS, Call, Script, client, send, text
+
+FLUSH = Script(
+    """
+-- Add buffered metric increments to the current time bucket and to the all-time totals.
+-- KEYS[1] bucket hash, KEYS[2] totals hash (same {metrics} hash tag)
+-- ARGV[1] bucket retention in seconds, then field, increment pairs
+-- Returns the number of fields written.
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return (#ARGV - 1) / 2
+"""
+)
+
+
+def bucket_key(prefix: str, minute: int) -> str:
+    """The metric bucket of the minute starting at Unix time ``minute`` (a multiple of 60)."""
+    return f"{prefix}:{{metrics}}:b:{minute}"
+
+
+def totals_key(prefix: str) -> str:
+    return f"{prefix}:{{metrics}}:total"
+
+
+def samples_key(prefix: str) -> str:
+    """Samples of the active-lock count, for the growth alert."""
+    return f"{prefix}:{{metrics}}:active"
 
 
 class Kind(enum.StrEnum):
@@ -153,115 +182,23 @@ def _minute(now: float) -> int:
     return int(now // BUCKET_SECONDS) * BUCKET_SECONDS
 
 
-def _unknown(metric: str, kind: Kind) -> ValueError:
-    return ValueError(f"{metric!r} is not a {kind.value} in django_joblock.metrics.METRICS")
-
-
 # -- recording ------------------------------------------------------------------------------
 class Recorder:
-    """This process's buffer of metric increments."""
+    """This process's buffer of metric increments (``field -> increment``)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._lock = threading.Lock()
-        self._pending: dict[str, int] = defaultdict(int)
-        self._last_flush = time.monotonic()
-
-    def count(self, metric: str, family: str, func: str = "", n: int = 1) -> None:
-        if metric not in COUNTERS:
-            raise _unknown(metric, COUNTER)
-        with self._lock:
-            self._pending[f"{metric}|{family}|{func}"] += n
-
-    def observe(self, metric: str, family: str, func: str, seconds: float) -> None:
-        if metric not in HISTOGRAMS:
-            raise _unknown(metric, HISTOGRAM)
-        labels = f"|{family}|{func}"
-        with self._lock:
-            self._pending[f"{metric}:b{bucket_of(seconds)}{labels}"] += 1
-            self._pending[f"{metric}:sum_us{labels}"] += int(seconds * 1_000_000)
-
-    def acquire(self, family: str, func: str, waited: float, *, acquired: bool) -> None:
-        """One ``acquire()`` call's counters and wait time, in one buffer update (hot path)."""
-        labels = f"|{family}|{func}"
-        with self._lock:
-            pending = self._pending
-            pending["acquire_attempts" + labels] += 1
-            pending[("acquired" if acquired else "contended") + labels] += 1
-            pending[f"wait_seconds:b{bisect.bisect_left(BOUNDS, waited)}{labels}"] += 1
-            pending["wait_seconds:sum_us" + labels] += int(waited * 1_000_000)
-
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def due(self) -> bool:
-        """True when a flush is due by time (and there is something to flush)."""
-        return bool(self._pending) and time.monotonic() - self._last_flush >= FLUSH_INTERVAL
-
-    def take(self) -> dict[str, int]:
-        """Remove and return the pending increments."""
-        with self._lock:
-            pending, self._pending = self._pending, defaultdict(int)
-            self._last_flush = time.monotonic()
-        return dict(pending)
-
-    def restore(self, pending: dict[str, int]) -> None:
-        """Put back increments whose flush failed (they go out with the next one)."""
-        with self._lock:
-            for name, n in pending.items():
-                self._pending[name] += n
-
-    def command(self, pending: dict[str, int], at: float | None = None) -> list[Any]:
-        """The ``EVALSHA`` arguments that add ``pending`` to Redis, in the bucket of the minute
-        of ``at`` (Unix seconds; default now)."""
-        settings = conf.get()
-        args: list[Any] = [
-            "EVALSHA",
-            lua.METRICS_SHA,
-            2,
-            metric_bucket_key(settings.KEY_PREFIX, _minute(time.time() if at is None else at)),
-            metric_totals_key(settings.KEY_PREFIX),
-            int(settings.METRICS_RETENTION),
-        ]
-        for name, n in pending.items():
-            args += [name, n]
-        return args
-
-    def flush(self, client: Any | None = None, at: float | None = None) -> bool:
-        """Write the buffer now (one round trip), into the bucket of ``at`` (default now).
-        False, keeping the buffer, if Redis failed."""
-        pending = self.take()
-        if not pending:
-            return True
-        try:
-            lua.run_args(client or connection(conf.get().REDIS_ALIAS), self.command(pending, at=at))
-        except REDIS_ERRORS:
-            self.restore(pending)
-            return False
-        return True
+        self.lock = threading.Lock()
+        self.pending: dict[str, int] = defaultdict(int)
+        self.last_flush = time.monotonic()
 
 
-_recorder: Recorder | None = None
-_recorder_lock = threading.Lock()
-
-
-def recorder() -> Recorder:
-    """This process's :class:`Recorder` (a fresh one after ``fork``: the parent's buffer is
-    the parent's to flush)."""
-    global _recorder
-    current = _recorder
-    if current is not None:
-        return current
-    with _recorder_lock:
-        if _recorder is None:
-            _recorder = Recorder()
-        return _recorder
+_recorder = Recorder()
 
 
 def _after_fork_in_child() -> None:
-    global _recorder, _recorder_lock
-    _recorder = None
-    _recorder_lock = threading.Lock()
+    global _recorder
+    _recorder = Recorder()  # the parent's buffer is the parent's to flush
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -271,63 +208,117 @@ def enabled() -> bool:
     return bool(conf.get().METRICS)
 
 
+def _add(increments: dict[str, int]) -> None:
+    with _recorder.lock:
+        for name, n in increments.items():
+            _recorder.pending[name] += n
+
+
 def count(metric: str, family: str, func: str = "", n: int = 1) -> None:
     """Add ``n`` to counter ``metric`` of ``family`` / ``func`` (buffered)."""
+    if metric not in COUNTERS:
+        raise ValueError(f"{metric!r} is not a counter in django_joblock.metrics.METRICS")
     if enabled():
-        recorder().count(metric, family, func, n)
+        _add({f"{metric}|{family}|{func}": n})
 
 
 def observe(metric: str, family: str, func: str, seconds: float) -> None:
     """Record one observation of histogram ``metric`` (buffered)."""
+    if metric not in HISTOGRAMS:
+        raise ValueError(f"{metric!r} is not a histogram in django_joblock.metrics.METRICS")
     if enabled():
-        recorder().observe(metric, family, func, seconds)
+        labels = f"|{family}|{func}"
+        _add(
+            {
+                f"{metric}:b{bucket_of(seconds)}{labels}": 1,
+                f"{metric}:sum_us{labels}": int(seconds * 1e6),
+            }
+        )
 
 
 def record_acquire(family: str, func: str, waited: float, *, acquired: bool) -> None:
-    """One ``acquire()`` call's counters and wait time (buffered; the lock's hot path)."""
+    """One ``acquire()`` call's counters and wait time (buffered)."""
     if enabled():
-        recorder().acquire(family, func, waited, acquired=acquired)
+        labels = f"|{family}|{func}"
+        _add(
+            {
+                "acquire_attempts" + labels: 1,
+                ("acquired" if acquired else "contended") + labels: 1,
+                f"wait_seconds:b{bucket_of(waited)}{labels}": 1,
+                "wait_seconds:sum_us" + labels: int(waited * 1e6),
+            }
+        )
+
+
+def pending() -> bool:
+    return bool(_recorder.pending)
 
 
 def take_for_flush(*, force: bool) -> dict[str, int]:
-    """The pending increments to send along with another command now (empty if not due)."""
-    if not enabled():
+    """Remove and return the buffer when ``force`` or a flush is due (else ``{}``)."""
+    due = time.monotonic() - _recorder.last_flush >= FLUSH_INTERVAL
+    if not _recorder.pending or not (force or due):
         return {}
-    current = recorder()
-    if force or current.due():
-        return current.take()
-    return {}
+    with _recorder.lock:
+        taken, _recorder.pending = dict(_recorder.pending), defaultdict(int)
+        _recorder.last_flush = time.monotonic()
+    return taken
+
+
+def restore(taken: dict[str, int]) -> None:
+    """Put back increments whose flush failed (they go out with the next one)."""
+    _add(taken)
+
+
+def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
+    """The :func:`~django_joblock.backend.send` call that adds ``taken`` to Redis, in the
+    bucket of the minute of ``at`` (Unix seconds; default now)."""
+    settings = conf.get()
+    prefix = settings.KEY_PREFIX
+    keys = [bucket_key(prefix, _minute(time.time() if at is None else at)), totals_key(prefix)]
+    args: list[Any] = [int(settings.METRICS_RETENTION)]
+    for name, n in taken.items():
+        args += [name, n]
+    return (FLUSH, keys, args)
+
+
+def flush_due(make_client: Callable[[], Any]) -> None:
+    """Flush the buffer if a flush is due; Redis trouble keeps it for the next one."""
+    taken = take_for_flush(force=False) if enabled() else {}
+    if taken:
+        _flush(make_client(), taken)
+
+
+def _flush(found: Any, taken: dict[str, int], at: float | None = None) -> None:
+    try:
+        (reply,) = send(found, [flush_call(taken, at)])
+        if isinstance(reply, Exception):
+            raise reply
+    except REDIS_ERRORS:
+        restore(taken)
 
 
 def flush_now(at: float | None = None) -> None:
-    """Flush the buffer in this thread (used where the process may end next), into the
-    bucket of the minute of ``at`` (Unix seconds, default now: a test of an alert that compares
-    with the past files real counts there)."""
-    if enabled():
-        recorder().flush(at=at)
-
-
-def flush_pending() -> None:
-    """Flush whatever is buffered, if anything (one round trip then, none otherwise): the end
-    of every job run, whose work horse may ``os._exit`` right after."""
-    current = _recorder
-    if current is not None and current.pending() and enabled():
-        current.flush()
+    """Flush whatever is buffered, now, in this thread (where the process may end next: the
+    end of every job run), into the bucket of the minute of ``at`` (Unix seconds, default
+    now). One round trip when there is something to flush, none otherwise."""
+    taken = take_for_flush(force=True) if enabled() else {}
+    if taken:
+        _flush(client(conf.get().REDIS_ALIAS), taken, at)
 
 
 @atexit.register
 def _flush_at_exit() -> None:
-    current = _recorder
-    if current is not None and current.pid == os.getpid():
+    if _recorder.pid == os.getpid() and _recorder.pending:
         try:
-            current.flush()
+            flush_now()
         except Exception:  # noqa: BLE001 - interpreter shutdown: settings or Redis may be gone
             pass
 
 
 # -- reading ---------------------------------------------------------------------------------
 def _client() -> Any:
-    return connection(conf.get().REDIS_ALIAS)
+    return client(conf.get().REDIS_ALIAS)
 
 
 Labels = tuple[str, str]  # (family, function)
@@ -402,7 +393,7 @@ def _buckets(starts: list[int]) -> list[dict[Any, Any]]:
     prefix = conf.get().KEY_PREFIX
     pipe = _client().pipeline(transaction=False)
     for start in starts:
-        pipe.hgetall(metric_bucket_key(prefix, start))
+        pipe.hgetall(bucket_key(prefix, start))
     return list(pipe.execute())
 
 
@@ -431,14 +422,14 @@ def per_minute(metric: str, minutes: int, now: float | None = None) -> list[tupl
 def totals() -> Series:
     """All-time totals (Prometheus counters)."""
     series = Series()
-    series.add(_client().hgetall(metric_totals_key(conf.get().KEY_PREFIX)))
+    series.add(_client().hgetall(totals_key(conf.get().KEY_PREFIX)))
     return series
 
 
 def record_active_sample(total: int, now: float | None = None) -> None:
     """Remember the active-lock count at ``now`` (for the 'growing without falling' alert)."""
     now = time.time() if now is None else now
-    key = active_samples_key(conf.get().KEY_PREFIX)
+    key = samples_key(conf.get().KEY_PREFIX)
     keep = max(conf.get().ALERTS["ACTIVE_GROWTH"] * 2, 3600)
     pipe = _client().pipeline(transaction=False)
     pipe.zadd(key, {f"{now:.3f}:{total}": now})
@@ -449,7 +440,7 @@ def record_active_sample(total: int, now: float | None = None) -> None:
 
 def active_samples(since: float) -> list[tuple[float, int]]:
     """``[(unix time, active locks)]`` recorded since ``since``, oldest first."""
-    raw = _client().zrangebyscore(active_samples_key(conf.get().KEY_PREFIX), since, "+inf")
+    raw = _client().zrangebyscore(samples_key(conf.get().KEY_PREFIX), since, "+inf")
     out = []
     for member in raw:
         at, _, total = text(member).partition(":")

@@ -28,7 +28,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         response["WWW-Authenticate"] = 'Bearer realm="django-joblock metrics"'
         return response
     try:
-        from .prometheus import exposition
+        from .monitor.prometheus import exposition
     except ImportError:
         return HttpResponse(
             "Install django-joblock[prometheus] for this view.",

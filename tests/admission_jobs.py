@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
-from django.db import transaction
 from django_redis import get_redis_connection
 from redis.exceptions import RedisError
 from rq import Queue
@@ -58,18 +56,6 @@ def hot_hold(k: int, label: str) -> str:
     client.set(f"test:pid:{label}", os.getpid())
     _wait_for(f"test:go:{label}")
     client.rpush("test:intervals", f"{label}:{started}:{time.time()}")
-    return label
-
-
-@locked_job("default", lock="hot:{k}", ttl=2)
-def hot_die_after_commit(k: int, label: str) -> str:
-    """Commits, then dies (SIGKILL of its own horse) right after the commit: after it handed
-    its admission slot on, before it released its lock."""
-    client = _redis()
-    started = time.time()
-    client.set(f"test:pid:{label}", os.getpid())
-    client.rpush("test:intervals", f"{label}:{started}:{time.time()}")
-    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))
     return label
 
 
@@ -160,8 +146,8 @@ def _add_to_balance(name: str, credit_id: str, amount: int, wait: bool) -> int:
     return value
 
 
-# -- unique=True -----------------------------------------------------------------------------
-@locked_job("default", lock="hot:{k}", idempotency_key="send:{message}", ttl=2, unique=True)
+# -- dedupe=True -----------------------------------------------------------------------------
+@locked_job("default", lock="hot:{k}", idempotency_key="send:{message}", ttl=2, dedupe=True)
 def send_once(k: int, message: str) -> str:
     client = _redis()
     client.rpush("test:sent", message)

@@ -77,9 +77,9 @@ def _reset_connections() -> None:
 def clean_redis(redis_server: harness.RedisServer | None) -> Iterator[None]:
     """Each test starts on an empty Redis, with no lock left over from the previous one."""
     from django_joblock import metrics
-    from django_joblock.renewal import renewer
+    from django_joblock.locks.renewal import renewer
 
-    metrics.recorder().take()  # nothing buffered by an earlier test leaks into this one
+    metrics.take_for_flush(force=True)  # nothing buffered by an earlier test leaks into this one
     client = redis.Redis.from_url(harness.redis_url())
     client.flushdb()
     yield
@@ -140,7 +140,7 @@ def crew(settings: Any) -> Iterator[workers.Workers]:
 def scratch_registry() -> Iterator[None]:
     """Jobs a test decorates leave the ``@locked_job`` registry when it ends (the registered
     test jobs stay)."""
-    from django_joblock.jobs import registry
+    from django_joblock.jobs.decorator import registry
 
     before = dict(registry)
     yield

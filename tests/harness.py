@@ -1,5 +1,5 @@
 """Real services for the tests: the ports of the throwaway redis-server the tests may kill,
-restart and reconfigure (:class:`~django_joblock.testing.redis_server.RedisServer`), a TCP proxy
+restart and reconfigure (:class:`~tests.procs.redis_server.RedisServer`), a TCP proxy
 that can delay or black-hole traffic to it, and the environment of child processes.
 
 Ports are chosen once by the pytest process and handed to every child process through the
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from django_joblock.testing.redis_server import RedisServer, available, free_port
+from tests.procs.redis_server import RedisServer, available, free_port
 
 __all__ = ["Proxy", "RedisServer", "child_env", "free_port", "managed", "redis_url", "wait_for"]
 
@@ -202,3 +202,31 @@ def expire_now(client: Any, key: str) -> None:
         if not client.exists(key):
             return
     raise AssertionError(f"{key} would not expire")
+
+
+def load_scripts(client: Any) -> None:
+    """Load every lock script into the server's cache (so a test's fault hits the command
+    it aims at, not a NOSCRIPT round trip)."""
+    from django_joblock.locks import scripts
+
+    for script in (scripts.ACQUIRE, scripts.WAIT, scripts.LEAVE, scripts.RENEW, scripts.RELEASE):
+        client.script_load(script.source)
+
+
+def write_run(
+    client: Any,
+    resource: str,
+    job_id: str,
+    func: str,
+    started: float,
+    took: float,
+    waited: float | None,
+    outcome: str,
+    key: str = "",
+) -> None:
+    """Append a run to its family's history as a worker does when a run ends."""
+    from django_joblock.jobs import history
+
+    run = history.Delivery(job_id, func, key, resource, "w", "h", 1, started, took, outcome, waited)
+    for command in history.add_calls(run):
+        client.execute_command(*command)

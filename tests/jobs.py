@@ -8,7 +8,7 @@ import time
 from django_redis import get_redis_connection
 
 from django_joblock import current_lock, fenced_update, locked_job, send_after_commit
-from django_joblock.testing.provider import post
+from tests.procs.provider import post
 from tests.testapp.models import Account
 
 

@@ -31,13 +31,18 @@ INSTALLED_APPS = [
 # django-rq's queues ride on the django-redis cache: @locked_job("default") resolves here.
 RQ_QUEUES = {"default": {"USE_REDIS_CACHE": "default"}, "other": {"USE_REDIS_CACHE": "default"}}
 
+# A run's own test database (runs side by side must not share one); its worker processes
+# inherit the name through the environment.
+RUN = os.environ.setdefault("JOBLOCK_TEST_RUN", str(os.getpid()))
 _sqlite = f"sqlite:///{BASE_DIR.parent / '.test-db.sqlite3'}"
 DATABASES = {"default": dj_database_url.parse(os.environ.get("DATABASE_URL") or _sqlite)}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file (not :memory:) so that subprocesses started by a test see the same test database;
     # IMMEDIATE transactions and a busy timeout so that concurrent writers queue, not fail.
-    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR.parent / ".test-db-test.sqlite3")}
+    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR.parent / f".test-db-{RUN}.sqlite3")}
     DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 30}
+else:
+    DATABASES["default"]["TEST"] = {"NAME": f"test_joblock_{RUN}"}
 if os.environ.get("JOBLOCK_CHILD_DB_NAME"):
     # A child process started by a test: use the test database the parent created.
     DATABASES["default"]["NAME"] = os.environ["JOBLOCK_CHILD_DB_NAME"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from django_joblock.testing.topologies import sentinel_cache, sentinel_queue
+from tests.procs.topologies import sentinel_cache, sentinel_queue
 from tests.settings import *  # noqa: F403
 from tests.settings import CACHES, JOBLOCK
 

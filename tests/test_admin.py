@@ -44,7 +44,7 @@ def held_lock(resource: str = "order:1", ttl: float = 30):  # type: ignore[no-un
 
 
 def _indexed(held) -> bool:  # type: ignore[no-untyped-def]
-    from django_joblock.monitoring import active_locks
+    from django_joblock.monitor.active import active_locks
 
     return any(row.resource == held.resource for row in active_locks())
 

@@ -14,8 +14,8 @@ from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from django_joblock import dashboard
-from django_joblock.keys import owner_hash
+from django_joblock.locks.keys import owner_hash
+from django_joblock.monitor import dashboard
 from tests import jobs
 from tests.harness import dead_holder, wait_for
 from tests.test_admin import DASHBOARD, RELEASE, held_lock, user

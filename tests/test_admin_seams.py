@@ -70,7 +70,7 @@ def joblock_admin_urls() -> list[str]:
     assert held.acquire()
     with idempotent("refund:R-1") as claim:
         claim.succeed({"ok": True})
-    from django_joblock.control import force_release
+    from django_joblock.monitor.control import force_release
 
     other = lock("order:2", ttl=30)
     assert other.acquire()

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 from rq.job import JobStatus
 
-from django_joblock import alerts, lock, metrics
+from django_joblock import lock, metrics
+from django_joblock.monitor import alerts
 from tests import harness, jobs
 from tests.harness import wait_for
 from tests.settings import _cache
@@ -157,7 +158,8 @@ def _active() -> int:
     """Active locks by the index, once its stale entries are dropped (a reader verifies each
     entry against its lock hash: the last renewal of a horse killed with the test before may
     have written one after that test's locks were flushed)."""
-    from django_joblock import active_index, monitoring
+    from django_joblock.locks import index as active_index
+    from django_joblock.monitor import active as monitoring
 
     monitoring.active_locks()
     return sum(active_index.active_counts().values())

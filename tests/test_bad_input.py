@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from django_joblock import InvalidResource, JoblockConfigError, lock
-from django_joblock.keys import family, validate_resource
+from django_joblock.locks.keys import family, validate_resource
 
 
 @pytest.mark.parametrize(

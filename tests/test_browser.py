@@ -106,7 +106,7 @@ def _check_polish(page, base_url: str, stuck_id: str) -> None:  # type: ignore[n
 def _timeline_spans(rconn) -> None:  # type: ignore[no-untyped-def]
     """What workers write when runs end (tests/test_timeline.py has them write it for real):
     two resources of family "order" over the last minutes, every outcome the chart draws."""
-    from django_joblock import timeline
+    from tests.harness import write_run
 
     now = time.time()
     spans = [
@@ -118,9 +118,7 @@ def _timeline_spans(rconn) -> None:  # type: ignore[no-untyped-def]
         ("order:778", "job-e", -100, 25.0, 2.0, "replayed"),
     ]
     for resource, job_id, ago, took, waited, outcome in spans:
-        span = timeline.Span(resource, job_id, "shop.jobs.refund", now + ago, took, waited, outcome)
-        for command in timeline.add_commands("order", span):
-            rconn.execute_command(*command)
+        write_run(rconn, resource, job_id, "shop.jobs.refund", now + ago, took, waited, outcome)
 
 
 def _check_timeline(page) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from django_joblock.charts import WIDTH, bar_chart, minute_chart
+from django_joblock.monitor.charts import WIDTH, bar_chart, minute_chart
 
 MINUTE = 60
 

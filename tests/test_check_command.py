@@ -22,7 +22,7 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
 from django_joblock import checks, locked_job
-from django_joblock.jobs import registry
+from django_joblock.jobs.decorator import registry
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -31,13 +31,13 @@ from rq.job import JobStatus
 
 from django_joblock import JoblockConfigError, StaleFence, fenced_update, lock, metrics
 from django_joblock.backend import connection, is_cluster
-from django_joblock.keys import LockKeys
+from django_joblock.locks.keys import LockKeys
 from django_joblock.models import LockAudit
-from django_joblock.monitoring import active_locks
-from django_joblock.testing.redis_server import RedisServer
-from django_joblock.testing.topologies import ClusterNodes
+from django_joblock.monitor.active import active_locks
 from tests import cluster_client, cluster_jobs, harness
 from tests.harness import wait_for
+from tests.procs.redis_server import RedisServer
+from tests.procs.topologies import ClusterNodes
 from tests.testapp.models import Account
 from tests.workers import Workers, wait_status
 
@@ -157,7 +157,7 @@ def test_acquire_renew_release_and_fence_on_every_primary(on_cluster):
         assert again.owned()
         assert again.release() is True
     # Metrics recorded on the cluster and read back.
-    assert metrics.recorder().flush()
+    metrics.flush_now()
     totals = metrics.totals()
     assert totals.total("acquired", "spread") == 6
     assert totals.total("acquire_attempts", "spread") == 6
@@ -253,7 +253,7 @@ def test_index_commands_dashboard_and_release_see_every_primary(on_cluster):
     assert held[by_command].release() is False and held[by_admin].release() is False
     for resource in wanted - {by_command, by_admin}:
         assert held[resource].release() is True
-    assert metrics.recorder().flush()
+    metrics.flush_now()
     assert metrics.totals().total("forced_releases") == 2
 
 

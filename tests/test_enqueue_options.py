@@ -15,7 +15,7 @@ import math
 import pytest
 
 from django_joblock import locked_job
-from django_joblock.queues import get_queue
+from django_joblock.jobs.queues import get_queue
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 from django_joblock import LockState, lock
-from django_joblock.renewal import renewer
+from django_joblock.locks.renewal import renewer
 from django_joblock.signals import lock_lost
 from tests.harness import expire_now, wait_expired, wait_for
 
@@ -113,7 +113,7 @@ def test_dropped_connection_is_retried_and_the_lock_survives(rconn):
     assert held.acquire()
 
     def renewer_ids() -> set[int]:
-        return {c["id"] for c in rconn.client_list() if c.get("name") == "joblock-renewer"}
+        return {c["id"] for c in rconn.client_list() if c.get("name") == "joblock"}
 
     assert wait_for(renewer_ids, 2.0), "the renewal thread should have connected"
     before = renewer_ids()

@@ -14,7 +14,7 @@ import pytest
 from rq.job import JobStatus
 
 from django_joblock import lock, metrics
-from django_joblock.idempotency_inputs import key_family
+from django_joblock.idempotency.inputs import key_family
 from tests import admission_jobs, settings_logging
 from tests.workers import Workers, wait_status
 

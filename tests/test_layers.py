@@ -153,8 +153,8 @@ def test_no_import_cycles_at_module_level():
 
 def test_the_check_itself_sees_a_wrong_import(tmp_path, monkeypatch):
     """Negative control: an upward import in a module is reported."""
-    fake = tmp_path / "keys.py"
+    fake = tmp_path / "conf.py"
     fake.write_text("from .admin import something\n")
-    imports = _imports("keys", fake)
+    imports = _imports("conf", fake)
     assert imports == [("admin", ["something"], True, 1)]
-    assert LAYERS["admin"][0] > LAYERS["keys"][0]
+    assert LAYERS["admin"][0] > LAYERS["conf"][0]

@@ -29,12 +29,12 @@ from django_joblock import (
     lock,
     lock_info,
     locked_job,
-    lua,
 )
-from django_joblock.renewal import renewer
+from django_joblock.locks import scripts
+from django_joblock.locks.renewal import renewer
 from tests import harness
 from tests.droppers import ReplyDropper
-from tests.harness import expire_now, wait_expired, wait_for
+from tests.harness import expire_now, load_scripts, wait_expired, wait_for
 
 
 def _cache(location: str, **options: Any) -> dict[str, Any]:
@@ -65,7 +65,7 @@ def test_first_acquire_after_a_redis_restart_reconnects(server, rconn):
 
 
 def test_an_acquire_whose_reply_was_lost_is_retried_and_gets_the_same_fence(settings, rconn):
-    lua.load_all(rconn)  # the dropped reply must be the acquire's, not a NOSCRIPT
+    load_scripts(rconn)  # the dropped reply must be the acquire's, not a NOSCRIPT
     dropper = ReplyDropper(_port())
     settings.CACHES = {**settings.CACHES, "dropper": _cache(dropper.url)}
     try:
@@ -73,8 +73,8 @@ def test_an_acquire_whose_reply_was_lost_is_retried_and_gets_the_same_fence(sett
         dropper.armed = True
         assert held.acquire(), "a connection lost after the acquire ran is retried once"
         assert len(dropper.dropped) == 1, "negative control: one reply was really lost"
-        lost_reply = dropper.dropped[0]
-        assert lost_reply.startswith(b":") and int(lost_reply[1:].strip()) == held.fence, (
+        lost_reply = dropper.dropped[0].split(b"\r\n")[0]  # the acquire's, then the index's
+        assert lost_reply.startswith(b":") and int(lost_reply[1:]) == held.fence, (
             "the retry got the fence of the acquire that ran, not a second acquisition"
         )
         assert rconn.hget(held.key, "token").decode() == held.token
@@ -85,11 +85,9 @@ def test_an_acquire_whose_reply_was_lost_is_retried_and_gets_the_same_fence(sett
 
 
 def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(settings, proxy, rconn):
-    lua.load_all(rconn)
-    settings.CACHES = {
-        **settings.CACHES,
-        "slow": _cache(f"{harness.proxy_url()}?socket_timeout=0.3", SOCKET_TIMEOUT=0.3),
-    }
+    load_scripts(rconn)
+    settings.CACHES = {**settings.CACHES, "slow": _cache(harness.proxy_url())}
+    settings.JOBLOCK = {"REDIS_TIMEOUT": 0.3}  # the locks' own socket timeout
     warm = lock("lost-reply:warm", ttl=30, using="slow")
     assert warm.acquire() and warm.release()  # connections made before the fault
     held = lock("lost-reply:2", ttl=30, using="slow")
@@ -158,12 +156,38 @@ BAD_NUMBERS = [math.nan, math.inf, -math.inf, 1e300, 10**400, -1]
 @pytest.mark.parametrize("value", BAD_NUMBERS)
 @pytest.mark.parametrize("argument", ["ttl", "wait", "max_hold"])
 def test_lock_arguments_must_be_finite_and_in_range(argument, value, rconn):
+    if argument == "wait" and value == math.inf:
+        return  # "wait forever": see the test below
     with pytest.raises(ValueError, match=argument):
         lock("numbers:1", **{argument: value})
     assert rconn.dbsize() == 0, "nothing may be written for a refused lock"
 
 
-@pytest.mark.parametrize("value", BAD_NUMBERS)
+def test_wait_forever_waits_until_the_lock_is_free_and_can_be_interrupted(rconn):
+    holder = lock("numbers:3", ttl=5)
+    assert holder.acquire()
+    threading.Timer(0.5, holder.release).start()
+    waiter = lock("numbers:3", ttl=5, wait=math.inf)
+    assert waiter.acquire(), "wait=math.inf waits until the holder lets go"
+    assert waiter.release()
+    assert holder.acquire()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock("numbers:3", ttl=5).acquire(wait=math.inf)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    # Negative control and clean-up: the interrupted waiter left the line.
+    assert rconn.zcard("joblock:{numbers:3}:queue") == 0
+    assert holder.release()
+
+
+@pytest.mark.parametrize("value", [v for v in BAD_NUMBERS if v != math.inf])
 def test_acquire_wait_must_be_finite(value, rconn):
     held = lock("numbers:2", ttl=5)
     with pytest.raises(ValueError, match="wait"):
@@ -188,7 +212,7 @@ def test_locked_job_numbers_must_be_finite(argument, value):
         ({"ACQUIRE_WAIT": math.inf}, "ACQUIRE_WAIT"),
         ({"REQUEUE_MAX_WAIT": math.nan}, "REQUEUE_MAX_WAIT"),
         ({"IDEMPOTENCY_TTL": math.inf}, "IDEMPOTENCY_TTL"),
-        ({"RENEW_TIMEOUT": math.nan}, "RENEW_TIMEOUT"),
+        ({"REDIS_TIMEOUT": math.nan}, "REDIS_TIMEOUT"),
         ({"METRICS_RETENTION": 0.5}, "METRICS_RETENTION"),
         ({"REQUEUE_BACKOFF": {"factor": math.inf}}, "REQUEUE_BACKOFF"),
         ({"ALERTS": {"WINDOW": math.nan}}, "ALERTS"),
@@ -209,7 +233,7 @@ def test_the_acquire_script_refuses_a_bad_ttl_before_writing(ttl_ms, rconn):
     key, fence_key = "joblock:{numbers:3}:lock", "joblock:{numbers:3}:fence"
     args = ["token", ttl_ms, 86_400_000, "host", 1, "", "", ""]
     with pytest.raises(ResponseError, match="ttl"):
-        lua.run(rconn, lua.ACQUIRE_SHA, [key, fence_key], args)
+        scripts.ACQUIRE(rconn, [key, fence_key], args)
     assert rconn.exists(key) == 0, "the script must not leave a lock hash (without expiry)"
 
 
@@ -218,7 +242,7 @@ def test_the_renew_script_refuses_a_bad_ttl_before_writing(rconn):
     assert held.acquire()
     before = rconn.hgetall(held.key)
     with pytest.raises(ResponseError, match="ttl"):
-        lua.run(rconn, lua.RENEW_SHA, [held.key], [held.token, "1e+300"])
+        scripts.RENEW(rconn, [held.key], [held.token, "1e+300"])
     assert rconn.hgetall(held.key) == before
     assert 0 < rconn.pttl(held.key) <= 5000
     held.release()
@@ -331,7 +355,7 @@ def test_the_blocks_own_exception_wins_over_lock_lost(rconn):
 
 # -- 8. Smaller ones -------------------------------------------------------------------------
 def test_an_acquire_answered_after_the_ttl_ran_out_is_not_acquired(proxy, rconn):
-    lua.load_all(rconn)
+    load_scripts(rconn)
     held = lock("late:1", ttl=0.2, using="proxied")
     proxy.set("delay", 0.3)  # each way: the reply comes ~0.6 s after sending
     with pytest.raises(LockBackendUnavailable, match="validity"):

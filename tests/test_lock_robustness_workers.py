@@ -122,8 +122,8 @@ def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn)
 
     from django.core.management import call_command
 
-    from django_joblock.health import HEALTHY, SILENT, lock_health
-    from django_joblock.monitoring import active_locks
+    from django_joblock.monitor.active import active_locks
+    from django_joblock.monitor.health import HEALTHY, SILENT, lock_health
     from tests.harness import ROOT, child_env, wait_for
 
     proc = subprocess.Popen(

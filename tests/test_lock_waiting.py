@@ -23,8 +23,9 @@ from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 from redis.exceptions import ResponseError
 
-from django_joblock import JoblockConfigError, LockBackendUnavailable, lock, lua
-from django_joblock.keys import LockKeys
+from django_joblock import JoblockConfigError, LockBackendUnavailable, lock
+from django_joblock.locks import scripts
+from django_joblock.locks.keys import LockKeys
 from tests import harness
 from tests.counting import CommandCounter
 from tests.harness import expire_now, wait_for
@@ -315,13 +316,16 @@ def test_wait_zero_and_uncontended_acquires_stay_one_round_trip(rconn, counted):
     counted.take()
     free = lock("trips:1", ttl=10, wait=60, using="counted")
     assert free.acquire()
-    assert counted.take() == ["EVALSHA"], "uncontended, even when ready to wait"
+    # One round trip each: the script, and the holding's entry in the active-lock index.
+    assert counted.take() == ["EVALSHA", "ZADD", "SADD"], "uncontended, even when ready to wait"
     assert free.release()
-    assert counted.take() == ["EVALSHA"], "a release with nobody waiting"
+    assert counted.take() == ["EVALSHA", "ZREM"], "a release with nobody waiting"
     holder = lock("trips:2", ttl=10)  # on the default cache: not counted
     assert holder.acquire()
     assert not lock("trips:2", ttl=10, wait=0, using="counted").acquire()
-    assert counted.take() == ["EVALSHA"], "wait=0 on a busy lock"
+    assert counted.take() == ["EVALSHA", "ZADD", "SADD", "ZREM"], (
+        "wait=0 on a busy lock: one try, and its index entry taken back"
+    )
     assert rconn.exists(_keys("trips:2").queue) == 0, "one try does not join the line"
     # Negative control: the counter does see what a waiting acquire sends.
     assert not lock("trips:2", ttl=10, wait=0.3, using="counted").acquire()
@@ -405,7 +409,7 @@ def test_the_wait_script_refuses_a_bad_ttl_before_writing(rconn, bad, position):
     args[position] = bad
     script_keys = [keys.lock, keys.fence, keys.queue, keys.tickets, keys.wake("ticket")]
     with pytest.raises(ResponseError, match="ttl"):
-        lua.run(rconn, lua.WAIT_SHA, script_keys, args)
+        scripts.WAIT(rconn, script_keys, args)
     assert rconn.dbsize() == 0
 
 
@@ -424,8 +428,8 @@ def test_a_force_release_hands_the_lock_to_the_first_in_line(rconn):
     """An operator's release goes through the owner's release script: the first waiter is
     handed the lock at once (before the fix the lock was left free for the waiter to notice)."""
     from django_joblock import lock_info
-    from django_joblock.control import force_release
-    from django_joblock.keys import owner_hash
+    from django_joblock.locks.keys import owner_hash
+    from django_joblock.monitor.control import force_release
 
     holder = lock("order:55", ttl=30)
     assert holder.acquire()

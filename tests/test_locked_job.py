@@ -11,13 +11,13 @@ from django_joblock import (
     InvalidResource,
     JoblockConfigError,
     LockNotAcquired,
-    admission,
     current_lock,
     lock,
     locked_job,
 )
 from django_joblock.checks import check_jobs, check_scheduler
-from django_joblock.queues import get_queue
+from django_joblock.jobs import admission
+from django_joblock.jobs.queues import get_queue
 from tests import jobs  # noqa: F401  (registers the worker tests' jobs)
 from tests.workers import Workers
 

@@ -10,8 +10,8 @@ from django_joblock import (
     LockState,
     current_lock,
     lock,
-    lua,
 )
+from django_joblock.locks import scripts
 from tests.harness import wait_expired
 
 
@@ -58,7 +58,7 @@ def test_blocking_acquire_waits_for_release(rconn):
 def test_release_with_foreign_token_is_refused(rconn):
     held = lock("order:3", ttl=10)
     assert held.acquire()
-    assert lua.run(rconn, lua.RELEASE_SHA, [held.key], ["not-the-owner"]) == lua.Outcome.OTHER_OWNER
+    assert scripts.RELEASE(rconn, [held.key], ["not-the-owner"]) == scripts.Outcome.OTHER_OWNER
     assert rconn.hget(held.key, "token").decode() == held.token, "foreign release deleted it"
     held.release()
 
@@ -67,8 +67,8 @@ def test_renew_with_foreign_token_is_refused(rconn):
     held = lock("order:4", ttl=10)
     assert held.acquire()
     rconn.pexpire(held.key, 5000)
-    reply = lua.run(rconn, lua.RENEW_SHA, [held.key], ["not-the-owner", 60000])
-    assert reply == lua.Outcome.OTHER_OWNER
+    reply = scripts.RENEW(rconn, [held.key], ["not-the-owner", 60000])
+    assert reply == scripts.Outcome.OTHER_OWNER
     assert rconn.pttl(held.key) <= 5000, "a foreign renew must not extend the TTL"
     held.release()
 

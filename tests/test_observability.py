@@ -12,17 +12,17 @@ from rq.job import JobStatus
 from django_joblock import (
     LockBackendUnavailable,
     StaleFence,
-    active_index,
-    alerts,
     fenced_update,
     idempotent,
     lock,
     metrics,
-    monitoring,
 )
-from django_joblock.jobs import registry
-from django_joblock.prometheus import exposition
-from django_joblock.renewal import renewer
+from django_joblock.jobs.decorator import registry
+from django_joblock.locks import index as active_index
+from django_joblock.locks.renewal import renewer
+from django_joblock.monitor import active as monitoring
+from django_joblock.monitor import alerts
+from django_joblock.monitor.prometheus import exposition
 from tests import jobs, seam_jobs
 from tests.harness import expire_now, wait_for
 from tests.testapp.models import Account

@@ -12,9 +12,9 @@ from django.db import connection
 from rq.job import JobStatus
 
 from django_joblock import IdempotencyRecord, lock_info
-from django_joblock.idempotency import idempotent
-from django_joblock.idempotency_store import insert_or_read
-from django_joblock.one_commit import claim_in_transaction
+from django_joblock.idempotency.claims import idempotent
+from django_joblock.idempotency.one_commit import claim_in_transaction
+from django_joblock.idempotency.store import insert_or_read
 from tests import admission_jobs
 from tests.harness import expire_now, wait_for
 from tests.testapp.models import Account
@@ -134,7 +134,7 @@ def test_each_guard_taken_by_another_transaction_refuses_and_nothing_runs(settin
     from django.db import transaction
 
     from django_joblock import IdempotencyInProgress, ResourceInTransaction, lock
-    from django_joblock.resource_guard import guarded, name_for
+    from django_joblock.idempotency.guard import guarded, name_for
 
     settings.JOBLOCK = {"ACQUIRE_WAIT": 0.1}
     Account.objects.create(name="acct", balance=0)

@@ -23,9 +23,9 @@ from rq import Retry
 from rq.job import JobStatus
 
 from django_joblock import OutboxMessage, outbox, send_after_commit
-from django_joblock.testing.provider import FakeProvider
 from tests import jobs
 from tests.harness import ROOT, child_env
+from tests.procs.provider import FakeProvider
 from tests.workers import DONE, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)

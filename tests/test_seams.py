@@ -23,7 +23,7 @@ from django_joblock import (
     lock,
     locked_job,
 )
-from django_joblock.queues import get_queue
+from django_joblock.jobs.queues import get_queue
 from tests import seam_jobs
 from tests.harness import expire_now, wait_for
 from tests.testapp.models import Account

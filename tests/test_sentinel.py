@@ -22,9 +22,9 @@ from rq import Retry
 from rq.job import JobStatus
 
 from django_joblock import LockBackendUnavailable, StaleFence, fenced_update, lock
-from django_joblock.testing.redis_server import free_port
-from django_joblock.testing.topologies import SentinelGroup, sentinel_cache, sentinel_queue
 from tests.harness import Proxy, wait_for
+from tests.procs.redis_server import free_port
+from tests.procs.topologies import SentinelGroup, sentinel_cache, sentinel_queue
 from tests.sentinel_jobs import add_one
 from tests.testapp.models import Account
 from tests.workers import Workers

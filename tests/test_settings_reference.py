@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from django_joblock import conf
-from django_joblock.settings_reference import reference
+from tests.settings_reference import reference
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
@@ -17,7 +17,7 @@ def test_docs_carry_the_generated_reference_tables():
     start = text.index("-->\n\n", text.index("<!-- The tables below")) + len("-->\n\n")
     end = text.index("\n<!-- end of the generated tables -->")
     assert text[start:end] == reference(), (
-        "docs/settings.md is out of date: paste django_joblock.settings_reference.reference()"
+        "docs/settings.md is out of date: paste tests.settings_reference.reference()"
     )
 
 

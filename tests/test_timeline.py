@@ -12,10 +12,11 @@ from django.test import Client
 from rq import Retry
 from rq.job import JobStatus
 
-from django_joblock import lock, metrics, timeline
-from django_joblock.health import queue_connections
+from django_joblock import lock, metrics
+from django_joblock.jobs import history
+from django_joblock.monitor.health import queue_connections
 from tests import jobs
-from tests.harness import wait_for
+from tests.harness import wait_for, write_run
 from tests.workers import DONE, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,7 +50,7 @@ def test_the_timeline_draws_holders_waiters_and_busy_runs_of_real_workers(crew, 
     late = jobs.hold_requeue_only.delay(50, "late", 0.05)  # busy, requeued, then runs
     for job in (holder, late):
         assert wait_status(job, DONE, 60, crew) is JobStatus.FINISHED
-    spans = timeline.recent("res", queue_connections())
+    spans = history.read(queue_connections(), "res")
     outcomes = sorted((span.job_id, span.outcome) for span in spans)
     assert (holder.id, "ran") in outcomes and (late.id, "ran") in outcomes, outcomes
     assert (late.id, "requeued") in outcomes, "the late job found the resource busy"
@@ -81,9 +82,8 @@ def test_failed_runs_and_rq_retries_are_counted_beside_contention(crew):
 def test_the_timeline_escapes_what_it_shows_and_refuses_bad_targets(rconn):
     from django_redis import get_redis_connection
 
-    evil = timeline.Span("res:52", "<b>job</b>", "<i>f</i>", time.time() - 5, 1.0, None, "ran")
-    for command in timeline.add_commands("res", evil):
-        get_redis_connection("default").execute_command(*command)
+    redis = get_redis_connection("default")
+    write_run(redis, "res:52", "<b>job</b>", "<i>f</i>", time.time() - 5, 1.0, None, "ran")
     svg = _timeline_svg(_page(timeline="res"))
     assert "&lt;b&gt;job&lt;/b&gt;" in svg and "<b>job</b>" not in svg and "<i>f</i>" not in svg
     client = _client()

@@ -148,21 +148,20 @@ def test_live_holder_is_healthy_and_never_reaped_then_a_dead_one_is(topology):
 
 
 def test_purge_redis_also_removes_the_app_keys_on_the_queue_redis(topology):
-    """``joblock_purge --redis`` (uninstall): a run's timeline span and delivery history are
-    written next to its RQ job, on the queue Redis; they go too, and RQ's own keys stay."""
+    """``joblock_purge --redis`` (uninstall): a run's entry in its family's history is written
+    next to its RQ job, on the queue Redis; it goes too, and RQ's own keys stay."""
     crew, locks, queues = topology["crew"], topology["lock"], topology["queue"]
     crew.start()
     job = seam_jobs.plain_once.delay(5)
     assert wait_status(job, DONE, 30) is JobStatus.FINISHED, crew.logs()
     on_queue = {key.decode() for key in queues.scan_iter(match="joblock:*")}
     # The split is real: these keys are on the queue Redis only.
-    assert "joblock:timeline:plain" in on_queue, on_queue
-    assert any(key.startswith("joblock:deliveries:") for key in on_queue), on_queue
-    assert not locks.exists("joblock:timeline:plain")
+    assert "joblock:runs:plain" in on_queue, on_queue
+    assert not locks.exists("joblock:runs:plain")
 
     out = StringIO()
     call_command("joblock_purge", "--redis", stdout=out)
-    assert "timeline" in out.getvalue() and "deliveries" in out.getvalue(), out.getvalue()
+    assert "1 runs" in out.getvalue(), out.getvalue()
     assert list(queues.scan_iter(match="joblock:*")) == []
     assert list(locks.scan_iter(match="joblock:*")) == []
     assert queues.exists(Job.key_for(job.id)), "RQ's own keys are not the app's to remove"

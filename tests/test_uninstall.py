@@ -6,8 +6,9 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from django_joblock import cleanup, lock, metrics
-from django_joblock.control import force_release
+from django_joblock import lock, metrics
+from django_joblock.monitor import cleanup
+from django_joblock.monitor.control import force_release
 from tests.harness import wait_for
 
 pytestmark = pytest.mark.django_db

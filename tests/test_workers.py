@@ -19,10 +19,11 @@ from rq import Retry
 from rq.job import JobStatus
 from rq.results import Result
 
-from django_joblock import IdempotencyRecord, alerts, lock, metrics
+from django_joblock import IdempotencyRecord, lock, metrics
 from django_joblock.backoff import ceiling
-from django_joblock.health import record_deliveries
-from django_joblock.requeue import delay_for
+from django_joblock.jobs.requeue import delay_for
+from django_joblock.monitor import alerts
+from django_joblock.monitor.health import record_deliveries
 from tests import jobs
 from tests.harness import wait_for
 from tests.testapp.models import Account
@@ -321,7 +322,7 @@ def test_a_second_delivery_while_the_first_runs_is_a_duplicate_in_flight(workers
     assert other.get_meta(refresh=True)["joblock"]["requeues"] >= 1
     # The key's delivery history tells the story: two RQ jobs; the first ran, the second was
     # a duplicate in flight beside it, then replayed.
-    story = record_deliveries("tests.jobs.keyed_hold", "dup:7")
+    story = record_deliveries("tests.jobs.keyed_hold", "dup:7", "dupres:1")
     assert [(d.job_id, d.outcome) for d in story] == [
         (first.id, "ran"),
         *[(second.id, "requeued")] * requeues,

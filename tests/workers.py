@@ -1,6 +1,6 @@
 """Real RQ worker processes for the tests: ``python -m django joblock_worker`` (or django-rq's
 ``rqworker``) on the test settings, test Redis and test database, started and stopped by
-:class:`~django_joblock.testing.workers.WorkerProcesses`, logging under pytest's temporary
+:class:`~tests.procs.workers.WorkerProcesses`, logging under pytest's temporary
 directory (never into the repository)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from rq.job import Job, JobStatus
 
-from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args
 from tests.harness import ROOT, child_env
+from tests.procs.workers import WorkerProcesses, joblock_worker_args
 
 __all__ = ["DONE", "ROOT", "Workers", "intervals", "pid_of", "wait_status"]
 

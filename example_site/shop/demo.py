@@ -17,10 +17,10 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, TextIO
 
-from django_joblock.testing import redis_server
-from django_joblock.testing.provider import FakeProvider
-from django_joblock.testing.redis_server import RedisServer, RedisServerError, answering
-from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args
+from tests.procs import redis_server
+from tests.procs.provider import FakeProvider
+from tests.procs.redis_server import RedisServer, RedisServerError, answering
+from tests.procs.workers import WorkerProcesses, joblock_worker_args
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PAUSE = 6.0  # seconds a work horse is stopped (its lock TTL is 2 s)
@@ -211,7 +211,7 @@ class Demo:
     def statuses(self) -> Counter[str]:
         from rq.job import Job
 
-        from django_joblock.queues import get_queue
+        from django_joblock.jobs.queues import get_queue
 
         connection = get_queue("demo").connection
         found = Job.fetch_many([job.id for job in self.jobs], connection=connection)

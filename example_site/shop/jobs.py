@@ -24,8 +24,8 @@ from django.db import transaction
 from django_redis import get_redis_connection
 
 from django_joblock import current_lock, fenced_update, locked_job, send_after_commit
-from django_joblock.jobs import LockedJob
-from django_joblock.testing.provider import post
+from django_joblock.jobs.decorator import LockedJob
+from tests.procs.provider import post
 
 from .models import Order, Receipt, Refund, Tenant
 

@@ -6,7 +6,7 @@
     python -m tests.chaos.failover --cluster           # locks on a 3-primary Redis Cluster
 
 The locks live on a Sentinel setup (1 primary, 1 replica, 3 sentinels, see
-:class:`django_joblock.testing.topologies.SentinelGroup`) whose replica replicates through a
+:class:`tests.procs.topologies.SentinelGroup`) whose replica replicates through a
 TCP proxy; RQ's queues live on a Redis of their own (append-only, as RQ needs: an asynchronous
 failover of the queues would lose RQ's own state, which is not the locks' business). While the
 queues drain, besides SIGKILLs of horses and worker parents and a SIGSTOP of a horse, the
@@ -16,7 +16,7 @@ which has never heard of those locks. Their holders' heartbeats find the locks g
 the fence refuses the late writes; a second holder gets in meanwhile.
 
 With ``--cluster`` the locks live on a 3-primary Redis Cluster
-(:class:`~django_joblock.testing.topologies.ClusterNodes`, through ``JOBLOCK["REDIS_CLIENT"]``),
+(:class:`~tests.procs.topologies.ClusterNodes`, through ``JOBLOCK["REDIS_CLIENT"]``),
 the resources spread over the three nodes, and the fault is a restart of the node that holds
 the most locks at that moment: it keeps its slots and forgets its keys.
 
@@ -37,10 +37,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from django_joblock.testing.redis_server import free_port  # noqa: E402
-from django_joblock.testing.topologies import ClusterNodes, SentinelGroup  # noqa: E402
 from tests.chaos.run import Chaos, finish, verdict  # noqa: E402
 from tests.harness import Proxy  # noqa: E402
+from tests.procs.redis_server import free_port  # noqa: E402
+from tests.procs.topologies import ClusterNodes, SentinelGroup  # noqa: E402
 
 HELD_BACK = 1.5  # seconds of locks the replica never hears of before the primary dies
 

@@ -42,9 +42,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from django_joblock.testing.redis_server import RedisServer, free_port  # noqa: E402
-from django_joblock.testing.workers import WorkerProcesses, joblock_worker_args  # noqa: E402
 from tests.harness import Proxy  # noqa: E402
+from tests.procs.redis_server import RedisServer, free_port  # noqa: E402
+from tests.procs.workers import WorkerProcesses, joblock_worker_args  # noqa: E402
 
 
 class Chaos:

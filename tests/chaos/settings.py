@@ -33,7 +33,7 @@ JOBLOCK = {
 # The failover run (tests/chaos/failover.py): locks on Redis Sentinel, queues on the Redis
 # above through django-rq.
 if os.environ.get("CHAOS_SENTINELS"):
-    from django_joblock.testing.topologies import sentinel_cache
+    from tests.procs.topologies import sentinel_cache
 
     SENTINELS = [
         (host, int(port))

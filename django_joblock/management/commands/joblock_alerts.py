@@ -12,8 +12,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_joblock.alerts import evaluate
 from django_joblock.backend import REDIS_ERRORS, no_answer
+from django_joblock.monitor.alerts import evaluate
 
 
 class Command(BaseCommand):

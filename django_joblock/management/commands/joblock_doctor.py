@@ -13,8 +13,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.backend import REDIS_ERRORS, no_answer
-from django_joblock.doctor import NotFound, diagnose, render
 from django_joblock.exceptions import InvalidResource
+from django_joblock.monitor.doctor import NotFound, diagnose, render
 
 
 class Command(BaseCommand):

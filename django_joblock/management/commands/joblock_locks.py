@@ -15,9 +15,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.backend import REDIS_ERRORS, no_answer
-from django_joblock.health import HEALTHY, LockHealth, lock_health
-from django_joblock.monitoring import active_locks, validate_family
-from django_joblock.young import with_young
+from django_joblock.locks.keys import validate_family
+from django_joblock.monitor.active import active_locks
+from django_joblock.monitor.health import HEALTHY, LockHealth, lock_health
 
 # Entries a family's index read may ask for (Redis takes 64-bit ranges; nobody reads more).
 MAX_LIMIT = 1_000_000
@@ -45,11 +45,7 @@ class Command(BaseCommand):
             except ValueError as exc:
                 raise CommandError(str(exc)) from exc
         try:
-            locks = with_young(
-                active_locks(family=options["family"], limit=options["limit"]),
-                options["family"],
-                per_family=options["limit"],
-            )
+            locks = active_locks(family=options["family"], limit=options["limit"])
             health = lock_health(locks)
         except REDIS_ERRORS as exc:
             raise CommandError(no_answer(exc)) from exc
@@ -57,8 +53,7 @@ class Command(BaseCommand):
         for active in locks:
             state = health.get(active.resource, LockHealth(HEALTHY))
             row = {**active.as_dict(), "health": state.state.value, "why": state.why}
-            for internal in ("read_ms",):
-                row.pop(internal, None)
+            row.pop("read_ms", None)
             rows.append(row)
         if options["stuck"]:
             rows = [row for row in rows if row["health"] != HEALTHY.value]

@@ -26,9 +26,10 @@ from django.db import connections
 from django.db.models import Q
 from django.utils import timezone
 
-from django_joblock import cleanup, conf
+from django_joblock import conf
 from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.models import IdempotencyRecord
+from django_joblock.monitor import cleanup
 
 
 def purgeable(now: datetime) -> Q:

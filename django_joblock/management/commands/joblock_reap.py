@@ -16,8 +16,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_joblock.backend import REDIS_ERRORS, no_answer
-from django_joblock.control import reap
 from django_joblock.exceptions import LockBackendUnavailable
+from django_joblock.monitor.control import reap
 
 
 class Command(BaseCommand):

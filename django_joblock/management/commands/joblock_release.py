@@ -17,8 +17,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from django_joblock.control import force_release
 from django_joblock.exceptions import LockBackendUnavailable
+from django_joblock.monitor.control import force_release
 
 
 class Command(BaseCommand):

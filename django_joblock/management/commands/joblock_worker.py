@@ -32,7 +32,7 @@ from django.utils.module_loading import import_string
 from rq.worker import BaseWorker
 
 from django_joblock.exceptions import JoblockConfigError
-from django_joblock.queues import get_queue, server_of
+from django_joblock.jobs.queues import get_queue, server_of
 from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 
 

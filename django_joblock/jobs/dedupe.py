@@ -1,0 +1,136 @@
+"""Duplicates stopped at enqueue: ``@locked_job(..., dedupe=True)`` (DESIGN §4.10).
+
+The RQ job id of a deduplicated job is derived from its idempotency key (and the job's dotted name,
+the key's scope): ``joblock-<40 hex digits of sha256>``, stable across processes and releases,
+in RQ's allowed characters. ``.delay()`` of a logical job whose RQ job is still *live*
+(queued, scheduled, deferred, parked by admission, or started) returns that job instead of
+enqueueing another; it is counted as ``blocked_at_enqueue``. A finished, failed, stopped or
+canceled job (or one RQ has expired) is enqueued again under the same id, without the expiry
+its end gave it, and its idempotency record then replays the stored result (or runs it again
+after a failure).
+
+Check-and-enqueue is made atomic per job id by a short guard key on the queue's connection
+(``SET NX PX``, compare-and-delete): a concurrent ``.delay()`` of the same logical job waits
+for the first to finish enqueueing (at most ``GUARD_TTL`` if that process died mid-way) and
+then finds the job live. Cost: three more round trips per such enqueue; none at run time.
+
+A job whose worker died while running stays ``started`` until RQ's maintenance notices
+(docs/jobs.md gives the bound); until then duplicates return it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rq.job import JobStatus
+
+from .. import conf, metrics
+from ..backend import Script
+from ..exceptions import JoblockError
+
+logger = logging.getLogger("django_joblock")
+
+# RQ statuses of a job that is still going to run (or running). rq 2.x lacks "rate_limited".
+LIVE = frozenset({"created", "queued", "started", "deferred", "scheduled", "rate_limited"})
+GUARD_TTL = 10.0  # seconds an enqueuer may hold the guard of one job id
+_POLL = 0.01
+
+_RELEASE_GUARD = Script(
+    """
+-- Release an enqueue guard we hold (compare-and-delete: it may have expired and been retaken
+-- by another enqueuer, whose guard a blind DEL would remove).
+-- KEYS[1] guard key
+-- ARGV[1] our token
+-- Returns 1 released, 0 not ours (any more).
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+)
+
+
+def job_id_for(scope: str, key: str) -> str:
+    """The RQ job id of the logical job ``key`` of the job named ``scope``."""
+    digest = hashlib.sha256(f"{scope}\x00{key}".encode()).hexdigest()[:40]
+    return f"joblock-{digest}"
+
+
+def _status(queue: Any, job_id: str) -> str | None:
+    raw = queue.connection.hget(queue.job_class.key_for(job_id), "status")
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def enqueue_once(
+    queue: Any,
+    job_id: str,
+    enqueue: Callable[[], Any],
+    *,
+    family: str,
+    func: str,
+) -> Any:
+    """``enqueue()`` unless job ``job_id`` is live on ``queue``; then return that job.
+
+    Raises :class:`~django_joblock.exceptions.JoblockError` if the guard could not be taken
+    within twice ``GUARD_TTL`` (another enqueuer keeps retaking it), and whatever RQ or Redis
+    raise.
+    """
+    client = queue.connection
+    guard = f"{conf.get().KEY_PREFIX}:enqueue:{job_id}"
+    token = secrets.token_hex(8)
+    deadline = time.monotonic() + 2 * GUARD_TTL
+    while True:
+        if client.set(guard, token, nx=True, px=int(GUARD_TTL * 1000)):
+            try:
+                status = _status(queue, job_id)
+                if status not in LIVE:
+                    if status is not None:
+                        _forget_last_end(queue, job_id, status)
+                    return enqueue()
+                existing = queue.fetch_job(job_id)
+            finally:
+                _RELEASE_GUARD(client, [guard], [token])
+        else:
+            existing = queue.fetch_job(job_id) if _status(queue, job_id) in LIVE else None
+        if existing is not None and existing.get_status(refresh=False) in LIVE:
+            return _blocked(existing, family, func)
+        if time.monotonic() > deadline:
+            raise JoblockError(
+                f"Could not enqueue job {job_id} of {func}: another process kept its enqueue "
+                f"guard {guard!r} for {2 * GUARD_TTL:g}s."
+            )
+        time.sleep(_POLL)
+
+
+def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
+    """Job ``job_id`` ended (finished, failed, stopped, canceled) and runs again under its id.
+
+    RQ's enqueue rewrites the job's hash field by field and keeps the expiry its end gave it
+    (``result_ttl``, ``failure_ttl``): without the ``PERSIST`` the new job would vanish from
+    Redis while it waits, parked or queued, and never run. Its old registry entry goes too.
+    """
+    if status == JobStatus.FAILED:
+        queue.failed_job_registry.remove(job_id)
+    elif status == JobStatus.FINISHED:
+        queue.finished_job_registry.remove(job_id)
+    old = queue.job_class(id=job_id, connection=queue.connection)
+    pipe = queue.connection.pipeline(transaction=False)
+    for key in (old.key, old.dependents_key, old.dependencies_key):
+        pipe.persist(key)
+    pipe.execute()
+
+
+def _blocked(job: Any, family: str, func: str) -> Any:
+    metrics.count("blocked_at_enqueue", family, func)
+    metrics.flush_now()  # an enqueuing web process may never flush otherwise
+    logger.info(
+        "duplicate .delay() of %s blocked at enqueue: job %s is %s",
+        func,
+        job.id,
+        job.get_status(refresh=False),
+        extra={"job_id": job.id, "outcome": "blocked_at_enqueue", "reason": "live job"},
+    )
+    return job

@@ -1,0 +1,153 @@
+"""The recent runs of each family: who held a resource, who waited, how each delivery ended.
+
+The article's first debugging question is "did the queue really deliver it twice?", and the
+dashboard's timeline shows who held a resource and who waited. Both read one structure: every
+run of a ``@locked_job`` by an RQ worker appends one :class:`Delivery` when it ends (its RQ job
+id and function, idempotency key, resource, worker, host and pid, start, duration, wait from
+enqueue, outcome, and for a duplicate in flight the job it ran beside).
+
+A Redis LIST per family, ``P:runs:<family>`` (the resource's family, else the idempotency
+key's), on the *queue's* connection beside RQ's jobs, written in the same round trip as the
+job's outcome (:mod:`.outcomes`), trimmed to the last :data:`KEPT` entries and expiring
+:data:`TTL` seconds after the last write. Losing it (a restart without persistence) loses
+history, never correctness: the idempotency record is what stops a second effect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from .. import conf
+from ..backend import REDIS_ERRORS, text
+from ..idempotency.inputs import key_family
+from ..locks.info import HOST
+from ..locks.keys import family
+
+KEPT = 1000  # runs kept per family (the newest)
+TTL = 86400  # seconds a family's history lives after its last run
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One run of a job: what it was about, who ran it, when, and how it ended."""
+
+    job_id: str
+    func: str
+    key: str  # the idempotency key ("" without one)
+    resource: str  # the resource its lock was on ("" without a lock)
+    worker: str
+    host: str
+    pid: int | None
+    started: float  # Unix seconds, the worker's clock
+    took: float  # seconds from the run's start to its end
+    outcome: str
+    waited: float | None = None  # seconds from enqueue to the start
+    duplicate_of: str = ""  # a duplicate in flight: the job it ran beside
+    timeout: float | None = None  # the RQ job's job_timeout (seconds; None: none or unknown)
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.took
+
+    @property
+    def family(self) -> str:
+        return family_of(self.resource, self.key)
+
+    @classmethod
+    def decode(cls, raw: Any) -> Delivery | None:
+        """An entry as stored, or None for one of an unexpected shape (another version)."""
+        try:
+            data = json.loads(text(raw))
+            found = cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        except (ValueError, TypeError, KeyError):
+            return None
+        times = (found.started, found.took)
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+            return None
+        return found
+
+
+def family_of(resource: str, key: str) -> str:
+    """The family whose history holds a run: its resource's, else its key's (bounded)."""
+    return family(resource) if resource else key_family(key)
+
+
+def _list_key(name: str) -> str:
+    return f"{conf.get().KEY_PREFIX}:runs:{name}"
+
+
+def entry(
+    job: Any,
+    outcome: str,
+    began: float,
+    waited: float | None,
+    *,
+    key: str | None,
+    resource: str | None,
+    duplicate_of: str = "",
+) -> Delivery:
+    """The entry of a run of ``job`` that began at monotonic ``began`` and ended now."""
+    took = time.monotonic() - began
+    limit = getattr(job, "timeout", None)
+    return Delivery(
+        job_id=str(job.id),
+        func=str(job.func_name or ""),
+        key=key or "",
+        resource=resource or "",
+        worker=str(getattr(job, "worker_name", "") or ""),
+        host=HOST,
+        pid=os.getpid(),
+        started=round(time.time() - took, 3),
+        took=round(took, 3),
+        outcome=outcome,
+        waited=None if waited is None else round(waited, 3),
+        duplicate_of=duplicate_of,
+        timeout=float(limit) if isinstance(limit, (int, float)) and limit > 0 else None,
+    )
+
+
+def add_calls(run: Delivery) -> list[list[Any]]:
+    """The commands that append ``run`` to its family's history, for the job's outcome round
+    trip on the queue's connection."""
+    name = _list_key(run.family)
+    return [
+        ["RPUSH", name, json.dumps(asdict(run), separators=(",", ":"))],
+        ["LTRIM", name, -KEPT, -1],
+        ["EXPIRE", name, TTL],
+    ]
+
+
+def read(clients: list[Any], name: str, *, since: float = 0.0) -> list[Delivery]:
+    """Family ``name``'s runs that ended after ``since`` (Unix seconds), from every client
+    (one per queue server and database), in the order they started. A Redis that does not
+    answer, and an entry of an unexpected shape, are left out: history is an aid, not state."""
+    found = []
+    for each in clients:
+        try:
+            raw = each.lrange(_list_key(name), 0, -1)
+        except REDIS_ERRORS:
+            continue
+        found += [run for run in map(Delivery.decode, raw) if run and run.ended >= since]
+    return sorted(found, key=lambda run: (run.started, run.job_id))
+
+
+def of_key(clients: list[Any], scope: str, key: str, resource: str = "") -> list[Delivery]:
+    """The runs of idempotency ``key`` of the job named ``scope`` (their resource, if known,
+    names the family they are kept under)."""
+    runs = read(clients, family_of(resource, key))
+    return [run for run in runs if run.key == key and run.func == scope]
+
+
+def summary(found: list[Delivery]) -> str:
+    """One line: how many deliveries (distinct RQ job ids) and runs, and what each run did."""
+    if not found:
+        return ""
+    outcomes: dict[str, int] = {}
+    for run in found:
+        outcomes[run.outcome] = outcomes.get(run.outcome, 0) + 1
+    shown = ", ".join(f"{n} {name}" for name, n in sorted(outcomes.items()))
+    return f"{len({run.job_id for run in found})} deliveries (RQ jobs), {len(found)} runs: {shown}"

@@ -1,0 +1,251 @@
+"""What ``@locked_job`` knows about one function: :class:`JobSpec`, its templates, its timeouts.
+
+Shared by :mod:`django_joblock.jobs` (enqueue side), :mod:`django_joblock.runner` (the work
+horse side) and the system checks, so that none of them imports another's internals.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import math
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import rq
+from rq.exceptions import TimeoutFormatError
+from rq.queue import Queue
+from rq.utils import parse_timeout
+
+from .. import conf
+from ..idempotency.inputs import validate_key
+from ..locks.keys import validate_resource
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class OnConflict(enum.StrEnum):
+    """What ``@locked_job`` does when its resource is busy after admission (``on_conflict``)."""
+
+    REQUEUE = "requeue"  # requeue with backoff + jitter; give up after max_wait as failed
+    SKIP = "skip"  # finish without running (counted and logged)
+    FAIL = "fail"  # raise LockNotAcquired
+
+
+CONFLICT_POLICIES = tuple(policy.value for policy in OnConflict)
+Template = str | Callable[..., str] | None
+
+
+@dataclass
+class JobSpec(Generic[P, R]):
+    """Everything ``@locked_job`` was told about one function."""
+
+    func: Callable[P, R]
+    queue: Any
+    lock: Template
+    idempotency_key: Template
+    ttl: float | None
+    heartbeat: bool
+    on_conflict: OnConflict
+    max_wait: float | None
+    on_lost: Callable[..., Any] | None
+    rq_options: dict[str, Any] = field(default_factory=dict)
+    atomic: bool = True
+    admission: bool = True
+    dedupe: bool = False
+
+    @property
+    def name(self) -> str:
+        """Dotted path RQ stores for the job (module + qualified name)."""
+        return f"{self.func.__module__}.{self.func.__qualname__}"
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        return inspect.signature(self.func)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied (TypeError if they do not
+        fit the function)."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from exc
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for param in self.signature.parameters.values():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(param.name, {}))
+        return arguments
+
+    def render(self, template: Template, arguments: dict[str, Any], what: str) -> str | None:
+        """Format ``template`` with the bound arguments; a clear error names what failed."""
+        if template is None:
+            return None
+        try:
+            value = template(**arguments) if callable(template) else template.format(**arguments)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"@locked_job {self.name}: cannot build the {what} from "
+                f"{template!r} with arguments {sorted(arguments)}: {exc!r}"
+            ) from exc
+        if not isinstance(value, str):
+            raise ValueError(f"@locked_job {self.name}: the {what} must be a str, got {value!r}")
+        return value
+
+    def resource(self, arguments: dict[str, Any]) -> str | None:
+        value = self.render(self.lock, arguments, "lock resource")
+        return None if value is None else validate_resource(value)
+
+    def key(self, arguments: dict[str, Any]) -> str | None:
+        """The idempotency key for these arguments, validated (``ValueError`` naming it)."""
+        value = self.render(self.idempotency_key, arguments, "idempotency key")
+        return None if value is None else validate_key(value, what=f"@locked_job {self.name}")
+
+    @property
+    def scope(self) -> str:
+        """Scope of the job's idempotency records: its dotted name."""
+        return self.name
+
+
+def _template_fields(template: str) -> set[str]:
+    fields = set()
+    for _literal, name, _spec, _conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        root = name.split(".", 1)[0].split("[", 1)[0]
+        if not root or root.isdigit():
+            raise ValueError(f"positional field {{{name}}} in {template!r}; use parameter names")
+        fields.add(root)
+    return fields
+
+
+def check_template(func: Callable[..., Any], template: Template, what: str) -> None:
+    if template is None or callable(template):
+        return
+    if not isinstance(template, str):
+        raise TypeError(
+            f"@locked_job {func.__qualname__}: {what} must be a str template, a "
+            f"callable or None, got {template!r}"
+        )
+    params = inspect.signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # any keyword may arrive; checked when the job is enqueued
+    try:
+        unknown = _template_fields(template) - set(params)
+    except ValueError as exc:
+        raise ValueError(f"@locked_job {func.__qualname__}: bad {what}: {exc}") from exc
+    if unknown:
+        raise ValueError(
+            f"@locked_job {func.__qualname__}: {what} {template!r} uses "
+            f"{', '.join(sorted(unknown))}, which {func.__qualname__}() does not take "
+            f"(parameters: {', '.join(params) or 'none'})"
+        )
+
+
+@dataclass(frozen=True)
+class TimeoutFinding:
+    """A W002 / W006 finding about one job and one RQ job timeout."""
+
+    id: str
+    message: str
+    hint: str
+
+
+@functools.cache
+def rq_option_names() -> frozenset[str]:
+    """The options the installed rq's ``Queue.enqueue`` takes besides the job's own arguments:
+    ``enqueue_call``'s parameters (``enqueue`` spells ``timeout`` as ``job_timeout``)."""
+    names = set(inspect.signature(Queue.enqueue_call).parameters)
+    return frozenset((names - {"self", "func", "args", "kwargs", "timeout"}) | {"job_timeout"})
+
+
+def check_rq_options(options: dict[str, Any], what: str) -> None:
+    """``ValueError`` naming an option RQ does not know, or a ``job_timeout`` RQ cannot use.
+
+    RQ's ``enqueue`` called with ``args=`` / ``kwargs=`` (as ``@locked_job`` calls it, so that a
+    job argument named ``description`` stays an argument) drops every other keyword without a
+    word: a typo such as ``job_timout=`` would leave the default timeout in force, and a job
+    argument passed to ``.enqueue()`` beside ``kwargs=`` would vanish.
+    """
+    unknown = sorted(set(options) - rq_option_names())
+    if unknown:
+        verb = "is not an option" if len(unknown) == 1 else "are not options"
+        raise ValueError(
+            f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
+            f"{', '.join(sorted(rq_option_names()))}), and RQ would drop it without a word. "
+            "The job's own arguments go in .delay(...) or .enqueue(args=(...), kwargs={...})."
+        )
+    if "job_timeout" in options:
+        parse_job_timeout(options["job_timeout"], what)
+
+
+def parse_job_timeout(value: Any, what: str) -> int | None:
+    """RQ's ``job_timeout`` in whole seconds (``None``: the queue's default, ``-1``: none), or
+    ``ValueError`` naming it: RQ's own ``TimeoutFormatError`` would surface only at enqueue
+    (or in a system check), and a timeout below 1 s is no timeout RQ can enforce."""
+    if value is None:
+        return None
+    seconds: int | None = None
+    problem = ""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        problem = f"a {type(value).__name__}"
+    elif isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        problem = "not a whole number of seconds"
+    else:
+        try:
+            seconds = parse_timeout(value)
+        except (TimeoutFormatError, ValueError, OverflowError) as exc:
+            problem = str(exc) or type(exc).__name__
+    if seconds is None or (seconds != -1 and seconds < 1):
+        raise ValueError(
+            f"{what}: job_timeout must be whole seconds of at least 1 (an int, or a str such "
+            f"as '90', '10m', '2h', '1d'), or -1 for none; got {value!r}"
+            + (f" ({problem})" if problem else "")
+        )
+    return int(seconds)
+
+
+def job_timeout(value: Any, queue: Any) -> float:
+    """RQ's timeout (s) for a job enqueued with ``job_timeout=value`` on ``queue``.
+
+    ``None`` means the queue's default; ``-1`` (RQ's "no timeout") is ``math.inf``. Strings
+    such as ``"10m"`` are parsed as RQ parses them.
+    """
+    seconds = parse_timeout(value)
+    if seconds is None:
+        seconds = parse_timeout(getattr(queue, "_default_timeout", None)) or 180
+    return math.inf if seconds == -1 else float(seconds)
+
+
+def timeout_findings(spec: JobSpec[Any, Any], timeout: float) -> list[TimeoutFinding]:
+    """W002 and W006 for ``spec`` running under an RQ job timeout of ``timeout`` seconds."""
+    current = conf.get()
+    shown = "none (-1)" if math.isinf(timeout) else f"{timeout:g}s"
+    found = []
+    ttl = spec.ttl if spec.ttl is not None else current.LOCK_TTL
+    if spec.lock is not None and not spec.heartbeat and ttl < timeout:
+        found.append(
+            TimeoutFinding(
+                "W002",
+                f"{spec.name}: lock TTL {ttl:g}s is shorter than its RQ job timeout {shown} with "
+                "heartbeat off: a slow run loses its lock to a second worker.",
+                "Turn heartbeat on, or make ttl longer than job_timeout.",
+            )
+        )
+    lease = current.IDEMPOTENCY_LEASE
+    if spec.lock is None and spec.idempotency_key is not None and timeout > lease:
+        found.append(
+            TimeoutFinding(
+                "W006",
+                f"{spec.name}: RQ job timeout {shown} is longer than IDEMPOTENCY_LEASE "
+                f"{lease:g}s and the job has no lock: a duplicate delivered after the lease "
+                "takes the claim over and runs while the first run still works.",
+                "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower job_timeout, "
+                "or give the job a lock.",
+            )
+        )
+    return found

@@ -1,0 +1,64 @@
+"""Fenced writes: the database rejects a write from a holder whose lock has been superseded.
+
+A lock alone cannot stop a paused holder (GC pause, SIGSTOP, a slow network) from writing after
+its lock expired and a new holder took over. Each acquisition carries a fence that is strictly
+greater than every earlier one for the resource; the row remembers the highest fence that wrote
+it, and a write with a lower (or equal) fence is refused by the ``UPDATE ... WHERE`` itself, so
+there is no read-then-write window.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from django.db import models
+from django.db.models import Max, Q
+
+from .. import metrics
+from ..exceptions import StaleFence
+from .info import job_context
+from .lock import current_lock
+
+_M = TypeVar("_M", bound=models.Model)
+
+
+def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> int:
+    """``UPDATE`` the rows of ``queryset`` whose ``lock_fence`` is NULL or below ``fence``.
+
+    Sets ``lock_fence = fence`` together with ``values`` in one statement and returns the number
+    of rows updated. Raises :class:`StaleFence` when no row qualified (a newer holder wrote
+    them, or the queryset matched nothing); the error carries the highest fence found.
+    Raises ``ValueError`` for a fence that is not a positive int (e.g. ``None`` from a lock that
+    was never acquired).
+    """
+    if isinstance(fence, bool) or not isinstance(fence, int) or fence <= 0:
+        raise ValueError(f"fenced_update: fence must be a positive int, got {fence!r}.")
+    if "lock_fence" in values:
+        raise ValueError(
+            "fenced_update: lock_fence is set from the fence argument; do not pass it in values."
+        )
+    updated = queryset.filter(Q(lock_fence__isnull=True) | Q(lock_fence__lt=fence)).update(
+        lock_fence=fence, **values
+    )
+    if updated == 0:
+        _count_rejection()
+        # Only on the rejection path: one more query so the error says what won.
+        current = queryset.aggregate(current=Max("lock_fence"))["current"]
+        model = queryset.model._meta.label
+        if current is None and not queryset.exists():
+            detail = "no row matched the queryset"
+        else:
+            detail = f"rows already carry fence {current}"
+        raise StaleFence(
+            f"Stale fence {fence} rejected for {model}: {detail}",
+            fence=fence,
+            current=current,
+        )
+    return updated
+
+
+def _count_rejection() -> None:
+    held = current_lock()
+    metrics.count(
+        "stale_fence_rejections", held.family if held is not None else "", job_context()[1]
+    )

@@ -1,0 +1,121 @@
+"""Resources, their families, owner hashes and the lock layer's Redis keys.
+
+A *resource* names the unit of exclusivity (``order:123``), never a job id: two deliveries of
+the same work carry different job ids but touch the same resource. Its *family* is the part
+before the first ``:`` (``order``); metrics and the dashboard group by family, never by
+resource id, so their cardinality stays bounded.
+
+Keys of one resource (``P`` = ``JOBLOCK["KEY_PREFIX"]``), all under its hash tag so that every
+key a script touches is in one Redis Cluster slot (a resource cannot contain braces)::
+
+    P:{order:123}:lock      HASH    token, fence, holder details (TTL = the lock's TTL)
+    P:{order:123}:fence     STRING  last fence issued (expires a day after the last acquire)
+    P:{order:123}:queue     ZSET    tickets of waiting acquires in arrival order
+    P:{order:123}:tickets   HASH    ticket -> its expiry and the details of a handed-over lock
+    P:{order:123}:wake:T    LIST    "fence next-ticket", pushed when the lock is handed to T
+    P:{order:123}:released  STRING  an operator's note on a release (locks/notes.py)
+
+Owners: the lock hash and fence counter :mod:`.scripts`, the line :mod:`.waiting`, the note
+:mod:`.notes`, the active-lock index (``P:active:<family>``, ``P:families``) :mod:`.index`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from ..exceptions import InvalidResource
+
+MAX_RESOURCE_LENGTH = 200
+_CHARS = "A-Za-z0-9_.:@/-"
+RESOURCE_RE = re.compile(rf"[{_CHARS}]{{1,{MAX_RESOURCE_LENGTH}}}\Z")
+# A family is a resource's part before its first ':' (no ':' itself).
+FAMILY_RE = re.compile(rf"[{_CHARS.replace(':', '')}]{{1,{MAX_RESOURCE_LENGTH}}}\Z")
+
+
+def validate_resource(resource: object) -> str:
+    """Return ``resource`` unchanged if valid, else raise :class:`InvalidResource` naming it."""
+    if not isinstance(resource, str):
+        raise InvalidResource(
+            f"Lock resource must be a str, got {type(resource).__name__}: {resource!r}."
+        )
+    if RESOURCE_RE.match(resource):
+        return resource
+    if not resource:
+        reason = "it is empty"
+    elif len(resource) > MAX_RESOURCE_LENGTH:
+        reason = f"it is {len(resource)} characters long (at most {MAX_RESOURCE_LENGTH})"
+    else:
+        bad = sorted({c for c in resource if not re.match(f"[{_CHARS}]", c)})
+        reason = f"it contains {''.join(bad)!r}; allowed: A-Z a-z 0-9 _ . : @ / -"
+    shown = resource if len(resource) <= 80 else resource[:77] + "..."
+    raise InvalidResource(f"Invalid lock resource {shown!r}: {reason}.")
+
+
+def validate_family(name: object) -> str:
+    """``name`` if it can be a family, else ``ValueError`` naming it."""
+    if not isinstance(name, str) or not FAMILY_RE.match(name):
+        raise ValueError(
+            f"Invalid family {repr(name)[:80]}: 1 to 200 characters from A-Z a-z 0-9 _ . @ / - "
+            "(the part of a resource before its first ':')."
+        )
+    return name
+
+
+def family(resource: str) -> str:
+    """The family of a resource: the part before its first ``:`` (``order:1`` -> ``order``)."""
+    return resource.split(":", 1)[0]
+
+
+def owner_hash(token: str) -> str:
+    """A short, stable, non-reversible name for an owner token, safe to log and display: what
+    "owner" means everywhere (the token itself is the secret)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+_OWNER_RE = re.compile(r"[0-9a-f]{12}\Z")
+
+
+def is_owner_hash(value: object) -> bool:
+    """True for a string shaped like :func:`owner_hash`'s result."""
+    return isinstance(value, str) and bool(_OWNER_RE.match(value))
+
+
+@dataclass(frozen=True)
+class LockKeys:
+    """The keys of one resource under one prefix."""
+
+    prefix: str
+    resource: str
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}:{{{self.resource}}}:{name}"
+
+    @property
+    def lock(self) -> str:
+        return self._key("lock")
+
+    @property
+    def fence(self) -> str:
+        return self._key("fence")
+
+    @property
+    def queue(self) -> str:
+        return self._key("queue")
+
+    @property
+    def tickets(self) -> str:
+        return self._key("tickets")
+
+    @property
+    def released(self) -> str:
+        return self._key("released")
+
+    def wake(self, ticket: str) -> str:
+        """The list the waiter holding ``ticket`` blocks on (pushed when handed the lock)."""
+        return self._key(f"wake:{ticket}")
+
+    @property
+    def family(self) -> str:
+        return family(self.resource)

@@ -1,0 +1,385 @@
+"""The one-per-process renewal thread: heartbeats, loss detection and index refreshes.
+
+Every lock a process acquires is registered here. One daemon thread, however many locks:
+
+- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching the renewals due
+  within a quarter interval into one round trip per Redis alias (at most :data:`BATCH` per
+  pipeline), earliest deadline first; each batch also refreshes the locks' entries in the
+  active-lock index (:mod:`.index`), scored by their new expiry;
+- HELD -> SUSPECT when a renewal fails (retried soon, logged once with its cause);
+  SUSPECT -> LOST when the token is gone or someone else's, when no renewal can be confirmed
+  before the local validity deadline (declared one socket timeout *before* it, so never
+  after the server may have let another holder in), or when ``max_hold`` stopped the
+  renewals and the lock ran out. On LOST: ``lock.lost``, the ``lock_lost`` signal, a warning
+  and ``on_lost`` (the lock changes its own state; this thread decides when);
+- refers to the locks *weakly*: a ``Lock`` nobody references any more (dropped without
+  release) is not renewed again; it expires after its TTL, and a warning names it;
+- flushes the process's buffered metrics once a second while there are any.
+
+Its client has short socket timeouts and no retries (``min(REDIS_TIMEOUT, TTL / 5)``, see
+:mod:`django_joblock.backend`), so a black-holed server is noticed and the lock declared LOST
+before its TTL could let another holder in. A failure inside the thread is logged and the
+loop goes on; a lock's own deadline keeps running out regardless.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from .. import conf, metrics
+from ..backend import client, send
+from ..logs import logger
+from . import index
+from .scripts import RENEW, Outcome
+from .state import LockState
+
+
+class Renewable(Protocol):
+    """What the renewal thread needs of a lock (a :class:`django_joblock.Lock`)."""
+
+    resource: str
+    key: str
+    alias: str
+    family: str
+    job_func: str
+    token: str
+    heartbeat: bool
+    heartbeat_interval: float
+    max_hold: float | None
+    state: LockState
+
+    @property
+    def ttl(self) -> float: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def owner(self) -> str: ...
+    @property
+    def valid_until(self) -> float: ...
+    @property
+    def hold_until(self) -> float: ...
+    def confirm_renewed(self, sent: float) -> None: ...
+    def mark_lost(self, reason: str) -> bool: ...
+    def announce_lost(self, reason: str) -> None: ...
+    def renewal_failed(self, exc: BaseException) -> None: ...
+
+
+COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pipeline
+BATCH = 2000  # renewals per pipeline, so one reply never approaches the socket timeout
+IDLE_POLL = 0.25  # seconds between wake-ups while nothing is held ...
+IDLE_STOP = 60.0  # ... for this long; after that the thread sleeps until a lock is added
+
+
+@dataclass
+class RenewalStats:
+    """Counters of this process's renewal thread (cumulative)."""
+
+    round_trips: int = 0
+    renewed: int = 0
+    renew_failed: int = 0
+    lost: int = 0
+    dropped: int = 0
+    cpu_seconds: float = 0.0
+
+
+@dataclass(eq=False)
+class Entry:
+    """One holding of one lock, as the thread schedules it (its lock referred to weakly)."""
+
+    ref: weakref.ReferenceType[Renewable]
+    lock_id: int  # id() of the lock: the registry key, valid while ``ref`` returns the lock
+    key: str
+    alias: str
+    interval: float
+    renew_due: float
+    failures: int = 0
+    in_flight: bool = False
+
+
+_Work = tuple[Entry, Renewable]
+
+
+class Renewer:
+    """Registry of the locks held by this process, and the thread that keeps them.
+
+    Scheduling is a heap of ``(when, seq, entry)``; an entry is pushed again whenever its next
+    moment changes and stale heap items are skipped, so a wake-up costs O(k log n) for the k
+    locks due, and registering a lock wakes the thread only if it is due first.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._cond = threading.Condition()
+        self._entries: dict[int, Entry] = {}
+        self._heap: list[tuple[float, int, Entry]] = []
+        self._seq = itertools.count()
+        self._wake_at = math.inf
+        self._idle_since: float | None = None
+        self._thread: threading.Thread | None = None
+        self._timeouts: dict[str, float] = {}  # alias -> socket timeout of its renewals
+        self._stats = RenewalStats()
+
+    # -- registry -------------------------------------------------------------------------
+    def add(self, held: Renewable, *, renew_within: float = math.inf) -> None:
+        """Start keeping ``held`` (just acquired); renew it first within ``renew_within``
+        seconds if that is sooner than its interval (a lock handed over by a release is valid
+        for less than its TTL until renewed)."""
+        now = time.monotonic()
+        interval = held.heartbeat_interval
+        entry = Entry(
+            ref=weakref.ref(held),
+            lock_id=id(held),
+            key=held.key,
+            alias=held.alias,
+            interval=interval,
+            renew_due=now + min(interval, renew_within) if held.heartbeat else math.inf,
+        )
+        wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5))
+        with self._cond:
+            self._entries[id(held)] = entry
+            self._timeouts[held.alias] = min(self._timeouts.get(held.alias, wanted), wanted)
+            when = self._schedule(entry, held)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="joblock-renewer", daemon=True
+                )
+                self._thread.start()
+            if when < self._wake_at:
+                self._cond.notify()
+
+    def remove(self, held: Renewable) -> None:
+        """Stop keeping ``held``."""
+        with self._cond:
+            entry = self._entries.get(id(held))
+            if entry is not None and entry.ref() is held:
+                del self._entries[entry.lock_id]
+
+    def held_locks(self) -> list[Renewable]:
+        """The locks this process holds (acquired, not yet released, lost or dropped)."""
+        with self._cond:
+            found = [entry.ref() for entry in self._entries.values()]
+        return [held for held in found if held is not None]
+
+    def stats(self) -> RenewalStats:
+        with self._cond:
+            return replace(self._stats)
+
+    # -- thread ---------------------------------------------------------------------------
+    def _schedule(self, entry: Entry, held: Renewable) -> float:
+        """Push ``entry`` at its next moment (caller holds the condition)."""
+        when = min(self._give_up_at(entry, held), entry.renew_due)
+        heapq.heappush(self._heap, (when, next(self._seq), entry))
+        return when
+
+    def _give_up_at(self, entry: Entry, held: Renewable) -> float:
+        """When a lock must be declared lost at the latest: its local deadline, or, while its
+        renewals fail, one socket timeout before it (a renewal sent later could not be
+        confirmed in time)."""
+        if held.state is LockState.SUSPECT:
+            return held.valid_until - self._timeouts.get(entry.alias, 0.0)
+        return held.valid_until
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._step():
+                    return
+            except Exception:  # noqa: BLE001 - never die silently: log, back off, go on
+                logger.exception("django_joblock renewal thread error; continuing")
+                time.sleep(0.05)
+
+    def _step(self) -> bool:
+        started_cpu = time.thread_time()
+        metrics.flush_due(lambda: client(conf.get().REDIS_ALIAS))  # outside the condition
+        with self._cond:
+            if self.pid != os.getpid():
+                return False
+            now = time.monotonic()
+            lost, work, dropped = self._gather(now)
+            if not lost and not work and not dropped:
+                self._sleep(now)
+                return True
+            self._wake_at = -math.inf
+        for held, reason in lost:
+            held.announce_lost(reason)
+        del lost
+        for key in dropped:
+            logger.warning(
+                "lock %s was dropped while held (no release, no reference left): no longer "
+                "renewed, it expires within its TTL",
+                key,
+                extra={"lock_key": key, "outcome": "dropped"},
+            )
+        for alias, items in work.items():
+            for start in range(0, len(items), BATCH):
+                chunk = items[start : start + BATCH]
+                try:
+                    self._send(alias, chunk)
+                finally:
+                    with self._cond:
+                        for entry, held in chunk:
+                            entry.in_flight = False
+                            if self._entries.get(entry.lock_id) is entry:
+                                self._schedule(entry, held)
+        with self._cond:
+            self._stats.cpu_seconds += time.thread_time() - started_cpu
+        return True
+
+    def _gather(
+        self, now: float
+    ) -> tuple[list[tuple[Renewable, str]], dict[str, list[_Work]], list[str]]:
+        """Pop what is due (caller holds the condition): (lost, work per alias, dropped keys).
+
+        Everything due within a quarter interval of the first due lock joins one batch:
+        renewing a little early is harmless (renew replaces the TTL) and turns a stream of
+        deadlines into a few pipelines per interval. The batch is ordered by deadline.
+        """
+        lost: list[tuple[Renewable, str]] = []
+        work: dict[str, list[_Work]] = defaultdict(list)
+        dropped: list[str] = []
+        later: list[_Work] = []
+        horizon = now
+        if self._heap and self._heap[0][0] <= now:
+            horizon = now + COALESCE * self._heap[0][2].interval
+        while self._heap and self._heap[0][0] <= horizon:
+            entry = heapq.heappop(self._heap)[2]
+            if self._entries.get(entry.lock_id) is not entry or entry.in_flight:
+                continue  # released, lost, or already in this batch
+            held = entry.ref()
+            if held is None:  # nobody references the lock any more: let it expire
+                del self._entries[entry.lock_id]
+                self._stats.dropped += 1
+                dropped.append(entry.key)
+                continue
+            reason = self._lost_reason(entry, held, now)
+            if reason:
+                del self._entries[entry.lock_id]
+                if held.mark_lost(reason):
+                    self._stats.lost += 1
+                    lost.append((held, reason))
+                continue
+            if not (held.heartbeat and now < held.hold_until):
+                entry.renew_due = math.inf  # heartbeat off or max_hold reached
+            if entry.renew_due <= horizon:
+                entry.in_flight = True
+                work[entry.alias].append((entry, held))
+            else:
+                later.append((entry, held))
+        for entry, held in later:  # after the loop: each may be due within the horizon
+            self._schedule(entry, held)
+        return lost, work, dropped
+
+    def _sleep(self, now: float) -> None:
+        """Wait for the next due entry (caller holds the condition).
+
+        Stale heap items (released locks) are dropped first, so a stream of short holds does
+        not wake the thread. With nothing held it still wakes every ``IDLE_POLL`` seconds for
+        a while: registering a lock (due a heartbeat interval later) then need not
+        ``notify``, which keeps a thread switch off the acquire's hot path.
+        """
+        heap = self._heap
+        while heap and self._entries.get(heap[0][2].lock_id) is not heap[0][2]:
+            heapq.heappop(heap)
+        if heap:
+            self._idle_since = None
+            self._wake_at = heap[0][0]
+        else:
+            self._idle_since = now if self._idle_since is None else self._idle_since
+            self._wake_at = now + IDLE_POLL if now - self._idle_since < IDLE_STOP else math.inf
+        if metrics.pending():
+            self._wake_at = min(self._wake_at, now + metrics.FLUSH_INTERVAL)
+        self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
+        self._wake_at = -math.inf  # awake: add() need not notify
+
+    def _lost_reason(self, entry: Entry, held: Renewable, now: float) -> str:
+        if now >= held.valid_until:
+            if not held.heartbeat:
+                return "ttl expired (heartbeat off)"
+            if now >= held.hold_until:
+                return f"max_hold ({held.max_hold:g}s) reached"
+            return "no renewal confirmed before the validity deadline"
+        if held.state is LockState.SUSPECT and now >= self._give_up_at(entry, held):
+            return f"renewals failing ({entry.failures} in a row) up to the validity deadline"
+        return ""
+
+    def _send(self, alias: str, items: list[_Work]) -> None:
+        """One round trip: the renewals, earliest deadline first, then the index refresh. Never
+        retried here: a failure makes the locks SUSPECT, and they are retried soon."""
+        items.sort(key=lambda item: item[1].valid_until)
+        calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
+        calls += index.add_calls(
+            conf.get().KEY_PREFIX, [(held.resource, held.owner, held.ttl) for _, held in items]
+        )
+        sent = time.monotonic()
+        try:
+            replies = send(client(alias, self._timeouts[alias]), calls)
+        except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
+            replies = [exc] * len(items)
+        lost: list[tuple[Renewable, str]] = []
+        renewed: dict[tuple[str, str], int] = defaultdict(int)
+        with self._cond:
+            self._stats.round_trips += 1
+            for (entry, held), reply in zip(items, replies, strict=False):
+                if self._entries.get(entry.lock_id) is not entry:
+                    continue  # released (or lost) while the pipeline was in flight
+                if isinstance(reply, Exception):
+                    self._stats.renew_failed += 1
+                    metrics.count("renew_failed", held.family, held.job_func)
+                    entry.failures += 1
+                    held.renewal_failed(reply)
+                    # Retry soon, but do not hammer a server that just timed out.
+                    entry.renew_due = time.monotonic() + min(
+                        entry.interval / 2, max(0.02, self._timeouts[alias] / 2)
+                    )
+                elif reply == Outcome.OK:
+                    held.confirm_renewed(sent)
+                    entry.failures = 0
+                    entry.renew_due = sent + entry.interval
+                    renewed[(held.family, held.job_func)] += 1
+                else:
+                    reason = Outcome(reply).reason
+                    del self._entries[entry.lock_id]
+                    if held.mark_lost(reason):
+                        self._stats.lost += 1
+                        lost.append((held, reason))
+            self._stats.renewed += sum(renewed.values())
+        for (family, func), count in renewed.items():
+            metrics.count("renewed", family, func, count)
+        for held, reason in lost:
+            held.announce_lost(reason)
+
+
+_renewer: Renewer | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """This process's :class:`Renewer` (a new one after ``fork``)."""
+    global _renewer
+    current = _renewer
+    if current is not None and current.pid == os.getpid():
+        return current
+    with _renewer_lock:
+        if _renewer is None or _renewer.pid != os.getpid():
+            _renewer = Renewer()
+        return _renewer
+
+
+def _after_fork_in_child() -> None:
+    # The parent's registry (and its condition's lock, possibly held at fork time) is not
+    # ours: a forked child starts with an empty registry and its own thread.
+    global _renewer, _renewer_lock
+    _renewer = None
+    _renewer_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

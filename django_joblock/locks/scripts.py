@@ -1,0 +1,322 @@
+"""The lock's Lua scripts, each with a KEYS/ARGV/Returns header, and the meaning of their
+return codes (:class:`Outcome`, :func:`busy_pttl_ms`).
+
+Each script is atomic on the server, touches only the keys in its KEYS (one resource's keys,
+under its hash tag: Redis-Cluster-safe) and reads the server clock with ``TIME`` (Redis >= 5
+replicates script effects). Every script that writes checks its numeric arguments first: Redis
+does not roll a script back, so a bad TTL must fail before the lock hash is written, never
+between ``HSET`` and ``PEXPIRE`` (a lock without expiry).
+
+Waiting in line (WAIT, LEAVE and RELEASE's hand-over; the protocol is told in
+:mod:`.waiting`): a busy lock's waiters hold *tickets*, a sorted set in arrival order plus a hash
+of each ticket's expiry (server ms) and the details its lock is written with. A ticket whose
+waiter stopped refreshing it is dropped by the next script that finds it first in line. While
+live tickets wait, a free lock is theirs: ACQUIRE refuses newcomers, RELEASE hands the lock
+straight to the first live ticket.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .. import conf
+from ..backend import Script
+
+# The last fence of a resource lives this long after its last acquire. The fence is floored by
+# the server clock too, so a forgotten counter cannot make the next fence go backwards.
+FENCE_COUNTER_TTL_MS = 86_400_000
+# Largest TTL a script accepts (ms): the longest the settings and arguments allow.
+MAX_TTL_MS = int(conf.MAX_TTL * 1000)
+
+
+class Outcome(enum.IntEnum):
+    """Return codes of RENEW and RELEASE."""
+
+    OK = 1
+    GONE = 0
+    OTHER_OWNER = -1
+
+    @property
+    def reason(self) -> str:
+        return {1: "ok", 0: "expired", -1: "taken by another owner"}[self.value]
+
+
+def busy_pttl_ms(reply: int) -> int:
+    """The holder's remaining TTL (ms) encoded in a negative ACQUIRE reply."""
+    return -reply - 1
+
+
+def _check_ms(name: str, variable: str, argument: str) -> str:
+    """Lua that returns an error unless ``argument`` is an integer count of ms in range."""
+    return f"""
+local {variable} = tonumber({argument})
+if not {variable} or {variable} ~= math.floor({variable}) or {variable} < 1
+    or {variable} > {MAX_TTL_MS} then
+  return redis.error_reply('ERR joblock: {name} in ms must be an integer in 1..{MAX_TTL_MS}, got '
+    .. tostring({argument}))
+end
+"""
+
+
+_CHECK_TTL = _check_ms("ttl", "ttl_ms", "ARGV[2]")
+_NOW_MS = "local function now_ms(t) return tonumber(t[1]) * 1000 + math.floor(t[2] / 1000) end\n"
+
+# The first live ticket in line and its packed details (nil: nobody in line; '' when 100 dead
+# tickets were removed and the line is not known yet). Dead tickets found on the way go.
+_FIRST_LIVE = """
+local function first_live(queue, tickets, now)
+  for _ = 1, 100 do
+    local head = redis.call('ZRANGE', queue, 0, 0)[1]
+    if not head then return nil, nil end
+    local data = redis.call('HGET', tickets, head)
+    if data and cmsgpack.unpack(data) > now then return head, data end
+    redis.call('ZREM', queue, head)
+    redis.call('HDEL', tickets, head)
+  end
+  return '', nil
+end
+"""
+
+# Someone waits: the first ticket in line (or ''); the lock hash (KEYS[1]) says so with its
+# ``waiters`` field, which spares an uncontended release a look at the line.
+_FLAG_WAITERS = """
+local function flag_waiters(queue)
+  local first = redis.call('ZRANGE', queue, 0, 0)[1]
+  if not first then return '' end
+  redis.call('HSET', KEYS[1], 'waiters', 1)
+  return first
+end
+"""
+
+# Write the lock (KEYS[1]) for ``token`` with a new fence (KEYS[2]); returns the fence.
+# fence = max(counter + 1, server time in microseconds): strictly increasing per resource even
+# after the counter is lost (expiry, eviction, FLUSHDB, a restart without persistence), as long
+# as the server clock does not step backwards.
+_GRANT = """
+local function grant(t, token, ttl, fence_ttl, host, pid, job_id, job_func, worker)
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence_s = string.format('%d', now_us)
+  local last = tonumber(redis.call('SET', KEYS[2], fence_s, 'PX', fence_ttl, 'GET') or '0')
+  if last >= now_us then
+    fence_s = string.format('%d', last + 1)
+    redis.call('SET', KEYS[2], fence_s, 'PX', fence_ttl)
+  end
+  redis.call('HSET', KEYS[1], 'token', token, 'fence', fence_s, 'ttl_ms', ttl,
+    'host', host, 'pid', pid, 'job_id', job_id, 'job_func', job_func, 'worker', worker,
+    'acquired_ms', now_ms(t), 'renewed_ms', now_ms(t), 'renewals', 0)
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  return tonumber(fence_s)
+end
+"""
+
+ACQUIRE = Script(
+    """
+-- Acquire a lock if it is free (one try).
+-- KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] wait queue, KEYS[4] tickets
+-- ARGV[1] owner token, ARGV[2] ttl in ms (integer, 1..MAX), ARGV[3] fence counter ttl in ms,
+-- ARGV[4] host, ARGV[5] pid, ARGV[6] RQ job id, ARGV[7] job function, ARGV[8] worker
+-- Returns the fence (> 0) when acquired; when busy -1 - (holder's PTTL in ms), so <= -1 (-1
+-- also when the lock is free but live tickets wait: a newcomer never goes before them); an
+-- error, nothing written, for a bad ttl. Already ours (a retry whose first reply was lost):
+-- the same fence, the TTL set afresh.
+"""
+    + _CHECK_TTL
+    + _NOW_MS
+    + _GRANT
+    + _FIRST_LIVE
+    + """
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl ~= -2 then
+  local held = redis.call('HMGET', KEYS[1], 'token', 'fence')
+  if held[1] == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ttl_ms)
+    return tonumber(held[2])
+  end
+  if pttl == -1 then
+    -- A lock without expiry can only be left by a bug or a hand-made key: give it one.
+    redis.call('PEXPIRE', KEYS[1], ttl_ms)
+    pttl = ttl_ms
+  end
+  return -1 - math.max(pttl, 0)
+end
+local t = redis.call('TIME')
+if redis.call('EXISTS', KEYS[3]) == 1 and first_live(KEYS[3], KEYS[4], now_ms(t)) ~= nil then
+  return -1
+end
+return grant(t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+"""
+)
+
+WAIT = Script(
+    """
+-- Wait in line: take the lock if it is free and nobody live is ahead, else take or refresh
+-- this waiter's ticket (see django_joblock/locks/waiting.py).
+-- KEYS[1..4] as ACQUIRE, KEYS[5] this ticket's wake list
+-- ARGV[1..8] as ACQUIRE, ARGV[9] ticket, ARGV[10] ticket ttl in ms, ARGV[11] ttl in ms of a
+-- lock handed over to this ticket by a release, ARGV[12] '1' for the last try (leave the line
+-- when not acquired)
+-- Returns {fence, 0, first ticket in line or ''} when acquired (also when it already was
+-- ours: handed over, or a retry; the TTL set afresh); {0, holder's PTTL in ms (0: free but
+-- an earlier ticket's), 0 if first in line else 1 (-1 after a last try)} when not; an error,
+-- nothing written, for a bad ttl. The wake list is emptied: what is popped after this call
+-- was pushed by a hand-over that ran after it.
+"""
+    + _CHECK_TTL
+    + _check_ms("ticket ttl", "waiter_ttl", "ARGV[10]")
+    + _check_ms("hand-over ttl", "hand_ttl", "ARGV[11]")
+    + _NOW_MS
+    + _GRANT
+    + _FIRST_LIVE
+    + _FLAG_WAITERS
+    + """
+local ticket = ARGV[9]
+local t = redis.call('TIME')
+local function out()
+  redis.call('ZREM', KEYS[3], ticket)
+  redis.call('HDEL', KEYS[4], ticket)
+end
+redis.call('DEL', KEYS[5])
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl ~= -2 then
+  local held = redis.call('HMGET', KEYS[1], 'token', 'fence')
+  if held[1] == ARGV[1] then
+    out()
+    redis.call('PEXPIRE', KEYS[1], ttl_ms)
+    redis.call('HSET', KEYS[1], 'ttl_ms', ttl_ms)
+    return {tonumber(held[2]), 0, flag_waiters(KEYS[3])}
+  end
+  if pttl == -1 then
+    redis.call('PEXPIRE', KEYS[1], ttl_ms)
+    pttl = ttl_ms
+  end
+end
+local head = first_live(KEYS[3], KEYS[4], now_ms(t))
+if pttl == -2 then
+  if head == nil or head == ticket then
+    out()
+    local fence = grant(t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
+      ARGV[8])
+    return {fence, 0, flag_waiters(KEYS[3])}
+  end
+  pttl = 0
+end
+if ARGV[12] == '1' then
+  out()
+  return {0, pttl, -1}
+end
+if not redis.call('ZSCORE', KEYS[3], ticket) then
+  -- Arrival order: strictly after the last ticket in line.
+  local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+  local order = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if last[2] and tonumber(last[2]) >= order then order = tonumber(last[2]) + 1 end
+  redis.call('ZADD', KEYS[3], string.format('%d', order), ticket)
+end
+redis.call('HSET', KEYS[4], ticket, cmsgpack.pack(now_ms(t) + waiter_ttl, ARGV[1], hand_ttl,
+  ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]))
+-- Both keys live as long as their longest-lived ticket, and go with it.
+local keep = math.max(redis.call('PTTL', KEYS[3]), waiter_ttl)
+redis.call('PEXPIRE', KEYS[3], keep)
+redis.call('PEXPIRE', KEYS[4], keep)
+if pttl > 0 then redis.call('HSET', KEYS[1], 'waiters', 1) end
+if head == nil or head == ticket then return {0, pttl, 0} end
+return {0, pttl, 1}
+"""
+)
+
+LEAVE = Script(
+    """
+-- Leave the line: a waiting acquire that gave up or was interrupted.
+-- KEYS[1] lock hash, KEYS[2] wait queue, KEYS[3] tickets, KEYS[4] this ticket's wake list
+-- ARGV[1] owner token, ARGV[2] ticket
+-- Returns 1 when a lock handed over to this waiter (which it never learned of) was given
+-- back, else 0.
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[4])
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+)
+
+RENEW = Script(
+    """
+-- Renew a lock we own: *replace* its TTL (never add to it).
+-- KEYS[1] lock hash
+-- ARGV[1] owner token, ARGV[2] ttl in ms (integer, 1..MAX)
+-- Returns 1 renewed, 0 gone (expired/released), -1 held by another owner; an error, nothing
+-- written, for a bad ttl.
+"""
+    + _CHECK_TTL
+    + _NOW_MS
+    + """
+local owner = redis.call('HGET', KEYS[1], 'token')
+if owner == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ttl_ms)
+  redis.call('HSET', KEYS[1], 'renewed_ms', now_ms(redis.call('TIME')), 'ttl_ms', ttl_ms)
+  redis.call('HINCRBY', KEYS[1], 'renewals', 1)
+  return 1
+end
+if owner then return -1 end
+return 0
+"""
+)
+
+RELEASE = Script(
+    """
+-- Release a lock we own (compare-and-delete, never a blind DEL), or hand it over to the first
+-- live ticket in line.
+-- KEYS[1] lock hash; optional, in this order: KEYS[2] fence counter, KEYS[3] wait queue,
+-- KEYS[4] tickets (without them the line is not looked at), KEYS[5] the wake list of ARGV[2]
+-- ARGV[1] owner token, ARGV[2] the ticket the caller expects first in line ('' if none known)
+-- Returns 1 released, 0 gone (expired/released), -1 held by another owner. With live tickets
+-- in line the lock (ours, or gone) goes to the first of them: written with its token,
+-- details and hand-over ttl, and "fence next-ticket" pushed to its wake list. That needs the
+-- wake list in KEYS: when the first live ticket is not ARGV[2] (or KEYS[5] is missing),
+-- nothing is changed and that ticket is returned (a string), for the caller to ask again.
+"""
+    + _NOW_MS
+    + _GRANT
+    + _FIRST_LIVE
+    + _FLAG_WAITERS
+    + f"""
+local held = redis.call('HMGET', KEYS[1], 'token', 'waiters')
+local owner = held[1]
+if owner and owner ~= ARGV[1] then return -1 end
+local code = 0
+if owner then code = 1 end
+if KEYS[4] and (held[2] or (not owner and redis.call('EXISTS', KEYS[3]) == 1)) then
+  local t = redis.call('TIME')
+  local head, data = first_live(KEYS[3], KEYS[4], now_ms(t))
+  if head then
+    if head ~= ARGV[2] or not KEYS[5] then return head end
+    redis.call('ZREM', KEYS[3], head)
+    redis.call('HDEL', KEYS[4], head)
+    local _, token, hand_ttl, host, pid, job_id, job_func, worker = cmsgpack.unpack(data)
+    redis.call('DEL', KEYS[1])
+    local fence = grant(t, token, hand_ttl, {FENCE_COUNTER_TTL_MS}, host, pid, job_id,
+      job_func, worker)
+    local after = flag_waiters(KEYS[3])
+    redis.call('DEL', KEYS[5])
+    redis.call('LPUSH', KEYS[5], string.format('%d', fence) .. ' ' .. after)
+    redis.call('PEXPIRE', KEYS[5], hand_ttl)
+    return code
+  end
+end
+if owner then redis.call('DEL', KEYS[1]) end
+return code
+"""
+)
+
+READ = Script(
+    """
+-- Read a lock as one snapshot on its own server (Redis Cluster: the node of its slot).
+-- KEYS[1] lock hash
+-- Returns {server seconds, microseconds (TIME), PTTL in ms, HGETALL's field, value list}.
+-- Read-only.
+local t = redis.call('TIME')
+return {t[1], t[2], redis.call('PTTL', KEYS[1]), redis.call('HGETALL', KEYS[1])}
+"""
+)

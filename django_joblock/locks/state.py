@@ -1,0 +1,176 @@
+"""A lock's local view of one holding: its state and deadlines, by the local monotonic clock.
+
+:class:`~django_joblock.Lock` extends this with the Redis operations; it alone changes its
+state (the renewal thread decides *when*, and calls it). The view is conservative: validity
+counts from the *send* time of the last confirmed acquire or renew, minus a clock-drift
+margin, so the holder believes the lock gone before the server lets anyone else in. It is per
+process too: in a forked child the parent's lock is neither held nor lost, it is the parent's.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import threading
+import time
+
+from ..exceptions import LockLost
+from .keys import owner_hash
+
+
+class LockState(enum.Enum):
+    """Life cycle: UNLOCKED -> HELD <-> SUSPECT -> LOST, and HELD/SUSPECT/LOST -> RELEASED."""
+
+    UNLOCKED = "unlocked"
+    HELD = "held"
+    SUSPECT = "suspect"  # renewals are failing; still valid until the local deadline
+    LOST = "lost"
+    RELEASED = "released"
+
+
+def drift(ttl: float) -> float:
+    """Safety margin (s) for clock drift between us and Redis: 1 % of the TTL + 2 ms."""
+    return ttl * 0.01 + 0.002
+
+
+class Holding:
+    """State, deadlines and owner of one lock, as its holder sees them (no I/O here)."""
+
+    resource: str
+    key: str
+    job_id: str
+    ttl: float
+    max_hold: float | None
+    token: str
+    fence: int | None
+    state: LockState
+    lost_reason: str
+    acquired_at: float | None  # monotonic send time of the acquire that took the lock
+    # The process that acquired the lock (0: never). Another pid is a forked child holding a
+    # copy of this object: the lock is its parent's, not its own.
+    pid: int
+    # Local validity deadline (monotonic): send time of the last confirmed acquire/renew +
+    # ttl - drift. Written by the renewal thread, read by the owner (float stores are atomic).
+    _valid_until: float
+    _hold_until: float  # max_hold as a monotonic deadline: no renewal after it
+    _owner: tuple[str, str]
+    _transition: threading.Lock
+
+    def _reset_view(self) -> None:
+        # The owner's thread and the renewal thread can both find the lock lost at once: each
+        # check-and-set runs under this guard, so a loss is marked (and announced) once.
+        self._transition = threading.Lock()
+        self.fence = None
+        self.state = LockState.UNLOCKED
+        self.lost_reason = ""
+        self.acquired_at = None
+        self.pid = 0
+        self._valid_until = 0.0
+        self._hold_until = math.inf
+        self._owner = ("", "")
+
+    def _begin(self, fence: int, sent: float, *, valid_for: float | None = None) -> None:
+        """Record an acquisition confirmed by Redis, sent at monotonic time ``sent``, valid for
+        ``valid_for`` seconds when not its TTL (a lock handed over by a release lives a
+        shorter hand-over TTL until its first renewal)."""
+        valid_for = self.ttl if valid_for is None else valid_for
+        if self.pid != os.getpid():
+            # First holding in this process: a forked child may have copied the guard while
+            # the parent's renewal thread held it.
+            self._transition = threading.Lock()
+        self.fence = fence
+        self.acquired_at = sent
+        self.pid = os.getpid()
+        self._valid_until = sent + valid_for - drift(valid_for)
+        self._hold_until = math.inf if self.max_hold is None else sent + self.max_hold
+        self.lost_reason = ""
+        self.state = LockState.HELD
+
+    def confirm_renewed(self, sent: float) -> None:
+        """Record a renewal confirmed by Redis, sent at monotonic ``sent`` (SUSPECT -> HELD)."""
+        with self._transition:
+            self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
+            if self.state is LockState.SUSPECT:
+                self.state = LockState.HELD
+
+    def mark_suspect(self) -> bool:
+        """HELD -> SUSPECT (renewals are failing). True if the state changed."""
+        with self._transition:
+            if self.state is LockState.HELD:
+                self.state = LockState.SUSPECT
+                return True
+            return False
+
+    def mark_lost(self, reason: str) -> bool:
+        """HELD / SUSPECT -> LOST with ``reason``. True if the state changed (once per
+        holding); the caller then announces it (:meth:`Lock.announce_lost`)."""
+        with self._transition:
+            if self.state not in (LockState.HELD, LockState.SUSPECT):
+                return False
+            self.state = LockState.LOST
+            self.lost_reason = reason
+            return True
+
+    def mark_released(self) -> None:
+        """Any state -> RELEASED (``lost_reason`` is kept: ``lost`` still says so)."""
+        with self._transition:
+            self.state = LockState.RELEASED
+
+    @property
+    def valid_until(self) -> float:
+        """The local validity deadline (monotonic seconds)."""
+        return self._valid_until
+
+    @property
+    def hold_until(self) -> float:
+        """``max_hold`` as a monotonic deadline (``inf`` without one)."""
+        return self._hold_until
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl * 1000))
+
+    def _foreign(self) -> bool:
+        """True in another process than the one that acquired the lock (a forked child)."""
+        return self.pid != 0 and self.pid != os.getpid()
+
+    def remaining(self) -> float:
+        """Seconds of validity left by the local monotonic clock (0 when not held here)."""
+        if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
+            return 0.0
+        return max(0.0, self._valid_until - time.monotonic())
+
+    @property
+    def held(self) -> bool:
+        """True while acquired by this process, not released, not lost, and the local deadline
+        has not passed."""
+        return self.remaining() > 0.0
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock is known lost, or its local validity deadline has passed; stays
+        True after :meth:`release` (``lost_reason`` says why). False in a forked child."""
+        if self._foreign():
+            return False
+        if self.state is LockState.LOST:
+            return True
+        if self.state is LockState.RELEASED:
+            return bool(self.lost_reason)
+        return self.state in (LockState.HELD, LockState.SUSPECT) and self.remaining() <= 0.0
+
+    def _lost_error(self, reason: str) -> LockLost:
+        return LockLost(reason, resource=self.resource, key=self.key, owner=self.owner)
+
+    @property
+    def owner(self) -> str:
+        """Short hash of the current token: safe to log and show (the token is not)."""
+        if self._owner[0] != self.token:
+            self._owner = (self.token, owner_hash(self.token))
+        return self._owner[1]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Lock resource={self.resource!r} state={self.state.value} "
+            f"owner={self.owner} fence={self.fence}>"
+        )

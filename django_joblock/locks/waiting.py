@@ -1,0 +1,194 @@
+"""Waiting for a busy lock: a line of tickets in arrival order, handed the lock on release.
+
+A blocking acquire (``lock(..., wait=S)``) takes the lock if it is free and nobody waits;
+otherwise it takes a *ticket* (the WAIT script of :mod:`.scripts`) and sleeps in ``BLPOP`` (on a
+connection of :func:`~django_joblock.backend.blocking_client`) on its own wake list until it is
+its turn:
+
+- **Arrival order.** The lock goes to the oldest live ticket. While tickets are in line a free
+  lock is theirs: a newcomer, even with ``wait=0``, is refused and joins the end of the line.
+  A waiter's wait is therefore bounded by the work of those ahead of it.
+- **Handed over, not polled for.** The release script gives the lock straight to the first
+  live ticket (written with that waiter's token and details, with a fresh fence) and pushes
+  "fence, next ticket" to that waiter's wake list: the waiter wakes holding the lock, with no
+  round trip of its own, and a release wakes exactly one waiter. A release names the wake list
+  in its KEYS, so the releaser must know who is first: the ticket behind it when it got the
+  lock (returned by WAIT and by the hand-over). When someone else is first by then, the release
+  script changes nothing and says who, and the release runs again with that waiter's list
+  (:func:`release`); an uncontended release stays one round trip.
+- **Every block is bounded**: by the remaining wait; by a quarter of ``WAITER_TTL`` (at most
+  one second), after which the waiter refreshes its ticket; and, for the first in line,
+  by the holder's remaining TTL. A holder that dies (no release, so no hand-over) frees the
+  lock after its TTL and the first in line takes it then.
+- **A waiter never blocks the line for long.** One that gives up (its wait ran out, an
+  exception, an interrupt) leaves the line at once. One that dies (SIGKILL) or stops longer than
+  ``WAITER_TTL`` stops refreshing its ticket, which is dropped once expired, so it delays the line
+  by at most ``WAITER_TTL``. If the lock was handed to it meanwhile, it was handed over with a
+  TTL of at most ``WAITER_TTL`` (``hand_ttl``), so the same bound holds; a waiter that is alive
+  renews it to its full TTL (the renewal thread, soon after; without heartbeat, before
+  ``acquire()`` returns).
+
+The validity of a lock handed over counts, conservatively, from the send time of the waiter's
+last WAIT call: WAIT empties the wake list, so whatever is popped after it was pushed by a
+hand-over that ran after it.
+
+Failure modes: Redis unavailable raises (redis-py's errors, mapped by the caller). The ticket
+then stays until it expires, and the same ``Lock`` calling ``acquire()`` again keeps its place
+(its ticket is its owner hash, stable until it acquires) or finds the lock already handed to
+it. A wake-up cannot be lost to a releaser that dies: the hand-over is done by the release
+script itself, atomically with the release.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, NamedTuple
+
+from .. import conf
+from ..backend import MAX_BLOCK, REDIS_ERRORS, blocking_client, is_cluster, send, text
+from .keys import LockKeys
+from .scripts import LEAVE, RELEASE, RENEW, WAIT, Outcome
+
+# A release finding someone unexpected first in line asks again at most this many times (each
+# time the line changed under it), then releases without handing over: the first in line
+# then notices within a quarter of WAITER_TTL.
+HAND_OVER_TRIES = 3
+
+# Waiters blocked right now in this process, per alias: the last one to leave closes the idle
+# blocking connections (one was opened per concurrent waiter).
+_waiters: dict[str, int] = {}
+_waiters_guard = threading.Lock()
+
+
+class Turn(NamedTuple):
+    """What :func:`wait_in_line` ended with.
+
+    ``reply``: the fence (> 0) when acquired, else ACQUIRE's "busy" code (-1 - holder's PTTL in
+    ms). ``sent``: monotonic send time of the call from which the lock's validity counts.
+    ``valid_for``: seconds of validity from ``sent`` (the hand-over TTL), or None for the
+    lock's full TTL. ``next_ticket``: who was first in line behind this holder ("" if nobody).
+    """
+
+    reply: int
+    sent: float
+    valid_for: float | None
+    next_ticket: str
+
+
+def lock_keys(keys: LockKeys) -> list[str]:
+    """The keys ACQUIRE and RELEASE are called with (before a wake list)."""
+    return [keys.lock, keys.fence, keys.queue, keys.tickets]
+
+
+def wait_in_line(
+    client: Any,
+    alias: str,
+    keys: LockKeys,
+    ticket: str,
+    args: list[Any],
+    deadline: float,
+    *,
+    confirm: bool,
+) -> Turn:
+    """Take the lock of ``keys``, waiting in line until the monotonic ``deadline``.
+
+    ``ticket`` names this waiter in line (the lock's owner hash); ``args`` are the ACQUIRE
+    script's arguments (token, ttl in ms, fence ttl, holder details). A lock handed over with a
+    shorter TTL than its own is renewed to its TTL before returning when ``confirm`` (no
+    heartbeat), else the caller's heartbeat must renew it within ``Turn.valid_for``. When the
+    wait runs out, the last try also leaves the line. Redis errors propagate; anything else
+    raised while waiting (a signal handler's exception, ``KeyboardInterrupt``) leaves the line
+    first, giving back a lock handed over meanwhile.
+    """
+    waiter_ttl = conf.get().WAITER_TTL
+    waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
+    hand_ttl_ms = min(int(args[1]), waiter_ttl_ms)
+    refresh = min(waiter_ttl / 4, MAX_BLOCK)
+    wake = keys.wake(ticket)
+    script_keys = [*lock_keys(keys), wake]
+    script_args = [*args, ticket, waiter_ttl_ms, hand_ttl_ms]
+    blocking = blocking_client(alias)
+    failed_blocks = 0
+    with _waiters_guard:
+        _waiters[alias] = _waiters.get(alias, 0) + 1
+    try:
+        while True:
+            sent = time.monotonic()
+            last = sent >= deadline
+            fence, pttl_ms, place = WAIT(client, script_keys, [*script_args, int(last)])
+            if fence > 0:
+                return Turn(int(fence), sent, None, text(place))
+            if last:
+                return Turn(-1 - int(pttl_ms), sent, None, "")
+            now = time.monotonic()
+            if now >= deadline:
+                continue  # one last try, which also leaves the line
+            block = min(deadline - now, refresh)
+            if place == 0:  # first in line: the holder's TTL may run out before a hand-over
+                block = min(block, int(pttl_ms) / 1000 + 0.001)
+            try:
+                popped = blocking.blpop([wake], timeout=max(0.001, round(block, 3)))
+                failed_blocks = 0
+            except REDIS_ERRORS:
+                # The connection failed while blocked (a restart, say): the next WAIT tells
+                # whether Redis is back (and finds a lock handed over meanwhile). Twice in a
+                # row while WAIT works: give up.
+                failed_blocks += 1
+                if failed_blocks > 1:
+                    raise
+                continue
+            if popped is None:
+                continue
+            fence_s, _, after = text(popped[1]).partition(" ")
+            short = hand_ttl_ms < int(args[1])
+            valid_for = hand_ttl_ms / 1000
+            # Renew it here when no heartbeat will, or when this process woke so late that
+            # half the hand-over's validity is gone (then it is not safe to use as is).
+            if (short and confirm) or time.monotonic() - sent >= valid_for / 2:
+                renewed = time.monotonic()
+                if RENEW(client, [keys.lock], [args[0], args[1]]) != Outcome.OK:
+                    continue  # it ran out before we could renew it: wait on
+                return Turn(int(fence_s), renewed, None, after)
+            return Turn(int(fence_s), sent, valid_for if short else None, after)
+    except REDIS_ERRORS:
+        raise  # the ticket expires on its own; a retry by the same Lock keeps the place
+    except BaseException:
+        try:  # leave the line now; a ticket left behind expires after WAITER_TTL
+            LEAVE(client, [keys.lock, keys.queue, keys.tickets, wake], [args[0], ticket])
+        except REDIS_ERRORS:
+            pass
+        raise
+    finally:
+        with _waiters_guard:
+            _waiters[alias] -= 1
+            last = not _waiters[alias]
+        if last and not is_cluster(blocking):
+            blocking.connection_pool.disconnect(inuse_connections=False)
+
+
+def release(
+    client: Any, keys: LockKeys, token: str, expected: str, also: list[Any]
+) -> tuple[Outcome, list[Any]]:
+    """Release the lock held with ``token``, handing it to the first live ticket in line.
+
+    ``expected`` is the ticket the holder believes first in line ("" if none known); ``also``
+    are commands (:func:`~django_joblock.backend.send` calls) sent in the first round trip.
+    Returns the outcome and the replies to ``also``. One round trip when nobody waits or
+    ``expected`` is right; one more each time the line changed under it.
+    """
+    answers: list[Any] = []
+    for attempt in range(HAND_OVER_TRIES + 1):
+        if attempt < HAND_OVER_TRIES:
+            script_keys = lock_keys(keys) + ([keys.wake(expected)] if expected else [])
+        else:  # give up handing over: the first in line notices within a quarter WAITER_TTL
+            script_keys = [keys.lock]
+        reply, *replies = send(client, [(RELEASE, script_keys, [token, expected]), *also])
+        if attempt == 0:
+            answers, also = replies, []
+        if isinstance(reply, Exception):
+            raise reply
+        if not isinstance(reply, (bytes, str)):
+            return Outcome(reply), answers
+        expected = text(reply)
+    raise AssertionError("unreachable: the last try does not look at the line")

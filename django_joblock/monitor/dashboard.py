@@ -1,0 +1,252 @@
+"""Everything the "Job locks" admin page shows, gathered from :mod:`monitoring` and
+:mod:`health` (the admin only renders it).
+
+Cost is bounded whatever the size: per-family ``ZCARD`` for counts, at most ``LOCK_ROWS``
+index entries read in detail, 60 metric buckets in one pipeline, an indexed query for stuck
+idempotency claims, RQ's started registries read without cleanup, and one family's history
+(at most ``history.KEPT`` entries per queue server). No ``SCAN``, no ``COUNT(*)`` over the
+idempotency table.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .. import metrics
+from ..jobs import history
+from ..locks import index
+from ..locks.keys import family as family_of
+from . import active, alerts
+from .charts import Chart, bar_chart, minute_chart, timeline_chart
+from .health import (
+    DEAD,
+    HEALTHY,
+    Health,
+    lock_health,
+    queue_connections,
+    stuck_claims,
+    stuck_jobs,
+)
+
+LOCK_ROWS = 100  # active locks shown in detail (per page render)
+CHART_MINUTES = 60
+TIMELINE_MINUTES = 10
+TIMELINE_ROWS = 12  # resources drawn on the timeline (the most recently active)
+
+
+def build(
+    family: str | None = None,
+    health_filter: str | None = None,
+    *,
+    claims: bool = True,
+    timeline_of: str | None = None,
+) -> dict[str, Any]:
+    """The dashboard's context: cards, charts, the timeline, active locks, stuck work, alerts.
+
+    ``family`` must be a family name (validated by the caller), ``health_filter`` one of the
+    :class:`~django_joblock.health.Health` values; ``claims=False`` leaves out the stuck
+    idempotency claims (for users who may not see idempotency records). ``timeline_of`` is a
+    family or a resource (validated by the caller; a resource contains ``:``); by default the
+    timeline shows the family with the most contention in the last hour.
+    """
+    started = time.perf_counter()
+    hour = metrics.window(3600)
+    counts = index.active_counts()
+    active_total = sum(counts.values())
+    attempts = hour.total("acquire_attempts")
+    contended = hour.total("contended")
+    fams = sorted(set(counts) | hour.families())
+    contention = [
+        (
+            fam,
+            hour.total("contended", fam) / hour.total("acquire_attempts", fam) * 100,
+            f"{hour.total('contended', fam)}/{hour.total('acquire_attempts', fam)}",
+        )
+        for fam in fams
+        if hour.total("acquire_attempts", fam)
+    ]
+    holds = []
+    for fam in fams:
+        merged = hour.merged_histogram("hold_seconds", fam)
+        p95, p99 = metrics.percentile(merged, 0.95), metrics.percentile(merged, 0.99)
+        if p95 is not None and p99 is not None:
+            holds.append((fam, p99, f"p95 ≤ {p95:g}s, p99 ≤ {p99:g}s"))
+    waits = []
+    for fam in fams:
+        merged = hour.merged_histogram("start_wait_seconds", fam)
+        p50, p99 = metrics.percentile(merged, 0.5), metrics.percentile(merged, 0.99)
+        if p50 is not None and p99 is not None:
+            waits.append((fam, p99, f"p50 ≤ {p50:g}s, p99 ≤ {p99:g}s"))
+    everywhere = hour.merged_histogram("start_wait_seconds")
+    wait_p50 = metrics.percentile(everywhere, 0.5)
+    wait_p99 = metrics.percentile(everywhere, 0.99)
+    charts = [
+        bar_chart(
+            "Contention per family (last hour)",
+            [(f, v, f"{v:.0f}% ({t})") for f, v, t in contention],
+            axis="% of acquires that found the lock busy",
+        ),
+        minute_chart(
+            "Requeues for contention per minute",
+            metrics.per_minute("requeued", CHART_MINUTES),
+            axis="requeues",
+        ),
+        minute_chart(
+            "Failed runs per minute",
+            metrics.per_minute("failed_runs", CHART_MINUTES),
+            axis="failed runs",
+            note=f"{hour.total('rq_retries')} retried by RQ in the last hour",
+        ),
+        bar_chart(
+            "Hold time p95 / p99 per family (last hour)",
+            holds,
+            axis="seconds (p99 bucket bound)",
+            note="accurate to one histogram bucket",
+        ),
+        bar_chart(
+            "Active locks per family",
+            [(f, c, str(c)) for f, c in sorted(counts.items(), key=lambda item: -item[1])],
+            axis="locks held now",
+            empty="no active locks",
+        ),
+        minute_chart(
+            "Duplicates blocked by idempotency per minute",
+            metrics.per_minute("duplicates_blocked", CHART_MINUTES),
+            axis="duplicates",
+        ),
+        bar_chart(
+            "Wait from enqueue to start p50 / p99 per family (last hour)",
+            waits,
+            axis="seconds (p99 bucket bound)",
+            note="jobs parked behind a busy resource or requeued wait longer",
+        ),
+    ]
+    locks = active.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
+    health = lock_health(locks)
+    # Every lock read, before the health filter: a dead holder is stuck work whatever is shown.
+    dead_locks = []
+    rows = []
+    for held in locks:
+        state = health.get(held.resource)
+        row = {
+            "lock": held,
+            "health": state.state.value if state is not None else HEALTHY.value,
+            "why": state.why if state is not None else "",
+            "ttl_left": max(0.0, held.pttl_ms / 1000),
+        }
+        if row["health"] == DEAD.value:
+            dead_locks.append(row)
+        if health_filter and (state is None or state.state.value != health_filter):
+            continue
+        rows.append(row)
+    fired = alerts.evaluate()
+    cards = [
+        ("Active locks", active_total),
+        ("Families (now or 1 h)", len(fams)),
+        ("Contention (1 h)", f"{contended / attempts * 100:.0f}%" if attempts else "-"),
+        ("Requeues (1 h)", hour.total("requeued")),
+        ("Duplicates blocked (1 h)", hour.total("duplicates_blocked")),
+        ("Locks lost (1 h)", hour.total("lost")),
+        ("Renew failures (1 h)", hour.total("renew_failed")),
+        ("Jobs given up (1 h)", hour.total("given_up")),
+        (
+            "Failed runs / RQ retries (1 h)",
+            f"{hour.total('failed_runs')} / {hour.total('rq_retries')}",
+        ),
+        (
+            "Wait to start p50 / p99 (1 h)",
+            f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-",
+        ),
+    ]
+    target = timeline_of or _busiest(hour, counts)
+    return {
+        "cards": cards,
+        "charts": charts,
+        "timeline": _timeline(target) if target else None,
+        "timeline_of": target,
+        "job_types": job_types(hour),
+        "rows": rows,
+        "families": sorted(set(counts) | ({family} if family else set())),
+        "family": family or "",
+        "health_filter": health_filter or "",
+        "health_choices": [choice.value for choice in Health],
+        "shown": len(rows),
+        "shown_of": counts.get(family, 0) if family else active_total,
+        "shown_limit": LOCK_ROWS,
+        "stuck_jobs": stuck_jobs(),
+        "dead_locks": dead_locks,
+        "stuck_claims": stuck_claims() if claims else [],
+        "claims_shown": claims,
+        "alerts": fired,
+        "no_scheduler": [a for a in fired if a.name == "no_scheduler"],
+        "build_ms": (time.perf_counter() - started) * 1000,
+    }
+
+
+def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
+    """The family with the most contention in ``hour``, else the most active locks now."""
+    contended = {fam: hour.total("contended", fam) for fam in hour.families()}
+    if any(contended.values()):
+        return max(sorted(contended), key=lambda fam: contended[fam])
+    if counts:
+        return max(sorted(counts), key=lambda fam: counts[fam])
+    return next(iter(sorted(hour.families())), "")
+
+
+def _timeline(target: str) -> Chart:
+    """The timeline of a family, or of one resource (``target`` contains ``:``)."""
+    fam = family_of(target)  # a family is its own family
+    now = time.time()
+    spans = history.read(queue_connections(), fam, since=now - TIMELINE_MINUTES * 60)
+    if target != fam:
+        spans = [span for span in spans if span.resource == target]
+    return timeline_chart(
+        f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)",
+        spans,
+        now=now,
+        minutes=TIMELINE_MINUTES,
+        rows=TIMELINE_ROWS,
+        note="runs of @locked_job by workers: held, waited, busy, lost",
+    )
+
+
+# The counters of the per-job-type table, in its column order.
+JOB_TYPE_COUNTERS = (
+    "acquire_attempts",
+    "contended",
+    "requeued",
+    "given_up",
+    "duplicates_in_flight",
+    "duplicates_blocked",
+    "lost",
+    "near_timeout",
+    "failed_runs",
+    "rq_retries",
+)
+
+
+def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
+    """One row per (job function, family) seen in ``hour``: its acquires, contention,
+    requeues, give-ups, duplicates (in flight and blocked), losses, runs near their timeout
+    and p99 wait to start; busiest first. ``lock()`` calls outside a job have no function."""
+    labels = {label for name in JOB_TYPE_COUNTERS for label in hour.counters[name]}
+    labels |= set(hour.histograms["start_wait_seconds"])
+    rows = []
+    for fam, func in labels:
+        counts = {name: hour.counters[name].get((fam, func), 0) for name in JOB_TYPE_COUNTERS}
+        if not any(counts.values()):
+            continue
+        attempts = counts["acquire_attempts"]
+        wait = hour.histograms["start_wait_seconds"].get((fam, func))
+        p99 = metrics.percentile(wait, 0.99) if wait else None
+        rows.append(
+            {
+                "func": func or "(lock() outside a job)",
+                "family": fam,
+                **counts,
+                "busy": f"{counts['contended'] / attempts * 100:.0f}%" if attempts else "-",
+                "wait_p99": f"≤ {p99:g}s" if p99 is not None else "-",
+            }
+        )
+    return sorted(rows, key=lambda row: (-row["contended"], -row["requeued"], row["func"]))

@@ -1,0 +1,63 @@
+"""Prometheus export (``pip install django-joblock[prometheus]``).
+
+A custom collector that reads the all-time totals and the active-lock index from Redis at
+scrape time, so every process's events (short-lived work horses included) are in one place
+and no Prometheus client library state lives in the workers. Names follow Prometheus
+conventions: ``joblock_*``, counters end in ``_total``, durations in ``_seconds``. Labels are
+``family`` and ``function`` only: never a resource id, so cardinality stays bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from .. import metrics
+from ..locks.index import active_counts
+
+
+class JoblockCollector:
+    """Collector reading django-joblock's Redis metrics at scrape time."""
+
+    def collect(self) -> Iterator[Any]:
+        totals = metrics.totals()
+        bounds = [*(f"{b:g}" for b in metrics.BOUNDS), "+Inf"]
+        for metric in metrics.METRICS:
+            name = f"joblock_{metric.exported or metric.name}"
+            if metric.kind is metrics.COUNTER:
+                family = CounterMetricFamily(name, metric.help, labels=["family", "function"])
+                for (fam, func), value in sorted(totals.counters[metric.name].items()):
+                    family.add_metric([fam, func], value)
+                yield family
+                continue
+            histogram = HistogramMetricFamily(name, metric.help, labels=["family", "function"])
+            for (fam, func), counts in sorted(totals.histograms[metric.name].items()):
+                cumulative, running = [], 0
+                for bound, count in zip(bounds, counts, strict=True):
+                    running += count
+                    cumulative.append((bound, running))
+                histogram.add_metric(
+                    [fam, func], cumulative, totals.sums_us[metric.name][(fam, func)] / 1_000_000
+                )
+            yield histogram
+        active = GaugeMetricFamily(
+            "joblock_active_locks", "Locks held right now.", labels=["family"]
+        )
+        for fam, count in sorted(active_counts().items()):
+            active.add_metric([fam], count)
+        yield active
+
+
+def exposition() -> bytes:
+    """The text exposition format of the collector's metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JoblockCollector())
+    return generate_latest(registry)

@@ -1,0 +1,156 @@
+"""Helpers for the test suites of projects that use ``@locked_job`` (see docs/testing.md).
+
+- :func:`run_jobs` runs the jobs waiting on RQ queues *in the test process*, with the real
+  flow (lock, heartbeat, idempotency record, fence) and RQ's real requeue semantics: a job
+  requeued for contention is scheduled by RQ as usual, and ``run_jobs`` moves it back onto its
+  queue at once instead of waiting out the delay ("fast-forward"), until nothing is left.
+- :func:`no_locks_held` / :func:`assert_no_locks_held` fail a test that leaves a lock held by
+  this process (a ``Lock`` acquired and never released), naming the resources.
+
+They need a real Redis (the one the project's django-redis cache points at) and database
+writes that commit, i.e. ``TransactionTestCase`` or ``@pytest.mark.django_db(transaction=True)``:
+the job's transaction and the idempotency record commit as in production, and the outcome the
+job leaves in ``job.meta`` is written after that commit.
+
+Two submodules start real processes, for suites (this project's own), demos and benchmarks that
+need them; importing this package does not import them:
+
+- :mod:`django_joblock.testing.redis_server`: a throwaway ``redis-server`` on a free port that
+  its owner may stop, SIGKILL and restart (optionally with an fsync'ed append-only file);
+- :mod:`django_joblock.testing.workers`: ``joblock_worker`` (or any RQ worker) subprocesses,
+  each in a process group of its own with its log in a file, stopped together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rq import SimpleWorker
+from rq.job import Job, JobStatus
+
+from .jobs.admission import PARKED
+from .jobs.queues import get_queue
+from .locks.renewal import renewer
+
+MAX_ROUNDS = 100
+
+
+class InProcessWorker(SimpleWorker):
+    """RQ's in-process worker, leaving Django's database connections alone.
+
+    ``JoblockSimpleWorker`` closes stale connections around each job, as Django does around
+    requests; in a test that would close the test case's own connection (Django's test
+    client skips that step for the same reason). ``seen`` is called with every job it runs,
+    including jobs RQ promoted during the round (admission: a job parked behind the one
+    before it on its resource is pushed onto the queue when that one ends).
+    """
+
+    seen: Any = None
+
+    def execute_job(self, job: Job, queue: Any) -> Any:
+        if self.seen is not None:
+            self.seen([job.id])
+        return super().execute_job(job, queue)
+
+
+@dataclass
+class Run:
+    """What :func:`run_jobs` did: the jobs it saw (in the order first seen) and the rounds."""
+
+    jobs: list[Job] = field(default_factory=list)
+    rounds: int = 0
+    fast_forwarded: int = 0
+
+    def statuses(self) -> dict[str, JobStatus | None]:
+        """Job id -> its status now."""
+        return {job.id: job.get_status(refresh=True) for job in self.jobs}
+
+    def outcomes(self) -> dict[str, str | None]:
+        """Job id -> ``job.meta["joblock"]["outcome"]`` (ran, replayed, requeued, ...)."""
+        return {
+            job.id: job.get_meta(refresh=True).get("joblock", {}).get("outcome")
+            for job in self.jobs
+        }
+
+    @property
+    def pending(self) -> list[Job]:
+        """Jobs still queued or scheduled when the rounds ran out (e.g. a lock held forever)."""
+        waiting = {JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED, PARKED}
+        return [job for job in self.jobs if job.get_status(refresh=True) in waiting]
+
+
+def _waiting_ids(queue: Any) -> list[str]:
+    scheduled = queue.scheduled_job_registry.get_job_ids()
+    return [*queue.get_job_ids(), *scheduled]
+
+
+def _fast_forward(queue: Any) -> int:
+    """Move the queue's scheduled jobs (requeue delays) onto the queue now."""
+    registry = queue.scheduled_job_registry
+    moved = 0
+    for job_id in registry.get_job_ids():
+        try:
+            job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
+        except Exception:  # noqa: BLE001 - deleted meanwhile: nothing to run
+            registry.remove(job_id)
+            continue
+        registry.remove(job)
+        queue.enqueue_job(job)
+        moved += 1
+    return moved
+
+
+def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUNDS) -> Run:
+    """Run every job waiting on ``queues`` (names or ``rq.Queue``; default ``"default"``) in
+    this process, including the ones they requeue, and return what happened.
+
+    Each round drains the queues with an in-process RQ worker in burst mode; with
+    ``fast_forward`` the jobs RQ scheduled meanwhile (requeues for contention, ``Retry``
+    intervals) are moved onto their queue for the next round. It stops when nothing is left,
+    or after ``max_rounds`` (a job requeued for ever: ``Run.pending`` lists it). Jobs enqueued
+    with delays of their own (``enqueue_in``) are fast-forwarded too.
+    """
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+        raise ValueError(f"run_jobs(): max_rounds must be an int >= 1, got {max_rounds!r}.")
+    resolved = [get_queue(queue) for queue in (queues or ("default",))]
+    connection = resolved[0].connection
+    run = Run()
+    seen: set[str] = set()
+
+    def note(ids: list[str]) -> None:
+        for job_id in ids:
+            if job_id not in seen:
+                seen.add(job_id)
+                run.jobs.append(Job.fetch(job_id, connection=connection))
+
+    while run.rounds < max_rounds:
+        for queue in resolved:
+            note(_waiting_ids(queue))
+        run.rounds += 1
+        worker = InProcessWorker(resolved, connection=connection)
+        worker.seen = note
+        worker.work(burst=True, with_scheduler=False)
+        moved = sum(_fast_forward(queue) for queue in resolved) if fast_forward else 0
+        run.fast_forwarded += moved
+        if not moved and not any(queue.count for queue in resolved):
+            break
+    return run
+
+
+def assert_no_locks_held() -> None:
+    """Raise ``AssertionError`` naming every lock this process holds right now."""
+    held = renewer().held_locks()
+    if held:
+        names = ", ".join(sorted(f"{lock.resource} (owner {lock.owner})" for lock in held))
+        raise AssertionError(f"{len(held)} lock(s) left held: {names}")
+
+
+@contextlib.contextmanager
+def no_locks_held() -> Iterator[None]:
+    """Fail the block if it leaves a lock held (and none may be held when it starts)."""
+    assert_no_locks_held()
+    yield
+    assert_no_locks_held()

@@ -1,0 +1,147 @@
+"""``@locked_job(..., dedupe=True)`` (§4.10): a duplicate ``.delay()`` of a live logical job
+returns the existing job; after it finished, a new delivery is enqueued and replays."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+
+import pytest
+from rq.job import JOB_ID_PATTERN, JobStatus
+
+from django_joblock import lock, locked_job, metrics
+from django_joblock.jobs import admission
+from django_joblock.jobs.decorator import registry
+from django_joblock.jobs.dedupe import job_id_for
+from django_joblock.jobs.queues import get_queue
+from tests import admission_jobs
+from tests.harness import wait_for
+from tests.workers import Workers, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DONE = {JobStatus.FINISHED, JobStatus.FAILED}
+
+
+@pytest.fixture
+def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 2}}
+    crew = Workers(settings.JOBLOCK)
+    yield crew
+    crew.stop()
+
+
+def _blocked() -> int:
+    return metrics.totals().total("blocked_at_enqueue")
+
+
+def test_job_id_is_stable_and_in_rqs_characters():
+    job_id = job_id_for("shop.jobs.send", "receipt:42")
+    assert job_id == job_id_for("shop.jobs.send", "receipt:42")
+    assert job_id != job_id_for("shop.jobs.send", "receipt:43")
+    assert job_id != job_id_for("shop.jobs.other", "receipt:42"), "scoped by the job's name"
+    assert JOB_ID_PATTERN.fullmatch(job_id) and re.fullmatch(r"joblock-[0-9a-f]{40}", job_id)
+
+
+def test_dedupe_needs_a_key_and_no_job_id():
+    with pytest.raises(ValueError, match="dedupe=True needs an idempotency_key"):
+        locked_job("default", lock="x", dedupe=True)
+    with pytest.raises(ValueError, match="job_id"):
+        locked_job("default", idempotency_key="k", dedupe=True, job_id="mine")
+
+
+def test_the_old_unique_keyword_is_refused_with_its_new_name():
+    with pytest.raises(ValueError, match="renamed dedupe="):
+        locked_job("default", idempotency_key="k", unique=True)
+    with pytest.raises(ValueError, match="job_id='mine'"):
+        admission_jobs.send_once.enqueue((1, "x"), job_id="mine")
+
+
+def test_duplicates_return_the_live_job_while_queued_waiting_and_running(workers, rconn):
+    queue = get_queue("default")
+    # Queued (no worker yet).
+    first = admission_jobs.send_once.delay(10, "queued")
+    again = admission_jobs.send_once.delay(10, "queued")
+    assert again.id == first.id == job_id_for(admission_jobs.send_once.spec.name, "send:queued")
+    assert queue.count == 1 and _blocked() == 1
+    rconn.set("test:go:queued", 1)  # on SQLite its transaction would hold the others back
+    workers.start(scheduler=True)
+    workers.start()
+    # Waiting: another job holds resource 11 (parked by admission; scheduled on rq 2.x).
+    holder = admission_jobs.hot_hold.delay(11, "holder")
+    assert wait_for(lambda: rconn.get("test:pid:holder"), 20), workers.logs()
+    waiting = admission_jobs.send_once.delay(11, "waiting")
+    expected = {"rate_limited"} if admission.supported() else {"queued", "scheduled"}
+    assert wait_for(lambda: waiting.get_status(refresh=True) in expected, 20)
+    assert admission_jobs.send_once.delay(11, "waiting").id == waiting.id
+    # Requeued (scheduled): a lock() holder outside admission.
+    with lock("hot:13", ttl=10):
+        requeued = admission_jobs.send_once.delay(13, "requeued")
+        assert wait_status(requeued, {JobStatus.SCHEDULED}, 20), workers.logs()
+        assert admission_jobs.send_once.delay(13, "requeued").id == requeued.id
+    # Running.
+    running = admission_jobs.send_once.delay(12, "running")
+    assert wait_for(lambda: b"running" in rconn.lrange("test:sent", 0, -1), 20), workers.logs()
+    assert running.get_status(refresh=True) == JobStatus.STARTED
+    assert admission_jobs.send_once.delay(12, "running").id == running.id
+    assert _blocked() == 4
+    for flag in ("queued", "waiting", "requeued", "running", "holder"):
+        rconn.set(f"test:go:{flag}", 1)
+    for job in (first, holder, waiting, requeued, running):
+        assert wait_status(job, DONE, 40) is JobStatus.FINISHED, workers.logs()
+    sent = [raw.decode() for raw in rconn.lrange("test:sent", 0, -1)]
+    assert sorted(sent) == ["queued", "requeued", "running", "waiting"], "each sent once"
+
+
+def test_after_it_finished_a_duplicate_is_enqueued_again_and_replays(workers, rconn):
+    workers.start()
+    rconn.set("test:go:done", 1)
+    first = admission_jobs.send_once.delay(14, "done")
+    assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    again = admission_jobs.send_once.delay(14, "done")
+    assert again.id == first.id, "the same logical job keeps its id"
+    assert wait_status(again, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert again.get_meta(refresh=True)["joblock"]["outcome"] == "replayed"
+    assert again.return_value() == "sent done"
+    assert rconn.lrange("test:sent", 0, -1) == [b"done"], "the idempotency record replayed it"
+    assert _blocked() == 0
+
+
+def test_a_job_enqueued_again_does_not_keep_the_expiry_of_its_last_end(workers, rconn):
+    """Found by a deployment test: the new job vanished while it waited, never ran."""
+    rconn.set("test:go:short", 1)
+    first = admission_jobs.send_once.enqueue((15, "short"), result_ttl=3)
+    workers.start(burst=True).wait(30)  # gone before the job is enqueued again
+    assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert 0 < rconn.ttl(first.key) <= 3, "negative control: its end gave the job an expiry"
+    again = admission_jobs.send_once.delay(15, "short")  # waits for a worker past that expiry
+    assert again.id == first.id and rconn.ttl(again.key) == -1
+    wait_for(lambda: False, 4.0)
+    assert rconn.exists(again.key), "the job waiting for a worker is still there"
+    workers.start(burst=True)
+    assert wait_status(again, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert again.get_meta(refresh=True)["joblock"]["outcome"] == "replayed"
+
+
+def test_concurrent_duplicate_delays_enqueue_one_job(rconn):
+    queue = get_queue("default")
+    found: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def deliver() -> None:
+        barrier.wait()
+        found.append(admission_jobs.send_once.delay(15, "racing").id)
+
+    threads = [threading.Thread(target=deliver) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(found) == 8 and len(set(found)) == 1, found
+    assert queue.count == 1
+    assert _blocked() == 7
+
+
+def test_dedupe_job_in_the_registry_is_checked_like_the_others():
+    assert registry[admission_jobs.send_once.spec.name].dedupe is True
