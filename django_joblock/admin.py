@@ -12,8 +12,8 @@ Who sees what (Django's model permissions; superusers have them all):
 
 Every reflected value is escaped by the templates; a bad parameter is answered with a
 ``text/plain`` 400 naming it; a Redis that does not answer gives a 503 page saying so. Filters
-in the changelists accept lookups on displayed fields only (the claim token in ``owner`` is
-never shown, so it cannot be probed with ``?owner__startswith=``).
+in the changelists accept lookups on displayed fields only (a claim's ``token`` is never
+shown, so it cannot be probed with ``?token__startswith=``).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
     @admin.display(description="owner (hash)")
     def owner_short(self, obj: IdempotencyRecord) -> str:
-        return owner_hash(obj.owner) if obj.owner else ""
+        return owner_hash(obj.token) if obj.token else ""
 
 
 def _utc(seconds: float | None) -> str:

@@ -257,7 +257,7 @@ def pending() -> bool:
 def take_for_flush(*, force: bool) -> dict[str, int]:
     """Remove and return the buffer when ``force`` or a flush is due (else ``{}``)."""
     due = time.monotonic() - _recorder.last_flush >= FLUSH_INTERVAL
-    if not _recorder.pending or not (force or due):
+    if not (force or (due and _recorder.pending)):
         return {}
     with _recorder.lock:
         taken, _recorder.pending = dict(_recorder.pending), defaultdict(int)

@@ -52,11 +52,11 @@ class IdempotencyRecord(models.Model):
     # replayed) as strings.
     result = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     error = models.TextField(blank=True, default="")
-    owner = models.CharField(
+    token = models.CharField(
         max_length=64,
         blank=True,
         default="",
-        help_text="Token of the claim that holds (or held) the lease.",
+        help_text="Secret of the claim that holds (or held) the lease (never shown).",
     )
     fence = models.BigIntegerField(
         null=True, blank=True, help_text="Fence of the lock held when claimed, if any."

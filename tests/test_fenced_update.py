@@ -19,17 +19,27 @@ def test_first_write_sets_the_fence():
     assert (row.balance, row.lock_fence) == (5, 10)
 
 
-def test_higher_fence_wins_lower_and_equal_are_rejected():
+def test_higher_fence_wins_and_lower_is_rejected():
     Account.objects.create(name="a")
     qs = Account.objects.filter(name="a")
     fenced_update(qs, 20, balance=1)
-    for stale in (19, 20):
-        with pytest.raises(StaleFence) as info:
-            fenced_update(qs, stale, balance=99)
-        assert (info.value.fence, info.value.current) == (stale, 20)
+    with pytest.raises(StaleFence) as info:
+        fenced_update(qs, 19, balance=99)
+    assert (info.value.fence, info.value.current) == (19, 20)
     assert Account.objects.get(name="a").balance == 1
     assert fenced_update(qs, 21, balance=2) == 1
     assert Account.objects.get(name="a").balance == 2
+
+
+def test_a_holder_writes_its_rows_again_under_its_own_fence():
+    Account.objects.create(name="a")
+    qs = Account.objects.filter(name="a")
+    assert fenced_update(qs, 20, balance=1) == 1
+    assert fenced_update(qs, 20, balance=2) == 1, "the same holding: its second write goes in"
+    assert Account.objects.get(name="a").balance == 2
+    fenced_update(qs, 21, balance=3)
+    with pytest.raises(StaleFence):  # negative control: the older holding is refused now
+        fenced_update(qs, 20, balance=4)
 
 
 def test_empty_queryset_is_reported():

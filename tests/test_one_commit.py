@@ -205,7 +205,7 @@ def _values(key: str) -> dict[str, Any]:
         "status": "running",
         "result": None,
         "error": "",
-        "owner": "o",
+        "token": "o",
         "fence": None,
         "lock_resource": "",
         "rq_job_id": "",

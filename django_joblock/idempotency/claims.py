@@ -17,9 +17,9 @@ Protocol (no read-then-write window):
    an older fence of the very lock this claim holds now (that claimer lost the lock, so its
    claim is dead: taken over at once). Another fingerprint: :class:`IdempotencyKeyMismatch`.
    ``failed``, or ``running`` with an expired lease (its owner died): take it over with a
-   compare-and-set ``UPDATE`` on the owner, status and attempts just read; ``attempts`` goes
+   compare-and-set ``UPDATE`` on the token, status and attempts just read; ``attempts`` goes
    up by one. Losing that race reads again.
-3. ``claim.succeed(result)``: ``UPDATE ... WHERE owner = <this claim> AND status = 'running'``,
+3. ``claim.succeed(result)``: ``UPDATE ... WHERE token = <this claim's> AND status = 'running'``,
    one statement, inside the caller's transaction, so a rollback of the business write rolls
    the marker back too. If the lease was taken over meanwhile, it raises
    :class:`IdempotencyClaimLost` and writes nothing.
@@ -190,8 +190,23 @@ class Claim:
         return (
             _model()
             .objects.using(self.using)
-            .filter(pk=self.record_id, owner=self.token, status=RecordStatus.RUNNING)
+            .filter(pk=self.record_id, token=self.token, status=RecordStatus.RUNNING)
         )
+
+    def end(self, exc: BaseException | None) -> None:
+        """Leaving the claim's block: an exception marks the record failed; a ``succeed()``
+        rolled back with its transaction too; leaving without ``succeed()`` records ``None``.
+        A recorded success (or one that commits with an enclosing transaction) stays."""
+        if self.done:
+            return
+        if exc is not None:
+            self._fail(f"{type(exc).__name__}: {exc}")
+        elif self._committed or (self._succeed_called and connections[self.using].in_atomic_block):
+            return
+        elif self._succeed_called:
+            self._fail("succeed() was rolled back with its transaction")
+        else:
+            self.succeed(None)
 
     def _fail(self, error: str) -> None:
         now = timezone.now()
@@ -246,17 +261,8 @@ class Idempotent:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        held = self.claim
-        if held is None or held.done:
-            return
-        if exc is not None:
-            held._fail(f"{type(exc).__name__}: {exc}")
-        elif held._committed or (held._succeed_called and connections[self.using].in_atomic_block):
-            return  # recorded, or will be with the enclosing transaction
-        elif held._succeed_called:
-            held._fail("succeed() was rolled back with its transaction")
-        else:
-            held.succeed(None)
+        if self.claim is not None:
+            self.claim.end(exc)
 
 
 def idempotent(
@@ -306,7 +312,7 @@ def claim(
         "status": status,
         "result": None,
         "error": "",
-        "owner": token,
+        "token": token,
         "fence": fence,
         "lock_resource": resource,
         "rq_job_id": job_id,
@@ -387,10 +393,10 @@ def claim(
         taken = (
             model.objects.using(spec.using)
             .filter(
-                pk=row["id"], owner=row["owner"], status=row["status"], attempts=row["attempts"]
+                pk=row["id"], token=row["token"], status=row["status"], attempts=row["attempts"]
             )
             .update(
-                owner=token,
+                token=token,
                 status=status,
                 attempts=F("attempts") + 1,
                 error="",

@@ -117,7 +117,7 @@ def record_failure(spec: Idempotent, error: str) -> None:
         "status": RecordStatus.FAILED,
         "result": None,
         "error": error[:10_000],
-        "owner": "",
+        "token": "",
         "fence": None,
         "lock_resource": "",
         "rq_job_id": job_context()[0],

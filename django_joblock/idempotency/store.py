@@ -38,7 +38,7 @@ ROW_FIELDS = (
     "id",
     "status",
     "fingerprint",
-    "owner",
+    "token",
     "attempts",
     "lease_expires_at",
     "result",
@@ -112,8 +112,8 @@ def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
     return None if row is None else int(row[0])
 
 
-def set_result(model: Any, using: str, record_id: int, owner: str, result: Any) -> None:
-    """``UPDATE`` the result of record ``record_id`` (still owned by ``owner``): one statement
+def set_result(model: Any, using: str, record_id: int, token: str, result: Any) -> None:
+    """``UPDATE`` the result of record ``record_id`` (still claimed with ``token``): one statement
     without the ORM's compilation, on the hot path of every job with a result."""
     connection = connections[using]
     meta = model._meta
@@ -121,10 +121,10 @@ def set_result(model: Any, using: str, record_id: int, owner: str, result: Any) 
     result_field = meta.get_field("result")
     sql = (
         f"UPDATE {quote(meta.db_table)} SET {quote(result_field.column)} = %s "
-        f"WHERE {quote(meta.pk.column)} = %s AND {quote(meta.get_field('owner').column)} = %s"
+        f"WHERE {quote(meta.pk.column)} = %s AND {quote(meta.get_field('token').column)} = %s"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [result_field.get_db_prep_save(result, connection), record_id, owner])
+        cursor.execute(sql, [result_field.get_db_prep_save(result, connection), record_id, token])
 
 
 def try_guard(using: str, scope: str, key: str) -> bool:

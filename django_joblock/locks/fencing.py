@@ -3,8 +3,9 @@
 A lock alone cannot stop a paused holder (GC pause, SIGSTOP, a slow network) from writing after
 its lock expired and a new holder took over. Each acquisition carries a fence that is strictly
 greater than every earlier one for the resource; the row remembers the highest fence that wrote
-it, and a write with a lower (or equal) fence is refused by the ``UPDATE ... WHERE`` itself, so
-there is no read-then-write window.
+it, and a write with a lower fence is refused by the ``UPDATE ... WHERE`` itself, so there is no
+read-then-write window. A holder may write the same rows again under its own fence (fences are
+never reused: an equal fence is the same holding).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _M = TypeVar("_M", bound=models.Model)
 
 
 def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> int:
-    """``UPDATE`` the rows of ``queryset`` whose ``lock_fence`` is NULL or below ``fence``.
+    """``UPDATE`` the rows of ``queryset`` whose ``lock_fence`` is NULL or at most ``fence``.
 
     Sets ``lock_fence = fence`` together with ``values`` in one statement and returns the number
     of rows updated. Raises :class:`StaleFence` when no row qualified (a newer holder wrote
@@ -37,7 +38,7 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
         raise ValueError(
             "fenced_update: lock_fence is set from the fence argument; do not pass it in values."
         )
-    updated = queryset.filter(Q(lock_fence__isnull=True) | Q(lock_fence__lt=fence)).update(
+    updated = queryset.filter(Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence)).update(
         lock_fence=fence, **values
     )
     if updated == 0:
