@@ -1,19 +1,15 @@
 """Django admin for django-joblock: the "Job locks" dashboard with audited force release, the
-read-only idempotency records and the lock audit log. Thin: the data comes from
-:mod:`dashboard`, the actions from :mod:`control`.
+read-only idempotency records and the lock audit log. Thin over :mod:`dashboard` (data) and
+:mod:`control` (actions).
 
-Who sees what (Django's model permissions; superusers have them all):
+Who sees what (Django's model permissions; superusers have them all): the dashboard, every
+active staff user (its stuck idempotency claims need ``view_idempotencyrecord``); idempotency
+records, ``django_joblock.view_idempotencyrecord``; the audit log,
+``django_joblock.view_lockaudit``; force release, ``django_joblock.force_release_lock``.
 
-- the dashboard: every active staff user (like django-rq's queue pages); its list of stuck
-  idempotency claims only for users who may view idempotency records;
-- idempotency records: ``django_joblock.view_idempotencyrecord``;
-- the lock audit log: ``django_joblock.view_lockaudit``;
-- force release: ``django_joblock.force_release_lock``.
-
-Every reflected value is escaped by the templates; a bad parameter is answered with a
-``text/plain`` 400 naming it; a Redis that does not answer gives a 503 page saying so. Filters
-in the changelists accept lookups on displayed fields only (a claim's ``token`` is never
-shown, so it cannot be probed with ``?token__startswith=``).
+Templates escape every reflected value; a bad parameter is a ``text/plain`` 400 naming it; a
+Redis that does not answer is a 503 page saying so. Changelist filters accept lookups on
+displayed fields only (a claim's hidden ``token`` cannot be probed with ``?token__startswith=``).
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"
 def rq_job_url(queue_name: str, job_id: str) -> str:
     """django-rq's page of an RQ job when django-rq is installed and routed, else ``""``.
 
-    django-rq >= 4 serves it inside the admin (``admin:django_rq_job_detail``), older
-    releases from ``include("django_rq.urls")`` (``rq_job_detail``); both address a queue by
-    its index in django-rq's queue list.
+    django-rq >= 4 serves it in the admin (``admin:django_rq_job_detail``), older releases
+    from ``include("django_rq.urls")`` (``rq_job_detail``); both take the queue's index.
     """
     if not queue_name or not job_id or not apps.is_installed("django_rq"):
         return ""
@@ -68,11 +63,6 @@ def rq_job_url(queue_name: str, job_id: str) -> str:
     return ""
 
 
-def _queue_of(job_func: str) -> str:
-    queue = job_queue(job_func) if job_func else None
-    return str(queue.name) if queue is not None else ""
-
-
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyAdmin):
     """Read-only: records are written by claims and removed by ``joblock_purge`` only."""
@@ -83,24 +73,13 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     ordering = ("-pk",)  # the primary key index: no sort of the whole table per page
     show_full_result_count = False  # no COUNT(*) over a large table on every page
     paginator = EstimatedCountPaginator
+    # fmt: off
     fields = (
-        "scope",
-        "key",
-        "status",
-        "attempts",
-        "result_pretty",
-        "error",
-        "fingerprint",
-        "owner_short",
-        "fence",
-        "rq_job_id",
-        "deliveries",
-        "lease_expires_at",
-        "created_at",
-        "updated_at",
-        "finished_at",
-        "expires_at",
+        "scope", "key", "status", "attempts", "result_pretty", "error", "fingerprint",
+        "owner_short", "fence", "rq_job_id", "deliveries", "lease_expires_at", "created_at",
+        "updated_at", "finished_at", "expires_at",
     )
+    # fmt: on
     readonly_fields = fields
 
     @admin.display(description="result")
@@ -142,9 +121,25 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
 def _utc(seconds: float | None) -> str:
     """Unix ``seconds`` as ``YYYY-MM-DD HH:MM:SS`` UTC ("-" if unknown)."""
-    if seconds is None:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+    return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+
+
+def _bad_dashboard_parameter(family: str | None, health: str | None, timeline: str | None) -> str:
+    """Why the dashboard's query parameters are refused ("" if they are fine)."""
+    try:
+        if family is not None:
+            validate_family(family)
+    except ValueError as exc:
+        return str(exc)
+    try:
+        if timeline is not None:
+            (validate_resource if ":" in timeline else validate_family)(timeline)
+    except ValueError as exc:
+        return f"timeline: {exc}"
+    healths = [choice.value for choice in Health]
+    if health is not None and health not in healths:
+        return f"Unknown health filter {health!r}; one of: {', '.join(healths)}"
+    return ""
 
 
 @admin.register(Dashboard)
@@ -164,63 +159,51 @@ class DashboardAdmin(ReadOnlyAdmin):
             path("", wrap(self.changelist_view), name="django_joblock_dashboard_changelist"),
         ]
 
-    def _page(self, request: HttpRequest, title: str, *crumbs: tuple[str, str]) -> dict[str, Any]:
-        """The context every page of ours starts from: the admin's, a title, breadcrumbs."""
-        return {
+    def _render(
+        self,
+        request: HttpRequest,
+        page: str,
+        title: str,
+        crumb: str,
+        status: int = 200,
+        **extra: Any,
+    ) -> TemplateResponse:
+        """One of our pages: breadcrumbs to the dashboard and on to ``crumb`` (none on the
+        dashboard itself), the admin's context and ``extra``."""
+        home = reverse(
+            "admin:django_joblock_dashboard_changelist", current_app=self.admin_site.name
+        )
+        context = {
             **self.admin_site.each_context(request),
             "title": title,
             "opts": self.model._meta,
-            "crumbs": crumbs,
+            "crumbs": (("Job locks", home), (crumb, "")) if crumb else (("Job locks", ""),),
             "jl_ol_breadcrumbs": django.VERSION >= (6, 1),
             "docs_url": DOCS_URL,
+            **extra,
         }
-
-    def _dashboard_url(self) -> str:
-        return reverse(
-            "admin:django_joblock_dashboard_changelist", current_app=self.admin_site.name
+        return TemplateResponse(
+            request, f"admin/django_joblock/{page}.html", context, status=status
         )
 
     def _unavailable(self, request: HttpRequest, title: str, error: str) -> HttpResponse:
-        context = {
-            **self._page(request, title, ("Job locks", self._dashboard_url()), (title, "")),
-            "error": error,
-        }
-        response = TemplateResponse(
-            request, "admin/django_joblock/unavailable.html", context, status=503
-        )
-        return response
+        return self._render(request, "unavailable", title, title, status=503, error=error)
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        fam = request.GET.get("family") or None
-        health = request.GET.get("health") or None
-        try:
-            if fam is not None:
-                validate_family(fam)
-        except ValueError as exc:
-            return bad_request(str(exc))
-        timeline_of = request.GET.get("timeline") or None
-        try:
-            if timeline_of is not None:
-                if ":" in timeline_of:
-                    validate_resource(timeline_of)
-                else:
-                    validate_family(timeline_of)
-        except ValueError as exc:
-            return bad_request(f"timeline: {exc}")
-        if health is not None and health not in {choice.value for choice in Health}:
-            return bad_request(
-                f"Unknown health filter {health!r}; one of: "
-                + ", ".join(choice.value for choice in Health)
-            )
+        family, health, timeline = (
+            request.GET.get(name) or None for name in ("family", "health", "timeline")
+        )
+        if problem := _bad_dashboard_parameter(family, health, timeline):
+            return bad_request(problem)
         started = time.perf_counter()
         try:
             data = dashboard.build(
-                family=fam,
+                family=family,
                 health_filter=health,
                 claims=request.user.has_perm("django_joblock.view_idempotencyrecord"),
-                timeline_of=timeline_of,
+                timeline_of=timeline,
             )
         except REDIS_ERRORS as exc:
             return self._unavailable(
@@ -230,18 +213,18 @@ class DashboardAdmin(ReadOnlyAdmin):
                 "locks, metrics and RQ state from Redis; nothing was changed.",
             )
         for row in data["rows"]:
-            row["job_url"] = rq_job_url(_queue_of(row["lock"].job_func), row["lock"].job_id)
+            queue = job_queue(row["lock"].job_func) if row["lock"].job_func else None
+            row["job_url"] = rq_job_url(
+                str(queue.name) if queue is not None else "", row["lock"].job_id
+            )
         for job in data["stuck_jobs"]:
             job.url = rq_job_url(job.queue, job.job_id)
-        context = {
-            **self._page(request, "Job locks", ("Job locks", "")),
-            **data,
-            "can_release": request.user.has_perm("django_joblock.force_release_lock"),
-        }
-        response = TemplateResponse(request, "admin/django_joblock/dashboard.html", context)
+        can_release = request.user.has_perm("django_joblock.force_release_lock")
+        response = self._render(
+            request, "dashboard", "Job locks", "", **data, can_release=can_release
+        )
         response.render()
-        context["server_ms"] = (time.perf_counter() - started) * 1000
-        response["Server-Timing"] = f"dashboard;dur={context['server_ms']:.1f}"
+        response["Server-Timing"] = f"dashboard;dur={(time.perf_counter() - started) * 1000:.1f}"
         return response
 
     def release_view(self, request: HttpRequest) -> HttpResponse:
@@ -261,59 +244,44 @@ class DashboardAdmin(ReadOnlyAdmin):
                 f"Invalid owner {owner[:80]!r}: expected the 12-character owner hash shown "
                 "on the dashboard."
             )
+        unavailable = f"Force-release {resource}: Redis does not answer"
+        reason = request.POST.get("reason", "").strip()
         errors = []
-        if request.method == "POST":
-            reason = request.POST.get("reason", "").strip()
-            if not reason:
-                errors.append("A reason is required.")
-            elif not owner:
-                errors.append("The owner shown on the page is missing.")
+        if request.method == "POST" and not reason:
+            errors.append("A reason is required.")
+        elif request.method == "POST" and not owner:
+            errors.append("The owner shown on the page is missing.")
+        elif request.method == "POST":
+            user = request.user
+            try:
+                result = control.force_release(
+                    resource, owner=owner, reason=reason, user=user, actor=user.get_username()
+                )
+            except LockBackendUnavailable as exc:
+                return self._unavailable(
+                    request, unavailable, f"{exc}. See the lock audit log for what was recorded."
+                )
+            if result.released:
+                message = f"Force-released lock {resource} (owner {owner}): {reason}"
+                self.log_change(request, result.audit, message)
+                messages.success(request, f"Released {resource}: {reason}")
             else:
-                try:
-                    result = control.force_release(
-                        resource,
-                        owner=owner,
-                        reason=reason,
-                        user=request.user,
-                        actor=request.user.get_username(),
-                    )
-                except LockBackendUnavailable as exc:
-                    return self._unavailable(
-                        request,
-                        f"Force-release {resource}: Redis does not answer",
-                        f"{exc}. See the lock audit log for what was recorded.",
-                    )
-                if result.released:
-                    self.log_change(
-                        request,
-                        result.audit,
-                        f"Force-released lock {resource} (owner {owner}): {reason}",
-                    )
-                    messages.success(request, f"Released {resource}: {reason}")
-                else:
-                    messages.error(request, f"Not released: {result.outcome}")
-                return redirect("admin:django_joblock_dashboard_changelist")
+                messages.error(request, f"Not released: {result.outcome}")
+            return redirect("admin:django_joblock_dashboard_changelist")
         try:
             current = control.holder(resource)
         except LockBackendUnavailable as exc:
-            return self._unavailable(
-                request,
-                f"Force-release {resource}: Redis does not answer",
-                f"{exc}. Nothing was changed.",
-            )
-        context = {
-            **self._page(
-                request,
-                f"Force-release {resource}?",
-                ("Job locks", self._dashboard_url()),
-                ("Force release", ""),
-            ),
-            "resource": resource,
-            "owner": owner,
-            "lock": current,
-            "errors": errors,
-        }
-        return TemplateResponse(request, "admin/django_joblock/release_confirm.html", context)
+            return self._unavailable(request, unavailable, f"{exc}. Nothing was changed.")
+        return self._render(
+            request,
+            "release_confirm",
+            f"Force-release {resource}?",
+            "Force release",
+            resource=resource,
+            owner=owner,
+            lock=current,
+            errors=errors,
+        )
 
 
 @admin.register(LockAudit)
@@ -323,19 +291,12 @@ class LockAuditAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "action", "resource", "owner", "released", "actor", "reason")
     list_filter = ("action", "released")
     search_fields = ("resource", "actor", "reason")
+    # fmt: off
     readonly_fields = (
-        "created_at",
-        "action",
-        "resource",
-        "owner",
-        "fence",
-        "holder",
-        "reason",
-        "released",
-        "outcome",
-        "user",
-        "actor",
+        "created_at", "action", "resource", "owner", "fence", "holder", "reason", "released",
+        "outcome", "user", "actor",
     )
+    # fmt: on
 
 
 from . import admin_outbox  # noqa: E402, F401 - registers the outbox's admin

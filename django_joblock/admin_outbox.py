@@ -18,33 +18,23 @@ from .models import OutboxMessage
 class OutboxMessageAdmin(ReadOnlyAdmin):
     """Read-only: messages are written by ``send_after_commit`` and its deliveries."""
 
+    # fmt: off
     list_display = (
-        "key",
-        "handler",
-        "status",
-        "attempts",
-        "rq_job_id",
-        "created_at",
-        "next_attempt_at",
+        "key", "handler", "status", "attempts", "rq_job_id", "created_at", "next_attempt_at",
         "delivered_at",
     )
+    # fmt: on
     list_filter = ("status", "handler")
     search_fields = ("key",)
     ordering = ("-pk",)
     show_full_result_count = False
     paginator = EstimatedCountPaginator
+    # fmt: off
     fields = (
-        "key",
-        "handler",
-        "status",
-        "attempts",
-        "payload_pretty",
-        "last_error",
-        "rq_job_id",
-        "created_at",
-        "next_attempt_at",
-        "delivered_at",
+        "key", "handler", "status", "attempts", "payload_pretty", "last_error", "rq_job_id",
+        "created_at", "next_attempt_at", "delivered_at",
     )
+    # fmt: on
     readonly_fields = fields
     actions = ["deliver_now"]
 

@@ -125,7 +125,7 @@ def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
         }
         if int(redis.__version__.split(".")[0]) < 6:
             overrides["cluster_error_retry_attempts"] = 0  # 5.x counts retries here
-        nodes = [ClusterNode(node.host, node.port) for node in base.get_nodes()]
+        nodes = [ClusterNode(n.host, n.port) for n in base.get_nodes()]  # type: ignore[no-untyped-call]
         return redis.RedisCluster(startup_nodes=nodes, **{**kwargs, **overrides})
     pool = base.connection_pool
     kwargs = {**pool.connection_kwargs, **overrides}
@@ -134,7 +134,7 @@ def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
     if grow:
         new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     else:
-        new_pool = redis.BlockingConnectionPool(
+        new_pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             connection_class=pool.connection_class,
             max_connections=POOL_SIZE,
             timeout=timeout,

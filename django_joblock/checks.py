@@ -24,8 +24,7 @@ W014       ``METRICS_RETENTION`` shorter than the alerts read back (``WINDOW`` +
 =========  ==================================================================================
 
 Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
-per-call ``.enqueue(..., job_timeout=...)`` is checked at enqueue time instead and logged as a
-warning with the same id (see :mod:`django_joblock.jobs`).
+per-call ``.enqueue(job_timeout=)`` is checked at enqueue time and logged with the same id.
 """
 
 from __future__ import annotations
@@ -60,16 +59,14 @@ def _message(problem_id: str, message: str, hint: str | None = None) -> CheckMes
     return cls(message, hint=hint, id=f"django_joblock.{problem_id}")
 
 
-def _serious(messages: list[CheckMessage]) -> bool:
-    return any(message.level >= ERROR for message in messages)
+def _settings_broken() -> bool:
+    return any(message.level >= ERROR for message in check_settings())
 
 
 @register(Tags.compatibility, TAG)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E001-E004, W001, W003, W005, W013, W014: the shape and consistency of ``JOBLOCK``."""
-    raw = getattr(settings, "JOBLOCK", None)
-    found = [_message(p.id, p.message) for p in conf.problems(raw)]
-    return found
+    return [_message(p.id, p.message) for p in conf.problems(getattr(settings, "JOBLOCK", None))]
 
 
 @register(Tags.caches, TAG)
@@ -81,29 +78,26 @@ def check_redis_alias(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
         return []  # reported by E001 / E003
     caches = getattr(settings, "CACHES", {}) or {}
     backend = caches.get(alias, {}).get("BACKEND")
-    if backend != DJANGO_REDIS_BACKEND:
-        found = "missing" if alias not in caches else f"BACKEND {backend!r}"
-        return [
-            _message(
-                "E005",
-                f"JOBLOCK['REDIS_ALIAS'] = {alias!r} must name a django-redis cache in CACHES "
-                f"({found}).",
-                hint=f"Add CACHES[{alias!r}] = {{'BACKEND': '{DJANGO_REDIS_BACKEND}', "
-                "'LOCATION': 'redis://127.0.0.1:6379/0'}, or point REDIS_ALIAS at one.",
-            )
-        ]
-    return []
+    if backend == DJANGO_REDIS_BACKEND:
+        return []
+    found = "missing" if alias not in caches else f"BACKEND {backend!r}"
+    return [
+        _message(
+            "E005",
+            f"JOBLOCK['REDIS_ALIAS'] = {alias!r} must name a django-redis cache in CACHES "
+            f"({found}).",
+            hint=f"Add CACHES[{alias!r}] = {{'BACKEND': '{DJANGO_REDIS_BACKEND}', "
+            "'LOCATION': 'redis://127.0.0.1:6379/0'}, or point REDIS_ALIAS at one.",
+        )
+    ]
 
 
 @register(Tags.caches, TAG)
 def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E007: ``REDIS_CLIENT`` names a factory that makes a redis-py client (it is called); E008:
-    ``REPLICA_ACKS`` with a Cluster client. A factory that cannot reach Redis (a
-    ``RedisCluster`` asks for the slot map when made) is W010's finding (``--deploy``), not a
-    configuration error."""
-    if _serious(check_settings()):
-        return []
-    path = conf.get().REDIS_CLIENT
+    ``REPLICA_ACKS`` with a Cluster client. A factory that cannot reach Redis is W010's
+    finding (``--deploy``), not a configuration error."""
+    path = None if _settings_broken() else conf.get().REDIS_CLIENT
     if path is None:
         return []
     try:
@@ -119,23 +113,23 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
                 "redis.cluster.RedisCluster(startup_nodes=...); see docs/topologies.md.",
             )
         ]
-    if is_cluster(client) and conf.get().REPLICA_ACKS:
-        return [
-            _message(
-                "E008",
-                "JOBLOCK['REPLICA_ACKS'] is set, but REDIS_CLIENT makes a Redis Cluster client: "
-                "WAIT counts the replicas of one node, and a cluster's locks live on many.",
-                hint="Set REPLICA_ACKS to 0 on Cluster; it is for a primary with replicas "
-                "(Sentinel). See docs/topologies.md.",
-            )
-        ]
-    return []
+    if not (is_cluster(client) and conf.get().REPLICA_ACKS):
+        return []
+    return [
+        _message(
+            "E008",
+            "JOBLOCK['REPLICA_ACKS'] is set, but REDIS_CLIENT makes a Redis Cluster client: "
+            "WAIT counts the replicas of one node, and a cluster's locks live on many.",
+            hint="Set REPLICA_ACKS to 0 on Cluster; it is for a primary with replicas "
+            "(Sentinel). See docs/topologies.md.",
+        )
+    ]
 
 
 @register(Tags.caches, TAG, deploy=True)
 def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W010: Redis answers; W011: its eviction policy cannot silently drop locks."""
-    if _serious(check_settings()) or check_redis_alias() or check_redis_client():
+    if _settings_broken() or check_redis_alias() or check_redis_client():
         return []
     alias = conf.get().REDIS_ALIAS
     client = None
@@ -174,9 +168,9 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 @register(Tags.compatibility, TAG)
 def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E006: queue names; W002 / W006: timeouts; W004: idempotency TTL vs requeue window."""
-    if _serious(check_settings()) or check_redis_alias():
+    if _settings_broken() or check_redis_alias():
         return []
-    current = conf.get()
+    keep = conf.get().IDEMPOTENCY_TTL
     found: list[CheckMessage] = []
     for spec in registered_jobs():
         try:
@@ -193,17 +187,14 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
             continue
         timeout = job_timeout(spec.rq_options.get("job_timeout"), queue)
         found += [_message(f.id, f.message, hint=f.hint) for f in timeout_findings(spec, timeout)]
-        window = spec.max_wait if spec.max_wait is not None else current.REQUEUE_MAX_WAIT
-        if (
-            spec.idempotency_key is not None
-            and spec.on_conflict is OnConflict.REQUEUE
-            and current.IDEMPOTENCY_TTL < window
-        ):
+        window = spec.max_wait if spec.max_wait is not None else conf.get().REQUEUE_MAX_WAIT
+        requeues = spec.idempotency_key is not None and spec.on_conflict is OnConflict.REQUEUE
+        if requeues and keep < window:
             found.append(
                 _message(
                     "W004",
                     f"{spec.name}: requeues for up to {window:g}s but idempotency records expire "
-                    f"after {current.IDEMPOTENCY_TTL:g}s: a late duplicate could run again.",
+                    f"after {keep:g}s: a late duplicate could run again.",
                     hint="Raise JOBLOCK['IDEMPOTENCY_TTL'] or lower max_wait.",
                 )
             )
@@ -212,11 +203,9 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
 @register(Tags.compatibility, TAG, deploy=True)
 def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run.
-
-    Each queue is asked on its own connection (short timeout); a queue Redis that does not
-    answer is W010 for that queue."""
-    if _serious(check_settings()) or check_redis_alias() or _serious(check_jobs()):
+    """W012: requeue delays are RQ scheduled jobs; without a scheduler they never run. Each
+    queue is asked on its own short-timeout connection; one that does not answer is W010."""
+    if _settings_broken() or check_redis_alias() or any(m.level >= ERROR for m in check_jobs()):
         return []
     if any(message.id == "django_joblock.W010" for message in check_redis_server()):
         return []

@@ -1,8 +1,8 @@
 """The one exception tree of django-joblock.
 
-Every error carries the context an operator needs to find the lock again: the resource, the
-Redis key and a short hash of the owner token (never the token itself, which would let a log
-reader release somebody else's lock).
+Lock errors carry what an operator needs to find the lock again: the resource, the Redis key
+and the owner (a short hash of the token; never the token, which would let a log reader
+release somebody else's lock).
 """
 
 from __future__ import annotations
@@ -33,13 +33,10 @@ class LockError(JoblockError):
         key: str | None = None,
         owner: str | None = None,
     ) -> None:
-        self.resource = resource
-        self.key = key
-        self.owner = owner
+        self.resource, self.key, self.owner = resource, key, owner
+        found = {"resource": resource, "key": key, "owner": owner}
         context = ", ".join(
-            f"{name}={value!r}"
-            for name, value in (("resource", resource), ("key", key), ("owner", owner))
-            if value is not None
+            f"{name}={value!r}" for name, value in found.items() if value is not None
         )
         super().__init__(f"{message} ({context})" if context else message)
 
@@ -50,9 +47,8 @@ class LockNotAcquired(LockError):
 
 class ResourceInTransaction(LockNotAcquired):
     """The lock is this run's, but the resource's previous holder is still inside its database
-    transaction (PostgreSQL; its lock was lost, or it ran inline inside an enclosing
-    transaction): nothing ran, ``on_conflict`` applies (see
-    :mod:`django_joblock.resource_guard`)."""
+    transaction (PostgreSQL; it lost its lock, or ran inline in an enclosing transaction):
+    nothing ran, ``on_conflict`` applies."""
 
 
 class LockContentionTimeout(LockNotAcquired):
@@ -71,15 +67,9 @@ class StaleFence(LockError):
     """A fenced write was refused because a newer lock holder has already written the rows."""
 
     def __init__(
-        self,
-        message: str,
-        *,
-        fence: int,
-        current: int | None = None,
-        resource: str | None = None,
+        self, message: str, *, fence: int, current: int | None = None, resource: str | None = None
     ) -> None:
-        self.fence = fence
-        self.current = current
+        self.fence, self.current = fence, current
         super().__init__(message, resource=resource)
 
 
@@ -87,8 +77,7 @@ class IdempotencyError(JoblockError):
     """Base class of idempotency-record errors; carries ``key`` and ``scope``."""
 
     def __init__(self, message: str, *, key: str | None = None, scope: str | None = None) -> None:
-        self.key = key
-        self.scope = scope
+        self.key, self.scope = key, scope
         super().__init__(message)
 
 

@@ -23,9 +23,11 @@ class Logged(Protocol):
     job_id: str
     resource: str
     key: str
-    owner: str
     ttl: float
     fence: int | None
+
+    @property
+    def owner(self) -> str: ...
 
 
 def log_lock(level: int, outcome: str, lock: Logged, message: str, reason: str = "") -> None:

@@ -4,22 +4,14 @@ This module owns the metric structures: :data:`METRICS` is the one table of metr
 kind, help), read by the recorder here and by the Prometheus exporter; the field format below
 is written and parsed only here.
 
-Events are first added to a per-process buffer (a dict increment: no I/O on the hot path) and
-flushed to Redis by one Lua call (:data:`FLUSH`) that adds them to two hashes:
+Events go to a per-process buffer (no I/O on the hot path), flushed by one Lua call
+(:data:`FLUSH`, Redis-Cluster-safe: both keys share the ``{metrics}`` hash tag) into
+``P:{metrics}:b:<minute>``, the minute's bucket (expires after ``METRICS_RETENTION``: windows,
+rates, percentiles), and ``P:{metrics}:total`` (all-time totals, for Prometheus).
 
-- ``P:{metrics}:b:<minute>``: the 60-second bucket the flush falls in, expiring after
-  ``METRICS_RETENTION`` seconds: rates, ratios and percentiles over recent windows
-  (:func:`window`, :func:`per_minute`);
-- ``P:{metrics}:total``: all-time totals, for Prometheus counters (:func:`totals`).
-
-Both keys share the ``{metrics}`` hash tag, so the flush is one Redis-Cluster-safe script.
-
-When is the buffer flushed? Inside an RQ job, together with the lock release (one round trip,
-the release's own), and at the end of every job run that still has something buffered (a job
-without a lock, a replay, contention, a requeue, a give-up, a loss: :func:`flush_pending`), so
-a short-lived work horse that ``os._exit``\\ s loses nothing. Outside jobs, at most every
-``FLUSH_INTERVAL`` seconds with a release, by the renewal thread's periodic wake-up, and at
-interpreter exit.
+Flushed inside an RQ job with the lock release's round trip and at the end of every run
+(:func:`flush_now`), so a work horse that ``os._exit``\\ s loses nothing; outside jobs at most
+every ``FLUSH_INTERVAL`` seconds with a release or by the renewal thread, and at exit.
 
 Field names: ``<metric>|<family>|<function>`` for counters, ``<metric>:b<i>|...`` for the count
 of observations in histogram bucket ``i`` (upper bounds :data:`BOUNDS`, in seconds) and
@@ -99,76 +91,31 @@ METRICS = (
     Metric("renewed", COUNTER, "Successful heartbeat renewals."),
     Metric("renew_failed", COUNTER, "Failed heartbeat renewals (timeouts, dropped connections)."),
     Metric(
-        "lost",
-        COUNTER,
-        "Locks lost while held (expired, taken over, renewals failed, max_hold).",
-        exported="locks_lost",
+        "lost", COUNTER, "Locks lost while held (expired, taken, renewals failed).", "locks_lost"
     ),
     Metric("requeued", COUNTER, "Jobs requeued because their lock was busy."),
     Metric("given_up", COUNTER, "Jobs failed with LockContentionTimeout after REQUEUE_MAX_WAIT."),
     Metric("skipped", COUNTER, "Jobs skipped (on_conflict='skip') because their lock was busy."),
     Metric("duplicates_blocked", COUNTER, "Duplicate runs blocked by an idempotency record."),
-    Metric(
-        "duplicates_in_flight",
-        COUNTER,
-        "Contended runs whose lock's holder runs the same idempotency key (a second delivery).",
-    ),
-    Metric(
-        "blocked_at_enqueue",
-        COUNTER,
-        "Duplicate .delay() calls of a unique job that returned the live job.",
-    ),
+    Metric("duplicates_in_flight", COUNTER, "Contended runs whose holder runs the same key."),
+    Metric("blocked_at_enqueue", COUNTER, "Duplicate .delay() calls that returned the live job."),
     Metric("stale_fence_rejections", COUNTER, "Writes refused by fenced_update (StaleFence)."),
-    Metric(
-        "near_timeout",
-        COUNTER,
-        "Job runs that took at least ALERTS['TIMEOUT_RATIO'] of their RQ job_timeout.",
-    ),
-    Metric(
-        "failed_runs",
-        COUNTER,
-        "Job runs that raised (failed, lost their lock, gave up): RQ fails or retries them.",
-    ),
-    Metric(
-        "rq_retries",
-        COUNTER,
-        "Failed job runs that RQ retries (their Retry had retries left).",
-    ),
-    Metric("forced_releases", COUNTER, "Locks released by an operator (admin or joblock_release)."),
+    Metric("near_timeout", COUNTER, "Job runs that took TIMEOUT_RATIO of their job_timeout."),
+    Metric("failed_runs", COUNTER, "Job runs that raised: RQ fails or retries them."),
+    Metric("rq_retries", COUNTER, "Failed job runs that RQ retries (retries left)."),
+    Metric("forced_releases", COUNTER, "Locks released by an operator (admin or command)."),
     Metric("wait_seconds", HISTOGRAM, "Time spent waiting for a lock, until acquired or given up."),
     Metric("hold_seconds", HISTOGRAM, "Time a lock was held, acquire to release."),
-    Metric(
-        "start_wait_seconds",
-        HISTOGRAM,
-        "Time from a job's enqueue to the start of the run that took its lock.",
-    ),
+    Metric("start_wait_seconds", HISTOGRAM, "Time from a job's enqueue to the start of its run."),
 )
 COUNTERS = frozenset(m.name for m in METRICS if m.kind is COUNTER)
 HISTOGRAMS = frozenset(m.name for m in METRICS if m.kind is HISTOGRAM)
 
 # Histogram bucket upper bounds in seconds (the last bucket is +Inf).
-BOUNDS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    25.0,
-    60.0,
-    150.0,
-    300.0,
-    600.0,
-    1800.0,
-    3600.0,
-)
+BOUNDS = tuple(
+    map(float, "0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10 25 60 150 300 600 "
+    "1800 3600".split())
+)  # fmt: skip
 BUCKET_SECONDS = 60
 FLUSH_INTERVAL = 1.0
 

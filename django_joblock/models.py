@@ -1,8 +1,4 @@
-"""Models of django-joblock.
-
-``FencedModel`` is abstract: subclass it to give a table the ``lock_fence`` column that
-:func:`django_joblock.fenced_update` compares.
-"""
+"""Models of django-joblock."""
 
 from __future__ import annotations
 
@@ -28,13 +24,9 @@ class FencedModel(models.Model):
 
 
 class IdempotencyRecord(models.Model):
-    """What was already done: one row per (scope, key), claimed race-free.
-
-    ``status`` is ``running`` while a claim holds the lease, ``succeeded`` once
-    ``claim.succeed()`` committed with the business write (its ``result`` is replayed to later
-    claims), or ``failed`` (retryable: the next claim runs again). ``expires_at`` is when
-    ``manage.py joblock_purge`` may delete the row.
-    """
+    """What was already done: one row per (scope, key), claimed race-free
+    (:mod:`django_joblock.idempotency.claims`). ``expires_at``: when ``joblock_purge`` may
+    delete the row."""
 
     Status = RecordStatus
 
@@ -48,8 +40,7 @@ class IdempotencyRecord(models.Model):
         "refused.",
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING)
-    # The encoder the claim checks results with: Decimal, datetime, UUID... are stored (and
-    # replayed) as strings.
+    # The encoder claims check results with: Decimal, datetime, UUID... replay as strings.
     result = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
     error = models.TextField(blank=True, default="")
     token = models.CharField(
@@ -75,7 +66,7 @@ class IdempotencyRecord(models.Model):
     class Meta:
         verbose_name = "idempotency record"
         constraints = [
-            models.UniqueConstraint(fields=["scope", "key"], name="joblock_idem_scope_key"),
+            models.UniqueConstraint(fields=["scope", "key"], name="joblock_idem_scope_key")
         ]
         indexes = [
             models.Index(fields=["status", "lease_expires_at"], name="joblock_idem_status_lease")
@@ -86,11 +77,8 @@ class IdempotencyRecord(models.Model):
 
 
 class Dashboard(models.Model):
-    """No table: the admin entry "Job locks" and its permissions.
-
-    ``force_release_lock`` lets a staff user release somebody else's lock from the dashboard
-    (or the ``joblock_release`` command is used by someone with shell access).
-    """
+    """No table: the admin entry "Job locks" and its permissions (``force_release_lock``:
+    release somebody else's lock from the dashboard)."""
 
     class Meta:
         managed = False
@@ -115,11 +103,7 @@ class LockAudit(models.Model):
     released = models.BooleanField(help_text="False when refused (owner changed, gone).")
     outcome = models.CharField(max_length=200)
     user = models.ForeignKey(
-        settings.AUTH_USER_MODEL,
-        null=True,
-        blank=True,
-        on_delete=models.SET_NULL,
-        related_name="+",
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     actor = models.CharField(max_length=150, help_text="User name, or the command that acted.")
 
@@ -141,14 +125,8 @@ class LockAudit(models.Model):
 
 
 class OutboxMessage(models.Model):
-    """A side effect outside the database (an e-mail, an API call), recorded in the job's
-    transaction by :func:`django_joblock.send_after_commit` and delivered after its commit.
-
-    ``key`` is the idempotency key handed to the handler (and by it to the provider, e.g. as an
-    ``Idempotency-Key`` header); it is unique, so one intent is recorded once. ``status`` is
-    ``pending`` until the handler returns, then ``delivered``; a failed attempt stays pending
-    with ``last_error`` and is retried from ``next_attempt_at`` by ``manage.py joblock_outbox``.
-    """
+    """A side effect outside the database, recorded in the job's transaction and delivered
+    after its commit (:mod:`django_joblock.outbox`). ``key`` is unique: one intent, one row."""
 
     Status = OutboxStatus
 

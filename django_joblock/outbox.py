@@ -1,25 +1,21 @@
 """Side effects outside the database, made once per idempotency key: the outbox.
 
-A job's database writes commit or roll back together with its idempotency record, but an
-e-mail sent or an API called inside the job cannot be rolled back: a job killed between the
-call and its commit runs again and calls again. :func:`send_after_commit` records the intent
-instead (an :class:`~django_joblock.models.OutboxMessage` row, in the job's transaction) and
-delivers it once that transaction commits. So:
+An e-mail or API call made inside a job cannot be rolled back: a job killed before its commit
+runs again and calls again. :func:`send_after_commit` records the intent instead (an
+:class:`~django_joblock.models.OutboxMessage` row, in the job's transaction) and delivers it
+once that transaction commits, by calling ``handler(payload, idempotency_key=key)``:
 
 - a run that dies or rolls back before its commit has sent nothing (its row rolled back too);
-- a committed intent is delivered by calling ``handler(payload, idempotency_key=key)``; the
-  handler hands ``key`` to the provider (an ``Idempotency-Key`` header, a message id), so a
-  delivery repeated after a crash between the provider's answer and the row's update is
-  recognised by the provider as the same request;
+- the handler hands ``key`` to the provider (an ``Idempotency-Key`` header, a message id), so
+  a delivery repeated after a crash between the provider's answer and the row's update is the
+  same request to the provider;
 - a delivery that raises stays ``pending`` with its error and is retried with exponential
-  backoff (1 s doubling, at most :data:`RETRY_MAX` seconds) by :func:`deliver_due`
-  (``manage.py joblock_outbox``), until the handler returns. A process that died right after
-  the commit leaves its message pending for the same sweep.
+  backoff (1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due` (``manage.py
+  joblock_outbox``), as is a message whose process died right after the commit.
 
-Delivery is at least once: exactly once at the provider needs the provider to honour the key.
-Two deliverers never call one message's handler at the same time: a delivery holds the
-message's row lock (``SELECT ... FOR UPDATE``; SQLite serialises writers anyway) while its
-handler runs, so keep handlers short and give them a timeout.
+Delivery is at least once. A delivery holds the message's row lock (``SELECT ... FOR UPDATE``;
+SQLite serialises writers anyway) while its handler runs, so two deliverers never run it at
+once: keep handlers short, with a timeout.
 """
 
 from __future__ import annotations
@@ -32,21 +28,15 @@ from datetime import timedelta
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import router, transaction
+from django.db import connections, router, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from .backoff import ceiling
 from .choices import OutboxStatus
+from .locks.info import job_context
 
-__all__ = [
-    "RETRY_MAX",
-    "OutboxReport",
-    "deliver",
-    "deliver_due",
-    "describe",
-    "send_after_commit",
-]
+__all__ = ["RETRY_MAX", "OutboxReport", "deliver", "deliver_due", "describe", "send_after_commit"]
 
 logger = logging.getLogger("django_joblock")
 
@@ -73,15 +63,13 @@ def send_after_commit(
 ) -> Any:
     """Record a side effect in the current transaction; deliver it after the commit.
 
-    ``handler`` is a module-level function (or its dotted path) called as
-    ``handler(payload, idempotency_key=key)`` after the commit, in this process; ``payload``
-    must be JSON (Django's encoder: ``Decimal``, ``datetime`` and ``UUID`` become strings).
-    ``key`` names the effect, e.g. ``f"receipt:{order_id}"``: recording an intent whose key is
-    recorded already (a replayed or retried job) returns the existing message and sends
-    nothing more. Outside ``transaction.atomic()`` the row commits at once and is delivered
-    right away. Raises ``ValueError`` for an empty or over-long key, a payload that is not
-    JSON, a handler that cannot be imported by its path, or a key recorded before for another
-    handler.
+    ``handler``: a module-level function (or its dotted path), called after the commit in this
+    process. ``payload``: JSON (Django's encoder: ``Decimal``, ``datetime``, ``UUID`` become
+    strings). ``key`` names the effect (``f"receipt:{order_id}"``): a key recorded already (a
+    replayed or retried job) returns the existing message and sends nothing more. Outside
+    ``transaction.atomic()`` the row commits and is delivered at once. ``ValueError`` for an
+    empty or over-long key, a payload that is not JSON, a handler not importable by its path,
+    or a key recorded before for another handler.
     """
     from .models import OutboxMessage
 
@@ -96,13 +84,12 @@ def send_after_commit(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"send_after_commit: payload for key {key!r} is not JSON: {exc}") from exc
     database = using or router.db_for_write(OutboxMessage)
-    job_id = _current_job_id()
     message, created = OutboxMessage.objects.using(database).get_or_create(
         key=key,
         defaults={
             "handler": path,
             "payload": payload,
-            "rq_job_id": job_id,
+            "rq_job_id": job_context()[0],
             "next_attempt_at": timezone.now(),
         },
     )
@@ -116,18 +103,19 @@ def send_after_commit(
 
 
 def deliver(pk: int, *, using: str | None = None) -> bool:
-    """Deliver one pending message now; True if its handler returned.
-
-    False when it is delivered already, being delivered by another process (its row is
-    locked), or its handler raised (recorded on the message, retried later). Never raises for
-    a handler's error: it runs after a commit that cannot be undone.
-    """
+    """Deliver one pending message now; True if its handler returned. False when it is
+    delivered already, being delivered by another process (its row is locked), or its handler
+    raised (recorded on the message, retried later): never raises for a handler's error."""
     from .models import OutboxMessage
 
     database = using or router.db_for_write(OutboxMessage)
+    # FOR UPDATE, skipping a row another deliverer holds where supported (SQLite: no FOR
+    # UPDATE, Django leaves the query as it is; one writer at a time anyway).
+    skip = connections[database].features.has_select_for_update_skip_locked
     with transaction.atomic(using=database):
         message = (
-            _locking(OutboxMessage.objects.using(database))
+            OutboxMessage.objects.using(database)
+            .select_for_update(skip_locked=skip)
             .filter(pk=pk, status=OutboxStatus.PENDING)
             .first()
         )
@@ -169,22 +157,9 @@ def deliver_due(*, limit: int = 100, using: str | None = None) -> OutboxReport:
     database = using or router.db_for_write(OutboxMessage)
     pending = OutboxMessage.objects.using(database).filter(status=OutboxStatus.PENDING)
     due = pending.filter(next_attempt_at__lte=timezone.now()).order_by("next_attempt_at", "pk")
-    delivered = failed = 0
-    for pk in list(due.values_list("pk", flat=True)[:limit]):
-        if deliver(pk, using=database):
-            delivered += 1
-        else:
-            failed += 1
-    return OutboxReport(delivered=delivered, failed=failed, pending=pending.count())
-
-
-def _locking(queryset: Any) -> Any:
-    """``SELECT ... FOR UPDATE`` skipping rows another deliverer holds (where supported)."""
-    from django.db import connections
-
-    # Without FOR UPDATE (SQLite, one writer at a time anyway) Django leaves the query as is.
-    skip = connections[queryset.db].features.has_select_for_update_skip_locked
-    return queryset.select_for_update(skip_locked=skip)
+    done = [deliver(pk, using=database) for pk in list(due.values_list("pk", flat=True)[:limit])]
+    delivered = sum(done)
+    return OutboxReport(delivered, failed=len(done) - delivered, pending=pending.count())
 
 
 def _handler_path(handler: Callable[..., object] | str) -> str:
@@ -199,13 +174,6 @@ def _handler_path(handler: Callable[..., object] | str) -> str:
     if not callable(found) or (not isinstance(handler, str) and found is not handler):
         raise ValueError(f"send_after_commit: {path!r} does not name the handler function")
     return path
-
-
-def _current_job_id() -> str:
-    from rq import get_current_job
-
-    job = get_current_job()
-    return str(job.id) if job is not None else ""
 
 
 def describe(message: Any) -> str:

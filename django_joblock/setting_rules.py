@@ -1,10 +1,9 @@
-"""The kinds of value a ``JOBLOCK`` key can take, each with its check and its description.
+"""The kinds of value a ``JOBLOCK`` key can take, and the rules between keys.
 
-:mod:`django_joblock.conf` declares every key with one of these rules; each rule says why a
-value is refused (:meth:`problem`, empty when it is fine: the system checks' message), how
-the settings reference describes what it allows (:meth:`allowed`) and how a valid value is
-stored (:meth:`clean`). :class:`Range` is also what the arguments standing in for a setting
-are checked with (``lock(ttl=)``...): every number finite and inside its range.
+:mod:`django_joblock.conf` declares every key with one of these rules. A rule says why a value
+is refused (:meth:`problem`, "" when it is fine), how the settings reference describes what it
+allows (:meth:`allowed`) and how a valid value is stored (:meth:`clean`). :class:`Range` also
+checks the arguments standing in for a setting (``lock(ttl=)``...): finite and in range.
 """
 
 from __future__ import annotations
@@ -26,8 +25,21 @@ def number(value: float) -> str:
     return text
 
 
+class Rule:
+    """What every rule does: by default any value is stored as given."""
+
+    def allowed(self) -> str:
+        return ""
+
+    def problem(self, value: object) -> str:
+        raise NotImplementedError
+
+    def clean(self, value: Any) -> Any:
+        return value
+
+
 @dataclass(frozen=True)
-class Range:
+class Range(Rule):
     """Allowed values of one number: from ``low`` (excluded if ``open_low``) to ``high``."""
 
     low: float
@@ -35,16 +47,11 @@ class Range:
     open_low: bool = False
     unit: str = "seconds"
 
-    def describe(self) -> str:
-        unit = f" {self.unit}" if self.unit else ""
-        return f"{'>' if self.open_low else '>='} {self.low:g} and <= {self.high:g}{unit}"
-
     def allowed(self) -> str:
         """The range as the settings reference writes it (``0.01 to 604800 (7 days)``)."""
         return f"{'> ' if self.open_low else ''}{number(self.low)} to {number(self.high)}"
 
     def problem(self, value: object) -> str:
-        """Why ``value`` is not allowed ("" if it is)."""
         kind = f"number of {self.unit}" if self.unit else "number"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"must be a {kind}, got {value!r}"
@@ -52,13 +59,14 @@ class Range:
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite {kind}, got {value!r}"
         if value < self.low or (self.open_low and value == self.low) or value > self.high:
-            return f"must be {self.describe()}, got {value!r}"
+            low = f"{'>' if self.open_low else '>='} {self.low:g}"
+            unit = f" {self.unit}" if self.unit else ""
+            return f"must be {low} and <= {self.high:g}{unit}, got {value!r}"
         return ""
 
     def check(self, what: str, value: object) -> float:
         """``value`` as a float, or ``ValueError`` naming ``what`` and the allowed range."""
-        problem = self.problem(value)
-        if problem:
+        if problem := self.problem(value):
             raise ValueError(f"{what} {problem}.")
         assert isinstance(value, (int, float))
         return float(value)
@@ -68,7 +76,7 @@ class Range:
 
 
 @dataclass(frozen=True)
-class Text:
+class Text(Rule):
     """A non-empty string, optionally matching ``pattern`` (described as ``shape``)."""
 
     pattern: str = ""
@@ -84,12 +92,9 @@ class Text:
             return f"{value!r} may only use {self.shape}"
         return ""
 
-    def clean(self, value: Any) -> Any:
-        return value
-
 
 @dataclass(frozen=True)
-class Count:
+class Count(Rule):
     """A whole number from ``low`` to ``high`` (a bool or a float such as 1.5 is refused)."""
 
     low: int
@@ -103,9 +108,8 @@ class Count:
         if isinstance(value, bool) or not isinstance(value, int):
             return f"must be a whole number, got {value!r}"
         if not self.low <= value <= self.high:
-            return f"must be >= {self.low} and <= {self.high} {self.unit}".rstrip() + (
-                f", got {value!r}"
-            )
+            bounds = f">= {self.low} and <= {self.high} {self.unit}".rstrip()
+            return f"must be {bounds}, got {value!r}"
         return ""
 
     def clean(self, value: Any) -> Any:
@@ -113,7 +117,7 @@ class Count:
 
 
 @dataclass(frozen=True)
-class Choice:
+class Choice(Rule):
     values: tuple[str, ...]
 
     def allowed(self) -> str:
@@ -122,24 +126,18 @@ class Choice:
     def problem(self, value: object) -> str:
         return "" if value in self.values else f"must be one of {self.values}, got {value!r}"
 
-    def clean(self, value: Any) -> Any:
-        return value
-
 
 @dataclass(frozen=True)
-class Flag:
+class Flag(Rule):
     def allowed(self) -> str:
         return "`True` or `False`"
 
     def problem(self, value: object) -> str:
         return "" if isinstance(value, bool) else f"must be True or False, got {value!r}"
 
-    def clean(self, value: Any) -> Any:
-        return value
-
 
 @dataclass(frozen=True)
-class Secret:
+class Secret(Rule):
     """A secret string of at least ``length`` characters (never echoed back)."""
 
     length: int = 16
@@ -151,9 +149,6 @@ class Secret:
         if isinstance(value, str) and len(value) >= self.length:
             return ""
         return f"must be None or a secret string of at least {self.length} characters"
-
-    def clean(self, value: Any) -> Any:
-        return value
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,7 @@ class SubKey:
 
 
 @dataclass(frozen=True)
-class Mapping:
+class Mapping(Rule):
     """A dict setting whose (optional) sub-keys are numbers; unknown sub-keys are E002."""
 
     keys: dict[str, SubKey]
@@ -185,4 +180,62 @@ class Mapping:
         return {**self.defaults(), **{k: float(v) for k, v in value.items()}}
 
 
-Rule = Range | Count | Text | Choice | Flag | Secret | Mapping
+@dataclass(frozen=True)
+class Problem:
+    """One finding about the setting: a check id suffix (``E003``) and its message."""
+
+    id: str
+    message: str
+
+
+def between_keys(merged: dict[str, Any]) -> list[Problem]:
+    """The problems between the keys of a ``merged`` setting whose every key is valid."""
+    ttl, beat = merged["LOCK_TTL"], merged["HEARTBEAT_INTERVAL"]
+    keep, wait = merged["IDEMPOTENCY_TTL"], merged["REQUEUE_MAX_WAIT"]
+    lease, kept = merged["IDEMPOTENCY_LEASE"], merged["METRICS_RETENTION"]
+    window, baseline = merged["ALERTS"]["WINDOW"], merged["ALERTS"]["BASELINE"]
+    needed = window + baseline + 60  # the spike also reads the bucket between the two
+    beat_is = f"JOBLOCK['HEARTBEAT_INTERVAL'] ({beat}s)"
+    keep_is = f"JOBLOCK['IDEMPOTENCY_TTL'] ({keep}s) is shorter than"
+    findings = [
+        (
+            "E004",
+            beat is not None and beat >= ttl,
+            f"{beat_is} must be shorter than LOCK_TTL ({ttl}s), or the lock expires between "
+            "renewals.",
+        ),
+        (
+            "W001",
+            beat is not None and ttl / 2 < beat < ttl,
+            f"{beat_is} is more than half of LOCK_TTL ({ttl}s): one slow renewal loses the "
+            "lock. Use TTL/3.",
+        ),
+        (
+            "W003",
+            keep < wait,
+            f"{keep_is} REQUEUE_MAX_WAIT ({wait}s): a requeued duplicate could outlive the "
+            "record that blocks it.",
+        ),
+        (
+            "W005",
+            keep < lease,
+            f"{keep_is} IDEMPOTENCY_LEASE ({lease}s): a record would expire while its claim "
+            "may still be running.",
+        ),
+        (
+            "W013",
+            baseline <= window,
+            f"JOBLOCK['ALERTS']['BASELINE'] ({baseline:g}s) is not longer than "
+            f"JOBLOCK['ALERTS']['WINDOW'] ({window:g}s): the contention_spike alert compares "
+            "the window with a longer period before it, and never fires.",
+        ),
+        (
+            "W014",
+            needed > kept,
+            f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the alerts read back "
+            f"(ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + one 60 s bucket = "
+            f"{needed:g}s): the older metrics are gone, so the alerts see less than their "
+            "window and contention_spike compares with a cut-short baseline.",
+        ),
+    ]
+    return [Problem(id_, message) for id_, bad, message in findings if bad]

@@ -1,24 +1,9 @@
-"""Helpers for the test suites of projects that use ``@locked_job`` (see docs/testing.md).
-
-- :func:`run_jobs` runs the jobs waiting on RQ queues *in the test process*, with the real
-  flow (lock, heartbeat, idempotency record, fence) and RQ's real requeue semantics: a job
-  requeued for contention is scheduled by RQ as usual, and ``run_jobs`` moves it back onto its
-  queue at once instead of waiting out the delay ("fast-forward"), until nothing is left.
-- :func:`no_locks_held` / :func:`assert_no_locks_held` fail a test that leaves a lock held by
-  this process (a ``Lock`` acquired and never released), naming the resources.
-
-They need a real Redis (the one the project's django-redis cache points at) and database
-writes that commit, i.e. ``TransactionTestCase`` or ``@pytest.mark.django_db(transaction=True)``:
-the job's transaction and the idempotency record commit as in production, and the outcome the
-job leaves in ``job.meta`` is written after that commit.
-
-Two submodules start real processes, for suites (this project's own), demos and benchmarks that
-need them; importing this package does not import them:
-
-- :mod:`django_joblock.testing.redis_server`: a throwaway ``redis-server`` on a free port that
-  its owner may stop, SIGKILL and restart (optionally with an fsync'ed append-only file);
-- :mod:`django_joblock.testing.workers`: ``joblock_worker`` (or any RQ worker) subprocesses,
-  each in a process group of its own with its log in a file, stopped together.
+"""Helpers for the test suites of projects that use ``@locked_job`` (see docs/testing.md):
+:func:`run_jobs` runs queued jobs *in the test process* with the real flow and RQ's real
+requeues, and :func:`no_locks_held` / :func:`assert_no_locks_held` fail a test that leaves a
+lock held by this process. They need a real Redis (the django-redis cache's) and database
+writes that commit (``TransactionTestCase`` or ``@pytest.mark.django_db(transaction=True)``),
+as the job's transaction, idempotency record and outcome commit as in production.
 """
 
 from __future__ import annotations
@@ -39,14 +24,9 @@ MAX_ROUNDS = 100
 
 
 class InProcessWorker(SimpleWorker):
-    """RQ's in-process worker, leaving Django's database connections alone.
-
-    ``JoblockSimpleWorker`` closes stale connections around each job, as Django does around
-    requests; in a test that would close the test case's own connection (Django's test
-    client skips that step for the same reason). ``seen`` is called with every job it runs,
-    including jobs RQ promoted during the round (admission: a job parked behind the one
-    before it on its resource is pushed onto the queue when that one ends).
-    """
+    """RQ's in-process worker, leaving Django's database connections alone (closing them, as
+    ``JoblockSimpleWorker`` does, would close the test case's own). ``seen`` is called with
+    every job it runs, including jobs RQ promoted from admission during the round."""
 
     seen: Any = None
 
@@ -77,18 +57,13 @@ class Run:
 
     @property
     def pending(self) -> list[Job]:
-        """Jobs still queued or scheduled when the rounds ran out (e.g. a lock held forever)."""
+        """Jobs still waiting when the rounds ran out (e.g. behind a lock held forever)."""
         waiting = {JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED, PARKED}
         return [job for job in self.jobs if job.get_status(refresh=True) in waiting]
 
 
-def _waiting_ids(queue: Any) -> list[str]:
-    scheduled = queue.scheduled_job_registry.get_job_ids()
-    return [*queue.get_job_ids(), *scheduled]
-
-
 def _fast_forward(queue: Any) -> int:
-    """Move the queue's scheduled jobs (requeue delays) onto the queue now."""
+    """Move the queue's scheduled jobs onto the queue now."""
     registry = queue.scheduled_job_registry
     moved = 0
     for job_id in registry.get_job_ids():
@@ -104,15 +79,11 @@ def _fast_forward(queue: Any) -> int:
 
 
 def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUNDS) -> Run:
-    """Run every job waiting on ``queues`` (names or ``rq.Queue``; default ``"default"``) in
-    this process, including the ones they requeue, and return what happened.
-
-    Each round drains the queues with an in-process RQ worker in burst mode; with
-    ``fast_forward`` the jobs RQ scheduled meanwhile (requeues for contention, ``Retry``
-    intervals) are moved onto their queue for the next round. It stops when nothing is left,
-    or after ``max_rounds`` (a job requeued for ever: ``Run.pending`` lists it). Jobs enqueued
-    with delays of their own (``enqueue_in``) are fast-forwarded too.
-    """
+    """Run every job waiting on ``queues`` (names or ``rq.Queue``; default ``"default"``) here,
+    in rounds: an in-process RQ worker drains the queues in burst mode, then, with
+    ``fast_forward``, what RQ scheduled meanwhile (requeues, ``Retry`` intervals,
+    ``enqueue_in``) goes back onto its queue at once. Stops when nothing is left, or after
+    ``max_rounds`` (a job requeued for ever: ``Run.pending`` lists it)."""
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"run_jobs(): max_rounds must be an int >= 1, got {max_rounds!r}.")
     resolved = [get_queue(queue) for queue in (queues or ("default",))]
@@ -128,7 +99,8 @@ def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUN
 
     while run.rounds < max_rounds:
         for queue in resolved:
-            note(_waiting_ids(queue))
+            scheduled = queue.scheduled_job_registry.get_job_ids()
+            note([*queue.get_job_ids(), *scheduled])
         run.rounds += 1
         worker = InProcessWorker(resolved, connection=connection)
         worker.seen = note

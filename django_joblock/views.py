@@ -28,22 +28,14 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         response["WWW-Authenticate"] = 'Bearer realm="django-joblock metrics"'
         return response
     try:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
         from .monitor.prometheus import exposition
     except ImportError:
-        return HttpResponse(
-            "Install django-joblock[prometheus] for this view.",
-            status=501,
-            content_type="text/plain",
-        )
-    from prometheus_client import CONTENT_TYPE_LATEST
-
+        message = "Install django-joblock[prometheus] for this view."
+        return HttpResponse(message, status=501, content_type="text/plain")
     try:
         text = exposition()
-    except REDIS_ERRORS as exc:
-        # A scrape of a Redis that does not answer: the scraper shows the target down, with why.
-        return HttpResponse(
-            no_answer(exc),
-            status=503,
-            content_type="text/plain",
-        )
+    except REDIS_ERRORS as exc:  # the scraper shows the target down, with why
+        return HttpResponse(no_answer(exc), status=503, content_type="text/plain")
     return HttpResponse(text, content_type=CONTENT_TYPE_LATEST)

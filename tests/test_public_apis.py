@@ -40,6 +40,17 @@ def findings(source: str, where: str = "<source>") -> list[str]:
                 parts = alias.name.split(".")
                 if parts[0] in THIRD_PARTY and any(map(_private, parts)):
                     found.append(f"{where}:{node.lineno}: import {alias.name}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"))
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.Attribute) and _private(node.attr):
             owner = node.value
             if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
@@ -61,8 +72,9 @@ def test_the_check_finds_what_it_looks_for():
         "from rq.utils import _private_helper\n"
         "import django_redis._internal\n"
         "conn._sock.sendall(b'x')\n"
+        "getattr(queue, '_default_timeout', None)\n"
         "job.__class__\n"
         "self._mine = 1\n"
     )
     found = findings(source)
-    assert [line.split(":")[1] for line in found] == ["1", "2", "3", "4"], found
+    assert sorted(line.split(":")[1] for line in found) == ["1", "2", "3", "4", "5"], found

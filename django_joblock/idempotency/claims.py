@@ -7,37 +7,27 @@
             Refund.objects.create(...)       # the business write ...
             claim.succeed({"refund": 42})    # ... and the marker, in the same transaction
 
-Protocol (no read-then-write window):
+Protocol, with no read-then-write window:
 
-1. ``INSERT ... ON CONFLICT DO NOTHING RETURNING id``: the first claimer of a key owns it.
-   One statement on the happy path (:mod:`.store`).
-2. Otherwise read the row (on PostgreSQL in that same statement: a replay is one query).
-   ``succeeded``: replay (``claim.done``; the ``duplicate_blocked`` signal is sent).
-   ``running`` with a live lease: :class:`IdempotencyInProgress`, unless it was claimed under
-   an older fence of the very lock this claim holds now (that claimer lost the lock, so its
-   claim is dead: taken over at once). Another fingerprint: :class:`IdempotencyKeyMismatch`.
-   ``failed``, or ``running`` with an expired lease (its owner died): take it over with a
-   compare-and-set ``UPDATE`` on the token, status and attempts just read; ``attempts`` goes
-   up by one. Losing that race reads again.
-3. ``claim.succeed(result)``: ``UPDATE ... WHERE token = <this claim's> AND status = 'running'``,
-   one statement, inside the caller's transaction, so a rollback of the business write rolls
-   the marker back too. If the lease was taken over meanwhile, it raises
-   :class:`IdempotencyClaimLost` and writes nothing.
-4. Leaving the block with an exception marks the record ``failed`` with the error text (again
-   only while this claim is the owner): the next claim runs again. Leaving it normally without
-   ``succeed()`` records a success with result ``None``; a ``succeed()`` that was rolled back
-   is recorded as failed.
+1. ``INSERT ... ON CONFLICT DO NOTHING``: the first claimer of a key owns it (one statement,
+   :mod:`.store`). Otherwise the row is read, on PostgreSQL in that same statement:
+   ``succeeded`` is replayed (``claim.done``, signal ``duplicate_blocked``); another fingerprint
+   raises :class:`IdempotencyKeyMismatch`; ``running`` with a live lease raises
+   :class:`IdempotencyInProgress`, unless claimed under an older fence of the lock held now
+   (that claimer lost the lock: its claim is dead). ``failed`` or an expired lease (its owner
+   died) is taken over by a compare-and-set ``UPDATE`` on the token, status and attempts read
+   (``attempts`` + 1); losing that race reads again.
+2. ``claim.succeed(result)``: one ``UPDATE ... WHERE token = <this claim's> AND status =
+   'running'`` in the caller's transaction, so the marker rolls back with the business write.
+   A lease taken over meanwhile raises :class:`IdempotencyClaimLost` and writes nothing.
+3. Leaving the block with an exception marks the record ``failed`` (only while this claim owns
+   it): the next claim runs again. Leaving without ``succeed()`` records a success with result
+   ``None``; a ``succeed()`` that was rolled back is recorded as failed.
 
-Keys, scopes and results are validated by :mod:`.inputs`: results
-are stored with ``DjangoJSONEncoder``, so a *replay* returns strings for ``Decimal``,
-``datetime``, ``UUID``... (docs/idempotency.md lists them).
-
-Leases and expiry use this server's clock (``timezone.now()``): keep app servers NTP-synced.
-A claim (new or taken over) expires ``IDEMPOTENCY_TTL`` after it was made, a success
-``IDEMPOTENCY_TTL`` after it was recorded; ``joblock_purge`` never deletes a running claim
-whose lease is live, whatever its ``expires_at``.
-Works on PostgreSQL and SQLite (>= 3.35, for ``RETURNING``); other databases use a savepoint
-and ``IntegrityError`` for step 1 (one more statement).
+A replay returns results as ``DjangoJSONEncoder`` stored them (strings for ``Decimal``,
+``datetime``, ``UUID``...). Leases and expiry use this server's clock (keep it NTP-synced): a
+record expires ``IDEMPOTENCY_TTL`` after its claim, takeover or success, but ``joblock_purge``
+never deletes a running claim whose lease is live. Needs SQLite >= 3.35 (``RETURNING``).
 """
 
 from __future__ import annotations
@@ -45,13 +35,11 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from types import TracebackType
 from typing import Any
 
 from django.db import connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
-from rq import get_current_job
 
 from .. import conf, metrics
 from ..choices import RecordStatus
@@ -61,65 +49,16 @@ from ..exceptions import (
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
 )
+from ..locks.info import job_context
 from ..locks.lock import Lock, current_lock
 from ..signals import duplicate_blocked
+from . import store
 from .guard import refused
-from .inputs import (
-    MAX_KEY_LENGTH,
-    MAX_SCOPE_LENGTH,
-    check_result,
-    fingerprint_of,
-    key_family,
-    validate_key,
-    validate_scope,
-)
-from .store import (
-    ABSENT,
-    EXISTING,
-    GUARDED,
-    INSERTED,
-    RESOURCE_GUARDED,
-    in_progress,
-    insert_or_read,
-)
+from .inputs import check_result, fingerprint_of, key_family, validate_key, validate_scope
 
-__all__ = [
-    "MAX_KEY_LENGTH",
-    "MAX_SCOPE_LENGTH",
-    "Claim",
-    "Idempotent",
-    "check_result",
-    "claim",
-    "fingerprint_of",
-    "idempotent",
-    "validate_key",
-    "validate_scope",
-]
+__all__ = ["Claim", "Idempotent", "claim", "fingerprint_of", "idempotent"]
 
 _TAKEOVER_TRIES = 5
-
-
-def _model() -> Any:
-    from ..models import IdempotencyRecord
-
-    return IdempotencyRecord
-
-
-def _current_job() -> Any:
-    try:
-        return get_current_job()
-    except Exception:  # noqa: BLE001 - outside a worker rq may raise on a missing connection
-        return None
-
-
-def _job_id() -> str:
-    job = _current_job()
-    return (job.id or "") if job is not None else ""
-
-
-def _job_func() -> str:
-    job = _current_job()
-    return (job.func_name or "") if job is not None else ""
 
 
 @dataclass
@@ -136,42 +75,23 @@ class Claim:
     done: bool = False
     result: Any = None
     # A claim inside a job's transaction on PostgreSQL: the row to insert with the result at
-    # the end (record_id is 0 until then); see django_joblock.one_commit.
+    # the end (record_id is 0 until then); see .one_commit.
     pending: dict[str, Any] | None = field(default=None, repr=False)
     _succeed_called: bool = field(default=False, repr=False)
     _committed: bool = field(default=False, repr=False)
 
     def succeed(self, result: Any = None) -> None:
-        """Record success with ``result`` (JSON-serialisable) in the current transaction.
-
-        Raises :class:`IdempotencyClaimLost` if another claim has taken the lease over, and
-        :class:`IdempotencyError` on a replayed claim or a result that is not JSON.
-        """
+        """Record success with ``result`` (JSON) in the current transaction (step 2).
+        :class:`IdempotencyError` on a replayed claim or a result that is not JSON."""
         if self.done:
             raise IdempotencyError(
                 f"Key {self.key!r} was already done; nothing to record.",
                 key=self.key,
                 scope=self.scope,
             )
-        try:
-            check_result(result)
-        except (TypeError, ValueError) as exc:
-            raise IdempotencyError(
-                f"Result for idempotency key {self.key!r} cannot be stored as JSON "
-                f"(DjangoJSONEncoder, no NaN or infinity): {exc}",
-                key=self.key,
-                scope=self.scope,
-            ) from exc
-        now = timezone.now()
-        updated = self._mine().update(
-            status=RecordStatus.SUCCEEDED,
-            result=result,
-            error="",
-            finished_at=now,
-            updated_at=now,
-            lease_expires_at=None,
-            expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
-        )
+        check_result(result, key=self.key, scope=self.scope)
+        expires_at = store.expiry(timezone.now())
+        updated = self._finish(RecordStatus.SUCCEEDED, result=result, expires_at=expires_at)
         if updated != 1:
             raise IdempotencyClaimLost(
                 f"Idempotency key {self.key!r} (scope {self.scope!r}): this claim's lease was "
@@ -181,53 +101,45 @@ class Claim:
             )
         self._succeed_called = True
         self.result = result
-        transaction.on_commit(self._mark_committed, using=self.using)
+        transaction.on_commit(lambda: setattr(self, "_committed", True), using=self.using)
 
-    def _mark_committed(self) -> None:
-        self._committed = True
-
-    def _mine(self) -> Any:
-        return (
-            _model()
+    def _finish(self, status: RecordStatus, error: str = "", **fields: Any) -> int:
+        """Finish this claim's record now, only while this claim still owns it."""
+        now = timezone.now()
+        return int(
+            store.record_model()
             .objects.using(self.using)
             .filter(pk=self.record_id, token=self.token, status=RecordStatus.RUNNING)
+            .update(
+                status=status,
+                error=error[:10_000],
+                finished_at=now,
+                updated_at=now,
+                lease_expires_at=None,
+                **fields,
+            )
         )
 
     def end(self, exc: BaseException | None) -> None:
-        """Leaving the claim's block: an exception marks the record failed; a ``succeed()``
-        rolled back with its transaction too; leaving without ``succeed()`` records ``None``.
-        A recorded success (or one that commits with an enclosing transaction) stays."""
+        """Leave the claim's block (step 3 of the module docs). A recorded success, or one that
+        commits with an enclosing transaction, stays."""
         if self.done:
             return
         if exc is not None:
-            self._fail(f"{type(exc).__name__}: {exc}")
+            self._finish(RecordStatus.FAILED, f"{type(exc).__name__}: {exc}")
         elif self._committed or (self._succeed_called and connections[self.using].in_atomic_block):
             return
         elif self._succeed_called:
-            self._fail("succeed() was rolled back with its transaction")
+            self._finish(RecordStatus.FAILED, "succeed() was rolled back with its transaction")
         else:
             self.succeed(None)
 
-    def _fail(self, error: str) -> None:
-        now = timezone.now()
-        self._mine().update(
-            status=RecordStatus.FAILED,
-            error=error[:10_000],
-            finished_at=now,
-            updated_at=now,
-            lease_expires_at=None,
-        )
-
 
 class Idempotent:
-    """Claim ``key`` (within ``scope``) for the duration of the block; see the module docs.
-    Made by :func:`idempotent`.
-
-    ``fingerprint``: any JSON-serialisable value describing the arguments (hashed with
-    sha256); the same key with another fingerprint raises :class:`IdempotencyKeyMismatch`.
-    ``lease`` (s, default ``JOBLOCK["IDEMPOTENCY_LEASE"]``): how long a running claim keeps
-    others out before it is presumed dead. ``using``: the database alias.
-    """
+    """Claim ``key`` (within ``scope``) for the block; see the module docs. ``fingerprint``:
+    a value describing the arguments (:func:`fingerprint_of`), another one for the same key
+    raises :class:`IdempotencyKeyMismatch`. ``lease`` (s, default ``IDEMPOTENCY_LEASE``): how
+    long a running claim keeps others out before it is presumed dead. ``using``: a database."""
 
     def __init__(
         self,
@@ -243,24 +155,17 @@ class Idempotent:
         self.key = key
         self.scope = scope
         self.fingerprint = "" if fingerprint is None else fingerprint_of(fingerprint)
-        self.lease = (
-            conf.LEASE_RANGE.check("idempotent(): lease", lease)
-            if lease is not None
-            else conf.get().IDEMPOTENCY_LEASE
-        )
-        self.using = using or router.db_for_write(_model())
+        if lease is not None:
+            lease = conf.LEASE_RANGE.check("idempotent(): lease", lease)
+        self.lease = conf.get().IDEMPOTENCY_LEASE if lease is None else lease
+        self.using = using or router.db_for_write(store.record_model())
         self.claim: Claim | None = None
 
     def __enter__(self) -> Claim:
         self.claim = claim(self)
         return self.claim
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self.claim is not None:
             self.claim.end(exc)
 
@@ -273,77 +178,64 @@ def idempotent(
     lease: float | None = None,
     using: str | None = None,
 ) -> Idempotent:
-    """``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:`` claims
-    ``key`` for the block (see :class:`Idempotent` and the module docs)."""
+    """``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:`` (see
+    :class:`Idempotent`)."""
     return Idempotent(key, scope=scope, fingerprint=fingerprint, lease=lease, using=using)
 
 
 def claim(
-    spec: Idempotent,
-    *,
-    guard: bool = False,
-    finished: bool = False,
-    under: Lock | None = None,
+    spec: Idempotent, *, guard: bool = False, finished: bool = False, under: Lock | None = None
 ) -> Claim:
-    """Claim ``spec.key`` race-free; see the module docs for the protocol.
-
-    ``guard``, ``finished`` and ``under`` are for a claim inside a job's transaction
-    (:func:`.one_commit.claim_in_transaction`): the key's guard is taken in the
-    same statement (and, ``under`` a held lock, its resource guard: raises
-    :class:`~django_joblock.ResourceInTransaction` when taken, see
-    :mod:`.guard`), and the row is written as it will be committed
-    (``succeeded``, finished now, no lease), since nobody sees it before the commit and a
-    rollback removes it.
-    """
-    model = _model()
+    """Claim ``spec.key`` race-free (the module docs' protocol). For a claim inside a job's
+    transaction (:mod:`.one_commit`): ``guard`` takes the key's guard, and ``under`` a held lock
+    its resource guard (:mod:`.guard`), in the same statement; ``finished`` writes the row as it
+    will be committed (``succeeded``, no lease), since nobody sees it before the commit."""
+    model = store.record_model()
     token = secrets.token_hex(16)
-    now = timezone.now()
     status = RecordStatus.SUCCEEDED if finished else RecordStatus.RUNNING
-    lease = None if finished else now + timedelta(seconds=spec.lease)
-    finished_at = now if finished else None
     held = current_lock()
     fence = held.fence if held is not None and held.held else None
     resource = held.resource if fence is not None and held is not None else ""
-    job_id = _job_id()
-    values = {
-        "scope": spec.scope,
-        "key": spec.key,
-        "fingerprint": spec.fingerprint,
-        "status": status,
-        "result": None,
-        "error": "",
-        "token": token,
-        "fence": fence,
-        "lock_resource": resource,
-        "rq_job_id": job_id,
-        "attempts": 1,
-        "lease_expires_at": lease,
-        "created_at": now,
-        "updated_at": now,
-        "finished_at": finished_at,
-        "expires_at": now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
-    }
-    for _ in range(_TAKEOVER_TRIES):
-        found, record_id, row = insert_or_read(
-            model,
-            spec.using,
-            values,
-            guard=guard,
-            lock_key=under.key if guard and under is not None else None,
+    job_id, job_func, _worker = job_context()
+
+    def claimed(now: datetime) -> dict[str, Any]:  # the columns a claim (or takeover) sets
+        return {
+            "status": status,
+            "token": token,
+            "error": "",
+            "fence": fence,
+            "lock_resource": resource,
+            "rq_job_id": job_id,
+            "updated_at": now,
+            "finished_at": now if finished else None,
+            "lease_expires_at": None if finished else now + timedelta(seconds=spec.lease),
+            "expires_at": store.expiry(now),  # a takeover too lives a full TTL from now
+        }
+
+    def made(record_id: int, attempts: int, fingerprint: str, **extra: Any) -> Claim:
+        return Claim(
+            spec.key, spec.scope, fingerprint, token, record_id, attempts, spec.using, **extra
         )
-        if found == RESOURCE_GUARDED:
+
+    now = timezone.now()
+    values: dict[str, Any] = {"scope": spec.scope, "key": spec.key, "created_at": now}
+    values.update(fingerprint=spec.fingerprint, **claimed(now))
+    lock_key = under.key if guard and under is not None else None
+    for _ in range(_TAKEOVER_TRIES):
+        found, record_id, row = store.insert_or_read(
+            model, spec.using, values, guard=guard, lock_key=lock_key
+        )
+        if found == store.RESOURCE_GUARDED:
             assert under is not None
             raise refused(under)
-        if found == INSERTED:
+        if found == store.INSERTED:
             assert record_id is not None
-            return Claim(spec.key, spec.scope, spec.fingerprint, token, record_id, 1, spec.using)
-        if found == ABSENT:  # guarded, nothing there: the row is inserted at the end
-            return Claim(
-                spec.key, spec.scope, spec.fingerprint, token, 0, 1, spec.using, pending=values
-            )
-        if found == GUARDED:
-            raise in_progress(spec.scope, spec.key, "its guard is taken")
-        if found != EXISTING or row is None:
+            return made(record_id, 1, spec.fingerprint)
+        if found == store.ABSENT:  # guarded, nothing there: the row is inserted at the end
+            return made(0, 1, spec.fingerprint, pending=values)
+        if found == store.GUARDED:
+            raise store.in_progress(spec.scope, spec.key, "its guard is taken")
+        if found != store.EXISTING or row is None:
             continue  # purged, or committed just too late for that statement: ask again
         if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
             raise IdempotencyKeyMismatch(
@@ -354,35 +246,29 @@ def claim(
                 scope=spec.scope,
             )
         if row["status"] == RecordStatus.SUCCEEDED:
-            done = Claim(
-                spec.key,
-                spec.scope,
-                row["fingerprint"],
-                token,
-                row["id"],
-                row["attempts"],
-                spec.using,
-                done=True,
-                result=row["result"],
+            done = made(
+                row["id"], row["attempts"], row["fingerprint"], done=True, result=row["result"]
             )
             duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
-            metrics.count("duplicates_blocked", key_family(spec.key), _job_func())
+            metrics.count("duplicates_blocked", key_family(spec.key), job_func)
             return done
         now = timezone.now()
         lease_until: datetime | None = row["lease_expires_at"]
+        # Claimed under an older holding of the lock we hold now: that holder has lost the lock
+        # (we have it, with a larger fence), so its claim is dead whatever its lease says. This
+        # is what lets a retry run right after a SIGKILLed work horse.
         superseded = (
-            # Claimed under an older holding of the lock we hold now: that holder has lost
-            # the lock (we have it, with a larger fence), so its claim is dead whatever its
-            # lease says. This is what lets a retry run right after a SIGKILLed work horse.
             fence is not None
             and row["fence"] is not None
             and row["lock_resource"] == resource
             and row["fence"] < fence
         )
-        live = (
-            row["status"] == RecordStatus.RUNNING and lease_until is not None and lease_until > now
-        )
-        if live and not superseded and lease_until is not None:
+        if (
+            row["status"] == RecordStatus.RUNNING
+            and lease_until is not None
+            and lease_until > now
+            and not superseded
+        ):
             raise IdempotencyInProgress(
                 f"Idempotency key {spec.key!r} (scope {spec.scope!r}) is being processed by "
                 f"another claim (attempt {row['attempts']}, lease for another "
@@ -390,37 +276,15 @@ def claim(
                 key=spec.key,
                 scope=spec.scope,
             )
+        fingerprint = spec.fingerprint or row["fingerprint"]
+        as_read = {name: row[name] for name in ("id", "token", "status", "attempts")}
         taken = (
             model.objects.using(spec.using)
-            .filter(
-                pk=row["id"], token=row["token"], status=row["status"], attempts=row["attempts"]
-            )
-            .update(
-                token=token,
-                status=status,
-                attempts=F("attempts") + 1,
-                error="",
-                fence=fence,
-                lock_resource=resource,
-                rq_job_id=job_id,
-                updated_at=now,
-                finished_at=finished_at if finished else None,
-                lease_expires_at=None if finished else now + timedelta(seconds=spec.lease),
-                # A takeover is a new claim: it lives a full TTL from now, like an insert.
-                expires_at=now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL),
-                fingerprint=spec.fingerprint or row["fingerprint"],
-            )
+            .filter(**as_read)  # compare-and-set: only if nobody took it over since the read
+            .update(attempts=F("attempts") + 1, fingerprint=fingerprint, **claimed(now))
         )
         if taken == 1:
-            return Claim(
-                spec.key,
-                spec.scope,
-                spec.fingerprint or row["fingerprint"],
-                token,
-                row["id"],
-                row["attempts"] + 1,
-                spec.using,
-            )
+            return made(row["id"], row["attempts"] + 1, fingerprint)
     raise IdempotencyInProgress(
         f"Idempotency key {spec.key!r} (scope {spec.scope!r}) changed hands "
         f"{_TAKEOVER_TRIES} times while claiming; another claim is active.",

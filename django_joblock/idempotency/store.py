@@ -1,68 +1,53 @@
-"""The idempotency record's SQL: insert-or-read in one statement, and a key guard for claims
-made inside a job's transaction.
+"""The idempotency record's SQL: insert-or-read, and the key's guard.
 
-- :func:`insert_or_read`: ``INSERT ... ON CONFLICT (scope, key) DO NOTHING``, and when the key
-  exists, the existing row. On PostgreSQL one statement (a data-modifying CTE ``UNION ALL`` a
-  read of the row): a first claim and a replay are each **one** query. On SQLite two (SQLite
-  has no data-modifying CTEs: ``INSERT ... RETURNING``, then a ``SELECT`` when it inserted
-  nothing); other databases use a savepoint and ``IntegrityError``.
-- ``guard=True`` (claims inside a job's transaction, §4.9): a claim row inserted by a
-  transaction that has not committed yet makes a second insert of the same key *wait* for that
-  transaction. That happens only after a lock loss (a paused holder still inside its
-  transaction), and must not wait for long. On PostgreSQL the same statement first takes a
-  transaction-scoped advisory lock on the key (``pg_try_advisory_xact_lock`` of a 64-bit hash
-  of scope and key, never waiting): a second transaction on the key finds it taken and is "in
-  progress" at once, without a wait, without an extra statement, and without touching the
-  session's ``lock_timeout``. The unique key stays the arbiter (a hash collision can only make
-  an unrelated key look in progress: a requeue, 1 in 2**64). On SQLite a writer waits for the
-  database's write lock instead, at most the connection's busy timeout
-  (``OPTIONS["timeout"]``, Django's default 5 s); :func:`in_progress_on_busy` turns that
-  timeout into :class:`~django_joblock.exceptions.IdempotencyInProgress`.
-- ``lock_key`` (with ``guard``, on PostgreSQL): the same statement also takes the guard of the
-  lock's resource (:mod:`django_joblock.resource_guard`); taken by another transaction, the
-  answer is ``RESOURCE_GUARDED``.
+:func:`insert_or_read` is ``INSERT ... ON CONFLICT (scope, key) DO NOTHING`` and, when the key
+exists, a read of its row: on PostgreSQL one statement (a data-modifying CTE ``UNION ALL`` the
+read), so a first claim and a replay are each one query; on SQLite two (``INSERT ...
+RETURNING``, then a ``SELECT``); elsewhere a savepoint and ``IntegrityError``.
+
+``guard=True`` (a claim inside a job's transaction; docs/jobs.md): a second transaction on the
+key must not wait for the first's uncommitted row (possible after a lock loss). On PostgreSQL
+one read-only statement takes a transaction-scoped advisory lock on the key without waiting
+(taken: "in progress" at once) and reads the row; without a row the caller inserts it at its
+commit, with the result, one statement fewer than an insert now and an update later. The unique
+key stays the arbiter. With ``lock_key`` the statement also takes the lock's resource guard
+(:mod:`.guard`). On SQLite a writer waits for the write lock instead, at most the busy timeout,
+which :func:`in_progress_on_busy` turns into :class:`IdempotencyInProgress`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connections, transaction
 
+from .. import conf
 from ..exceptions import IdempotencyInProgress
 from .guard import GUARD_SQL, name_for, try_name
 
-ROW_FIELDS = (
-    "id",
-    "status",
-    "fingerprint",
-    "token",
-    "attempts",
-    "lease_expires_at",
-    "result",
-    "fence",
-    "lock_resource",
-)
-# What insert_or_read found: a new row, an existing one, neither (ask again), the key's guard
-# taken by another transaction, or (PostgreSQL, guard=True) no row: insert it at the end; or
-# the lock's resource guard taken by another transaction.
-INSERTED, EXISTING, NOTHING, GUARDED, ABSENT, RESOURCE_GUARDED = (
-    "inserted",
-    "existing",
-    "nothing",
-    "guarded",
-    "absent",
-    "resource guarded",
-)
+# The columns read back, in the order of the statements' select lists.
+_ROW = "id status fingerprint token attempts lease_expires_at result fence lock_resource"
+ROW_FIELDS = tuple(_ROW.split())
+# What insert_or_read found: a new row; an existing one; neither (a concurrent insert committed
+# too late for the statement: ask again); the key's guard taken by another transaction; with
+# guard=True on PostgreSQL, no row (insert it at the end); the lock's resource guard taken.
+INSERTED, EXISTING, NOTHING = "inserted", "existing", "nothing"
+GUARDED, ABSENT, RESOURCE_GUARDED = "guarded", "absent", "resource guarded"
 
 
-def _select_row(model: Any, using: str, scope: str, key: str) -> dict[str, Any] | None:
-    row: dict[str, Any] | None = (
-        model.objects.using(using).filter(scope=scope, key=key).values(*ROW_FIELDS).first()
-    )
-    return row
+def record_model() -> Any:
+    """``IdempotencyRecord``, imported late (models load with the app registry)."""
+    from ..models import IdempotencyRecord
+
+    return IdempotencyRecord
+
+
+def expiry(now: datetime) -> datetime:
+    """When a record claimed or finished ``now`` may be purged."""
+    return now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL)
 
 
 def insert_or_read(
@@ -73,31 +58,24 @@ def insert_or_read(
     guard: bool = False,
     lock_key: str | None = None,
 ) -> tuple[str, int | None, dict[str, Any] | None]:
-    """Insert the row unless (scope, key) exists: ``(INSERTED, id, None)``, ``(EXISTING, None,
-    row)``, ``(NOTHING, None, None)`` when a concurrent insert committed too late for this
-    statement to see it (ask again), or ``(GUARDED, None, None)`` (see the module docs).
-
-    With ``guard`` on PostgreSQL nothing is inserted: one statement takes the key's guard and
-    reads the row; without a row the answer is ``(ABSENT, None, None)`` and the caller inserts
-    the row at the end of its transaction (:func:`insert`), with the job's result: one
-    statement fewer than an insert now and an update of the result later. The guard keeps
-    every other guarded claim of the key out meanwhile; the unique key still decides. With
-    ``lock_key`` too, the statement also takes that lock's resource guard (module docs).
-    """
+    """Insert the row unless (scope, key) exists (see the module docs): ``(INSERTED, id,
+    None)``, ``(EXISTING, None, row)``, or ``(what, None, None)`` for the other answers."""
     connection = connections[using]
     if connection.vendor == "postgresql":
         if guard:
             return _guard_and_read_postgresql(model, connection, values, lock_key)
-        return _insert_or_read_postgresql(model, connection, values, guard)
+        return _insert_or_read_postgresql(model, connection, values)
     inserted = insert(model, using, values)
     if inserted is not None:
         return INSERTED, inserted, None
-    row = _select_row(model, using, values["scope"], values["key"])
-    return (EXISTING, None, row) if row is not None else (NOTHING, None, None)
+    row = model.objects.using(using).filter(scope=values["scope"], key=values["key"])
+    found: dict[str, Any] | None = row.values(*ROW_FIELDS).first()
+    return (EXISTING, None, found) if found is not None else (NOTHING, None, None)
 
 
 def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
-    """Insert the row unless (scope, key) exists; its id, or None on conflict."""
+    """Insert the row unless (scope, key) exists; its id, or None on conflict. Columns missing
+    from ``values`` take the model's defaults, as with ``create()``."""
     connection = connections[using]
     if connection.vendor not in ("postgresql", "sqlite"):
         try:
@@ -105,26 +83,11 @@ def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
                 return int(model.objects.using(using).create(**values).pk)
         except IntegrityError:
             return None
+    sql, params = _insert_sql(model, connection, values)
     with connection.cursor() as cursor:
-        sql = _insert_sql(model, connection, tuple(values))
-        cursor.execute(sql, _params(model, connection, values))
+        cursor.execute(sql, params)
         row = cursor.fetchone()
     return None if row is None else int(row[0])
-
-
-def set_result(model: Any, using: str, record_id: int, token: str, result: Any) -> None:
-    """``UPDATE`` the result of record ``record_id`` (still claimed with ``token``): one statement
-    without the ORM's compilation, on the hot path of every job with a result."""
-    connection = connections[using]
-    meta = model._meta
-    quote = connection.ops.quote_name
-    result_field = meta.get_field("result")
-    sql = (
-        f"UPDATE {quote(meta.db_table)} SET {quote(result_field.column)} = %s "
-        f"WHERE {quote(meta.pk.column)} = %s AND {quote(meta.get_field('token').column)} = %s"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [result_field.get_db_prep_save(result, connection), record_id, token])
 
 
 def try_guard(using: str, scope: str, key: str) -> bool:
@@ -137,145 +100,91 @@ def _guard_name(scope: str, key: str) -> str:
     return f"django_joblock\x1f{scope}\x1f{key}"
 
 
-def _columns(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
-    return _column_list(model, connection, tuple(values)), _params(model, connection, values)
+def _table(model: Any, connection: Any) -> str:
+    return str(connection.ops.quote_name(model._meta.db_table))
 
 
-def _params(model: Any, connection: Any, values: dict[str, Any]) -> list[Any]:
+def _column(model: Any, connection: Any, name: str) -> str:
+    return str(connection.ops.quote_name(model._meta.get_field(name).column))
+
+
+def _columns(model: Any, connection: Any, names: Any, prefix: str = "") -> str:
+    return ", ".join(prefix + _column(model, connection, name) for name in names)
+
+
+def _insert_sql(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
+    """``INSERT ... ON CONFLICT (scope, key) DO NOTHING RETURNING id`` of ``values``, and its
+    parameters."""
     meta = model._meta
-    return [meta.get_field(name).get_db_prep_save(v, connection) for name, v in values.items()]
-
-
-# The statements' text depends only on the model, the backend (its quoting) and the columns:
-# built once per process, not on every job with an idempotency key. Few entries: one per
-# statement, backend and column set.
-_SQL: dict[tuple[Any, ...], str] = {}
-
-
-def _cached_sql(kind: str, model: Any, connection: Any, names: tuple[str, ...]) -> str:
-    key = (kind, model, connection.vendor, names)
-    sql = _SQL.get(key)
-    if sql is None:
-        sql = _SQL[key] = _BUILDERS[kind](model, connection, names)
-    return sql
-
-
-def _column_list(model: Any, connection: Any, names: tuple[str, ...]) -> str:
-    return _cached_sql("columns", model, connection, names)
-
-
-def _insert_sql(model: Any, connection: Any, names: tuple[str, ...]) -> str:
-    return _cached_sql("insert", model, connection, names)
-
-
-def _build_columns(model: Any, connection: Any, names: tuple[str, ...]) -> str:
-    quote = connection.ops.quote_name
-    return ", ".join(quote(model._meta.get_field(name).column) for name in names)
-
-
-def _build_insert(model: Any, connection: Any, names: tuple[str, ...]) -> str:
-    quote = connection.ops.quote_name
-    return (
-        f"INSERT INTO {quote(model._meta.db_table)} ({_column_list(model, connection, names)}) "
-        f"VALUES ({', '.join(['%s'] * len(names))}) {_on_conflict(model, connection)} "
-        f"RETURNING {quote(model._meta.pk.column)}"
+    defaults = {f.name: f.get_default() for f in meta.concrete_fields if not f.primary_key}
+    values = {**defaults, **values}
+    params = [meta.get_field(n).get_db_prep_save(v, connection) for n, v in values.items()]
+    sql = (
+        f"INSERT INTO {_table(model, connection)} ({_columns(model, connection, values)}) "
+        f"VALUES ({', '.join(['%s'] * len(params))}) "
+        f"ON CONFLICT ({_columns(model, connection, ('scope', 'key'))}) DO NOTHING "
+        f"RETURNING {_column(model, connection, 'id')}"
     )
+    return sql, params
 
 
-def _build_guard_and_read(model: Any, connection: Any, names: tuple[str, ...]) -> str:
-    meta = model._meta
-    quote = connection.ops.quote_name
-    fields = ", ".join(f"t.{quote(meta.get_field(name).column)}" for name in ROW_FIELDS)
-    resource = GUARD_SQL if names else "TRUE"  # names: ("lock",) with a resource guard
-    return (
-        f"SELECT {resource}, {GUARD_SQL}, {fields} FROM (SELECT 1) AS one "
-        f"LEFT JOIN {quote(meta.db_table)} t "
-        f"ON t.{quote(meta.get_field('scope').column)} = %s "
-        f"AND t.{quote(meta.get_field('key').column)} = %s"
-    )
+def _by_key(model: Any, connection: Any, prefix: str = "") -> str:
+    scope, key = (prefix + _column(model, connection, name) for name in ("scope", "key"))
+    return f"{scope} = %s AND {key} = %s"
 
 
-_BUILDERS = {
-    "columns": _build_columns,
-    "insert": _build_insert,
-    "guard_and_read": _build_guard_and_read,
-}
-
-
-def _on_conflict(model: Any, connection: Any) -> str:
-    quote = connection.ops.quote_name
-    conflict = ", ".join(quote(model._meta.get_field(f).column) for f in ("scope", "key"))
-    return f"ON CONFLICT ({conflict}) DO NOTHING"
+def _read(model: Any, connection: Any, fields: Any) -> dict[str, Any]:
+    row = dict(zip(ROW_FIELDS, fields, strict=True))
+    row["result"] = model._meta.get_field("result").from_db_value(row["result"], None, connection)
+    return row
 
 
 def _insert_or_read_postgresql(
-    model: Any, connection: Any, values: dict[str, Any], guard: bool
+    model: Any, connection: Any, values: dict[str, Any]
 ) -> tuple[str, int | None, dict[str, Any] | None]:
-    # One statement. The guard CTE is evaluated first (the INSERT reads from it); the INSERT
-    # runs only with the guard. The CTE's INSERT and the read of the table share one snapshot:
-    # after an insert the read sees nothing (only the CTE's row comes back, marked 1); on a
-    # conflict with a row committed before the statement began, only the existing row (2); no
-    # guard: only the marker row 3.
-    meta = model._meta
-    quote = connection.ops.quote_name
-    table = quote(meta.db_table)
-    columns, params = _columns(model, connection, values)
-    placeholders = ", ".join(["%s"] * len(params))
-    fields = ", ".join(quote(meta.get_field(name).column) for name in ROW_FIELDS)
+    # One statement. The CTE's INSERT and the read of the table share one snapshot: after an
+    # insert the read sees nothing (only the CTE's row comes back, marked 1); on a conflict
+    # with a row committed before the statement began, only the existing row (2).
+    insert, params = _insert_sql(model, connection, values)
     nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
-    ok = GUARD_SQL if guard else "TRUE"
     sql = (
-        f"WITH g AS MATERIALIZED (SELECT {ok} AS ok), "
-        f"ins AS (INSERT INTO {table} ({columns}) SELECT {placeholders} FROM g WHERE g.ok "
-        f"{_on_conflict(model, connection)} RETURNING {quote(meta.pk.column)}) "
-        f"SELECT 1, {quote(meta.pk.column)}, {nulls} FROM ins "
-        f"UNION ALL SELECT 2, {fields} FROM {table}, g WHERE g.ok "
-        f"AND {quote(meta.get_field('scope').column)} = %s "
-        f"AND {quote(meta.get_field('key').column)} = %s "
-        f"UNION ALL SELECT 3, NULL, {nulls} FROM g WHERE NOT g.ok"
+        f"WITH ins AS ({insert}) SELECT 1, {_column(model, connection, 'id')}, {nulls} FROM ins "
+        f"UNION ALL SELECT 2, {_columns(model, connection, ROW_FIELDS)} "
+        f"FROM {_table(model, connection)} WHERE {_by_key(model, connection)}"
     )
-    head = [_guard_name(values["scope"], values["key"])] if guard else []
     with connection.cursor() as cursor:
-        cursor.execute(sql, [*head, *params, values["scope"], values["key"]])
+        cursor.execute(sql, [*params, values["scope"], values["key"]])
         found = cursor.fetchone()
     if found is None:
         return NOTHING, None, None
-    kind, *rest = found
-    if kind == 3:
-        return GUARDED, None, None
-    row = dict(zip(ROW_FIELDS, rest, strict=True))
-    if kind == 1:
-        return INSERTED, int(row["id"]), None
-    result_field = meta.get_field("result")
-    row["result"] = result_field.from_db_value(row["result"], None, connection)
-    return EXISTING, None, row
+    if found[0] == 1:
+        return INSERTED, int(found[1]), None
+    return EXISTING, None, _read(model, connection, found[1:])
 
 
 def _guard_and_read_postgresql(
     model: Any, connection: Any, values: dict[str, Any], lock_key: str | None
 ) -> tuple[str, int | None, dict[str, Any] | None]:
-    # One read-only statement: the guards (never waiting) and the row, if there is one. A
+    # One read-only statement: the guards (never waiting) and the row if there is one; a
     # replay is this one query.
-    meta = model._meta
-    names = ("lock",) if lock_key is not None else ()
-    sql = _cached_sql("guard_and_read", model, connection, names)
+    resource = GUARD_SQL if lock_key is not None else "TRUE"
+    sql = (
+        f"SELECT {resource}, {GUARD_SQL}, {_columns(model, connection, ROW_FIELDS, 't.')} "
+        f"FROM (SELECT 1) AS one LEFT JOIN {_table(model, connection)} t "
+        f"ON {_by_key(model, connection, 't.')}"
+    )
     head = [name_for(lock_key)] if lock_key is not None else []
+    scope, key = values["scope"], values["key"]
     with connection.cursor() as cursor:
-        cursor.execute(
-            sql,
-            [*head, _guard_name(values["scope"], values["key"]), values["scope"], values["key"]],
-        )
+        cursor.execute(sql, [*head, _guard_name(scope, key), scope, key])
         resource_ok, ok, *rest = cursor.fetchone()
     if not resource_ok:
         return RESOURCE_GUARDED, None, None
     if not ok:
         return GUARDED, None, None
-    row = dict(zip(ROW_FIELDS, rest, strict=True))
-    if row["id"] is None:
+    if rest[0] is None:
         return ABSENT, None, None
-    result_field = meta.get_field("result")
-    row["result"] = result_field.from_db_value(row["result"], None, connection)
-    return EXISTING, None, row
+    return EXISTING, None, _read(model, connection, rest)
 
 
 def in_progress(scope: str, key: str, why: str) -> IdempotencyInProgress:
@@ -291,7 +200,7 @@ def in_progress(scope: str, key: str, why: str) -> IdempotencyInProgress:
 @contextlib.contextmanager
 def in_progress_on_busy(using: str, *, scope: str, key: str) -> Iterator[None]:
     """SQLite: a write that waited out the busy timeout becomes :class:`IdempotencyInProgress`
-    (another transaction holds the database's write lock; see the module docs)."""
+    (another transaction holds the database's write lock)."""
     try:
         yield
     except OperationalError as exc:

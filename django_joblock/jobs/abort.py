@@ -1,18 +1,12 @@
 """Interrupt the running job when its lock is lost (``JOBLOCK["ON_LOCK_LOST"] = "abort"``).
 
-Loss is noticed by the renewal thread, but the job runs in the main thread of the work horse,
-possibly blocked in a socket read or ``time.sleep``. A real signal (``SIGUSR2``, which RQ does
-not use) sent to the main thread with ``pthread_kill`` interrupts such a call; its handler
-raises :class:`LockLost` there, so the job's own ``transaction.atomic()`` rolls back and the job
-fails visibly instead of finishing its work without the lock.
-
-The handler is installed when a job is armed and the previous one put back when it ends (an
-inline ``@locked_job`` call in a process that uses ``SIGUSR2`` itself leaves it as it was). It
-only raises while a job is armed. Disarming and the signal's sending are serialised, and a
-signal sent to a job that ended meanwhile is taken off the pending set before the previous
-handler returns, so it can never reach the default action (which would kill the process).
-Outside the main thread (e.g. an inline call from a web request thread) signals cannot be used:
-the lock is then only flagged lost, and fenced writes still refuse stale data.
+The renewal thread notices the loss while the job runs in the main thread, perhaps blocked in
+a socket read or ``time.sleep``: ``SIGUSR2`` (unused by RQ), sent there with ``pthread_kill``,
+interrupts it and the handler raises :class:`LockLost`, so the job's transaction rolls back and
+it fails visibly. The previous handler is restored after each job; a signal sent to a job that
+ended meanwhile is drained first, so it never reaches the default action (process exit).
+Outside the main thread no signal is used: the lock is only flagged lost, and fenced writes
+still refuse stale data.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 from ..exceptions import LockLost
@@ -30,8 +24,7 @@ from ..locks.lock import Lock
 ABORT_SIGNAL = signal.SIGUSR2
 
 _armed: Abort | None = None
-# Serialises "is this job still armed? then signal it" (renewal thread) with disarming (main
-# thread), so no signal is sent once a job has been disarmed.
+# Serialises "is this job still armed? then signal it" (renewal thread) with disarming.
 _guard = threading.Lock()
 
 
@@ -39,7 +32,6 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     armed = _armed
     held = armed.lock if armed is not None else None
     if armed is not None and held is not None and armed.reason:
-        armed.fired = True
         raise LockLost(
             f"Job aborted: its lock was lost ({armed.reason})",
             resource=held.resource,
@@ -49,12 +41,13 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 class Abort:
-    """Context manager arming the abort around the job body; :meth:`lost` is its trigger."""
+    """Context manager arming the abort around the job body; :meth:`lost` is the lock's
+    ``on_lost`` hook, which then calls ``then(lock, reason)`` (the job's own ``on_lost``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, then: Callable[[Lock, str], Any] | None = None) -> None:
+        self.then = then
         self.lock: Lock | None = None
         self.reason = ""
-        self.fired = False
         self.sent = False
         self.active = threading.current_thread() is threading.main_thread()
         self._main_ident = threading.main_thread().ident
@@ -70,47 +63,35 @@ class Abort:
         return self
 
     def lost(self, lock: Lock, reason: str) -> None:
-        """``on_lost`` hook (renewal thread): interrupt the main thread if still armed."""
+        """Interrupt the main thread if still armed, then call ``then``."""
         self.lock = lock
         self.reason = reason or "lost"
-        if (
-            not self.active
-            or self._main_ident is None
-            # Noticed by the job's own thread (ensure_held): it raises LockLost itself; a
-            # signal to ourselves could land in the middle of the rollback that follows.
-            or threading.get_ident() == self._main_ident
-        ):
-            return
-        with _guard:
-            if _armed is self:
-                self.sent = True
-                signal.pthread_kill(self._main_ident, ABORT_SIGNAL)
+        # Noticed by the job's own thread (ensure_held), it raises LockLost itself: a signal
+        # to ourselves could land in the middle of the rollback that follows.
+        ident = self._main_ident
+        if self.active and ident is not None and threading.get_ident() != ident:
+            with _guard:
+                if _armed is self:
+                    self.sent = True
+                    signal.pthread_kill(ident, ABORT_SIGNAL)
+        if self.then is not None:
+            self.then(lock, reason)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         global _armed
         if not self.active:
             return
         with _guard:
             if _armed is self:
                 _armed = self._outer
-        # From here no signal is sent for this job; one sent before may still be pending.
-        self._restore()
-
-    def _restore(self) -> None:
-        """Put the previous ``SIGUSR2`` handler back (main thread, job disarmed)."""
+        # No signal is sent for this job from here on; one sent before may still be pending.
         previous = signal.SIG_DFL if self._previous is None else self._previous
         if not self.sent:
-            signal.signal(ABORT_SIGNAL, previous)  # no signal of ours can be in flight
+            signal.signal(ABORT_SIGNAL, previous)
             return
         if not hasattr(signal, "sigtimedwait"):
             return  # a late signal cannot be drained here (macOS): keep ours, it is harmless
-        # The signal we sent may not have been delivered yet: block it, take it off the
-        # pending set, then restore the handler, so it can never meet SIG_DFL (process exit).
+        # Block it, take it off the pending set, then restore, so it never meets SIG_DFL.
         signal.pthread_sigmask(signal.SIG_BLOCK, {ABORT_SIGNAL})
         try:
             signal.sigtimedwait({ABORT_SIGNAL}, 0)

@@ -8,32 +8,15 @@
     refund_order.enqueue(kwargs={...}, job_timeout=600)               # per-call RQ options
     refund_order(order_id=1, refund_id="R-1", amount="10.00")         # inline, same protections
 
-``lock`` and ``idempotency_key`` are ``str.format`` templates over the bound call arguments
-(defaults applied), callables taking those arguments as keywords, or None. Template fields are
-checked against the function's parameters at decoration time, and both are rendered and
-validated (the resource's characters, the key's type, length and characters, the scope's
-length) at enqueue time, so a bad template or argument fails in the caller, not later inside a
-worker. The queue name is resolved at enqueue too: with django-rq installed it must be in
-``RQ_QUEUES``. Other keyword arguments (``job_timeout``, ``retry``, ``result_ttl``...) pass
-through to ``Queue.enqueue``.
-
-A job with a lock waits for a busy resource *parked* in RQ (admission, on rq >= 3.0: see
-:mod:`django_joblock.admission`) and starts as soon as the job before it on that resource
-ends; ``admission=False`` keeps the requeue-with-backoff path only. ``dedupe=True`` derives
-the RQ job id from the idempotency key, so a ``.delay()`` of a logical job that is still live
-returns the existing job (see :mod:`.dedupe`).
-
-Timeouts that only a call knows (a per-call ``job_timeout``) are checked at enqueue against
-the same rules as system checks W002 / W006, and a finding is logged as a warning on logger
-``django_joblock`` with the check id (the call still goes ahead, as with the check).
-
-The flow inside the work horse lives in :mod:`.runner`.
+Mistakes fail in the caller, not in a worker: template fields are checked against the
+function's parameters at decoration; resource, key, scope, queue name and RQ options at enqueue,
+where a per-call ``job_timeout`` is also checked like system checks W002 / W006 (a finding is
+logged as a warning with the check id; the call goes ahead).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
@@ -41,36 +24,14 @@ from django.utils.module_loading import autodiscover_modules
 
 from .. import conf
 from ..idempotency.inputs import key_family, validate_scope
+from ..logs import logger
 from . import admission as admission_mod
 from . import dedupe as dedupe_mod
 from . import runner
 from .queues import get_queue
-from .spec import (
-    CONFLICT_POLICIES,
-    JobSpec,
-    OnConflict,
-    Template,
-    TimeoutFinding,
-    check_rq_options,
-    check_template,
-    job_timeout,
-    timeout_findings,
-)
-
-__all__ = [
-    "CONFLICT_POLICIES",
-    "JobSpec",
-    "LockedJob",
-    "Template",
-    "TimeoutFinding",
-    "job_timeout",
-    "locked_job",
-    "registered_jobs",
-    "registry",
-    "timeout_findings",
-]
-
-logger = logging.getLogger("django_joblock")
+from .spec import CONFLICT_POLICIES, JobSpec, OnConflict, Template, check_rq_options, check_template
+from .spec import job_timeout as job_timeout  # re-exported for the system checks
+from .spec import timeout_findings as timeout_findings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -117,25 +78,18 @@ def locked_job(
     dedupe: bool = False,
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
-    """Decorate an RQ job function with the safe flow; see the module docs.
+    """Decorate an RQ job function with the safe flow (:mod:`.runner`).
 
-    ``queue``: a queue name (django-rq's ``RQ_QUEUES`` when installed, else an RQ queue on the
-    ``JOBLOCK["REDIS_ALIAS"]`` connection) or an ``rq.Queue``. ``ttl`` (s): lock TTL (default
-    ``LOCK_TTL``). ``on_conflict``: ``"requeue"`` (backoff + jitter, give up after
-    ``max_wait`` / ``REQUEUE_MAX_WAIT`` as a failed job), ``"skip"`` or ``"fail"``.
-    ``on_lost(lock, reason)``: called when the lock is lost while the job runs.
-    ``atomic`` (default True): the body runs inside ``transaction.atomic()`` and commits only
-    while the lock is held, so a lost lock rolls its writes back. ``atomic=False`` is for
-    lock-only jobs that manage their own transactions or do long work outside the database
-    (a transaction held open that long blocks SQLite writers and may hit PostgreSQL's
-    ``idle_in_transaction_session_timeout``); their writes are not rolled back when the lock is
-    lost, so fence them. A job with an ``idempotency_key`` is always atomic.
-    ``admission`` (default True; rq >= 3.0, jobs with a lock): a job whose resource is busy
-    waits parked in RQ and starts when the job before it ends, FIFO per resource; False keeps
-    the requeue-with-backoff path only. ``dedupe`` (needs an ``idempotency_key``): the RQ job
-    id is derived from the key, and ``.delay()`` of a logical job that is still live returns
-    the existing job (RQ's own ``unique=``, which refuses a duplicate id, goes to
-    ``.enqueue()``).
+    ``queue``: a name (from ``RQ_QUEUES`` with django-rq) or an ``rq.Queue``. ``lock`` and
+    ``idempotency_key``: ``str.format`` templates over the bound arguments (defaults applied),
+    callables taking them as keywords, or None. ``ttl`` (s): default ``LOCK_TTL``.
+    ``on_conflict``: ``"requeue"`` (failing after ``max_wait`` / ``REQUEUE_MAX_WAIT``),
+    ``"skip"`` or ``"fail"`` (:mod:`.requeue`). ``on_lost(lock, reason)``: called on a loss.
+    ``atomic=False``: for lock-only jobs that manage their own transactions or work long
+    outside the database; their writes are not rolled back on a loss, so fence them.
+    ``admission=False``: requeue with backoff instead of waiting parked (:mod:`.admission`).
+    ``dedupe=True``: ``.delay()`` of a logical job still live returns it (:mod:`.dedupe`). Other
+    keywords (``job_timeout``, ``retry``...) go to ``Queue.enqueue``.
     """
     if callable(queue):
         raise TypeError(
@@ -183,11 +137,6 @@ def locked_job(
         check_rq_options(rq_options, f"@locked_job {func.__qualname__}")
         check_template(func, lock, "lock")
         check_template(func, idempotency_key, "idempotency_key")
-        if idempotency_key is not None:
-            # The records' scope is the dotted name: too long a name would fail every run.
-            validate_scope(
-                f"{func.__module__}.{func.__qualname__}", what=f"@locked_job {func.__qualname__}"
-            )
         spec: JobSpec[P, R] = JobSpec(
             func=func,
             queue=queue,
@@ -203,6 +152,8 @@ def locked_job(
             admission=admission,
             dedupe=dedupe,
         )
+        if idempotency_key is not None:  # the scope is the dotted name: too long fails each run
+            validate_scope(spec.scope, what=f"@locked_job {func.__qualname__}")
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -235,19 +186,29 @@ def _enqueue(
 ) -> Any:
     check_rq_options(per_call, f"{spec.name}.enqueue()")
     arguments = spec.bind(args, kwargs)  # TypeError now, not in the worker
-    resource = spec.resource(arguments)
-    key = spec.key(arguments)
+    resource, key = spec.resource(arguments), spec.key(arguments)
     queue = get_queue(spec.queue)  # an unknown queue name fails here, loudly
     options = {**spec.rq_options, **per_call}
     state: dict[str, Any] = {"resource": resource, "idempotency_key": key}
     if resource is not None:
         state["admission"] = admission_mod.plan(queue, resource, spec.admission, options).value
     options["meta"] = {**options.get("meta", {}), "joblock": state}
-    if "job_timeout" in per_call:
-        _warn_per_call(spec, job_timeout(per_call["job_timeout"], queue))
+    if "job_timeout" in per_call:  # the system check saw only the decoration's options
+        for finding in timeout_findings(spec, job_timeout(per_call["job_timeout"], queue)):
+            logger.warning(
+                "[django_joblock.%s] %s %s",
+                finding.id,
+                finding.message,
+                finding.hint,
+                extra={"outcome": "enqueued", "reason": f"django_joblock.{finding.id}"},
+            )
+
+    def put() -> Any:
+        # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
+        return queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
 
     if not spec.dedupe:
-        return _put(queue, wrapper, args, kwargs, options)
+        return put()
     assert key is not None
     if "job_id" in per_call:
         raise ValueError(
@@ -256,34 +217,5 @@ def _enqueue(
         )
     options["job_id"] = dedupe_mod.job_id_for(spec.scope, key)
     return dedupe_mod.enqueue_once(
-        queue,
-        options["job_id"],
-        lambda: _put(queue, wrapper, args, kwargs, options),
-        family=key_family(key),
-        func=spec.name,
+        queue, options["job_id"], put, family=key_family(key), func=spec.name
     )
-
-
-def _put(
-    queue: Any,
-    wrapper: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    options: dict[str, Any],
-) -> Any:
-    # args=/kwargs= keep RQ from mistaking a job argument named like an RQ option
-    # (``description``, ``timeout``...) for one.
-    return queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
-
-
-def _warn_per_call(spec: JobSpec[Any, Any], timeout: float) -> None:
-    # The system check saw only the decoration-time options; a per-call job_timeout is seen
-    # here, once per enqueue. A warning, like the check: the call goes ahead.
-    for finding in timeout_findings(spec, timeout):
-        logger.warning(
-            "[django_joblock.%s] %s %s",
-            finding.id,
-            finding.message,
-            finding.hint,
-            extra={"outcome": "enqueued", "reason": f"django_joblock.{finding.id}"},
-        )

@@ -1,27 +1,18 @@
 """Duplicates stopped at enqueue: ``@locked_job(..., dedupe=True)`` (DESIGN §4.10).
 
-The RQ job id of a deduplicated job is derived from its idempotency key (and the job's dotted name,
-the key's scope): ``joblock-<40 hex digits of sha256>``, stable across processes and releases,
-in RQ's allowed characters. ``.delay()`` of a logical job whose RQ job is still *live*
-(queued, scheduled, deferred, parked by admission, or started) returns that job instead of
-enqueueing another; it is counted as ``blocked_at_enqueue``. A finished, failed, stopped or
-canceled job (or one RQ has expired) is enqueued again under the same id, without the expiry
-its end gave it, and its idempotency record then replays the stored result (or runs it again
-after a failure).
-
-Check-and-enqueue is made atomic per job id by a short guard key on the queue's connection
-(``SET NX PX``, compare-and-delete): a concurrent ``.delay()`` of the same logical job waits
-for the first to finish enqueueing (at most ``GUARD_TTL`` if that process died mid-way) and
-then finds the job live. Cost: three more round trips per such enqueue; none at run time.
-
-A job whose worker died while running stays ``started`` until RQ's maintenance notices
-(docs/jobs.md gives the bound); until then duplicates return it.
+A deduplicated job's RQ id is ``joblock-<40 hex of sha256>`` of its dotted name and idempotency
+key. ``.delay()`` of a logical job whose RQ job is *live* (queued, scheduled, deferred, parked,
+started) returns that job (``blocked_at_enqueue``); one that ended, or that RQ expired, is
+enqueued again under the same id, and its idempotency record replays (or reruns a failure).
+Check-and-enqueue is atomic per id through a short guard key on the queue's connection (``SET
+NX PX``, compare-and-delete; at most ``GUARD_TTL`` if its holder died): three more round trips
+per such enqueue, none at run time. A job whose worker died stays ``started`` until RQ's
+maintenance notices (docs/jobs.md); until then duplicates return it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -32,8 +23,7 @@ from rq.job import JobStatus
 from .. import conf, metrics
 from ..backend import Script
 from ..exceptions import JoblockError
-
-logger = logging.getLogger("django_joblock")
+from ..logs import logger
 
 # RQ statuses of a job that is still going to run (or running). rq 2.x lacks "rate_limited".
 LIVE = frozenset({"created", "queued", "started", "deferred", "scheduled", "rate_limited"})
@@ -65,19 +55,11 @@ def _status(queue: Any, job_id: str) -> str | None:
 
 
 def enqueue_once(
-    queue: Any,
-    job_id: str,
-    enqueue: Callable[[], Any],
-    *,
-    family: str,
-    func: str,
+    queue: Any, job_id: str, enqueue: Callable[[], Any], *, family: str, func: str
 ) -> Any:
     """``enqueue()`` unless job ``job_id`` is live on ``queue``; then return that job.
-
-    Raises :class:`~django_joblock.exceptions.JoblockError` if the guard could not be taken
-    within twice ``GUARD_TTL`` (another enqueuer keeps retaking it), and whatever RQ or Redis
-    raise.
-    """
+    :class:`~django_joblock.exceptions.JoblockError` if another enqueuer kept the guard for
+    twice ``GUARD_TTL``."""
     client = queue.connection
     guard = f"{conf.get().KEY_PREFIX}:enqueue:{job_id}"
     token = secrets.token_hex(8)
@@ -106,12 +88,9 @@ def enqueue_once(
 
 
 def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
-    """Job ``job_id`` ended (finished, failed, stopped, canceled) and runs again under its id.
-
-    RQ's enqueue rewrites the job's hash field by field and keeps the expiry its end gave it
-    (``result_ttl``, ``failure_ttl``): without the ``PERSIST`` the new job would vanish from
-    Redis while it waits, parked or queued, and never run. Its old registry entry goes too.
-    """
+    """Job ``job_id`` ended and runs again under its id. RQ's enqueue rewrites its hash field
+    by field and keeps the expiry its end gave it (``result_ttl``, ``failure_ttl``): without
+    ``PERSIST`` the new job would vanish while it waits. Its old registry entry goes too."""
     if status == JobStatus.FAILED:
         queue.failed_job_registry.remove(job_id)
     elif status == JobStatus.FINISHED:

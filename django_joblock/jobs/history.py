@@ -1,16 +1,11 @@
 """The recent runs of each family: who held a resource, who waited, how each delivery ended.
 
-The article's first debugging question is "did the queue really deliver it twice?", and the
-dashboard's timeline shows who held a resource and who waited. Both read one structure: every
-run of a ``@locked_job`` by an RQ worker appends one :class:`Delivery` when it ends (its RQ job
-id and function, idempotency key, resource, worker, host and pid, start, duration, wait from
-enqueue, outcome, and for a duplicate in flight the job it ran beside).
-
-A Redis LIST per family, ``P:runs:<family>`` (the resource's family, else the idempotency
-key's), on the *queue's* connection beside RQ's jobs, written in the same round trip as the
-job's outcome (:mod:`.outcomes`), trimmed to the last :data:`KEPT` entries and expiring
-:data:`TTL` seconds after the last write. Losing it (a restart without persistence) loses
-history, never correctness: the idempotency record is what stops a second effect.
+Every run of a ``@locked_job`` by an RQ worker appends one :class:`Delivery` when it ends; the
+doctor ("did the queue really deliver it twice?") and the dashboard's timeline read them. A
+Redis LIST per family, ``P:runs:<family>`` (the resource's family, else the idempotency key's),
+on the *queue's* connection, written in the job's outcome round trip (:mod:`.outcomes`),
+trimmed to the last :data:`KEPT` entries, expiring :data:`TTL` seconds after the last write.
+Losing it loses history, never correctness: the idempotency record stops a second effect.
 """
 
 from __future__ import annotations
@@ -18,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -49,14 +45,6 @@ class Delivery:
     duplicate_of: str = ""  # a duplicate in flight: the job it ran beside
     timeout: float | None = None  # the RQ job's job_timeout (seconds; None: none or unknown)
 
-    @property
-    def ended(self) -> float:
-        return self.started + self.took
-
-    @property
-    def family(self) -> str:
-        return family_of(self.resource, self.key)
-
     @classmethod
     def decode(cls, raw: Any) -> Delivery | None:
         """An entry as stored, or None for one of an unexpected shape (another version)."""
@@ -85,12 +73,11 @@ def entry(
     outcome: str,
     began: float,
     waited: float | None,
-    *,
     key: str | None,
     resource: str | None,
-    duplicate_of: str = "",
+    duplicate_of: str,
 ) -> Delivery:
-    """The entry of a run of ``job`` that began at monotonic ``began`` and ended now."""
+    """The entry of a run of ``job`` that began at monotonic ``began`` and ends now."""
     took = time.monotonic() - began
     limit = getattr(job, "timeout", None)
     return Delivery(
@@ -111,9 +98,8 @@ def entry(
 
 
 def add_calls(run: Delivery) -> list[list[Any]]:
-    """The commands that append ``run`` to its family's history, for the job's outcome round
-    trip on the queue's connection."""
-    name = _list_key(run.family)
+    """The commands appending ``run`` to its family's history (sent with the job's outcome)."""
+    name = _list_key(family_of(run.resource, run.key))
     return [
         ["RPUSH", name, json.dumps(asdict(run), separators=(",", ":"))],
         ["LTRIM", name, -KEPT, -1],
@@ -122,22 +108,24 @@ def add_calls(run: Delivery) -> list[list[Any]]:
 
 
 def read(clients: list[Any], name: str, *, since: float = 0.0) -> list[Delivery]:
-    """Family ``name``'s runs that ended after ``since`` (Unix seconds), from every client
-    (one per queue server and database), in the order they started. A Redis that does not
-    answer, and an entry of an unexpected shape, are left out: history is an aid, not state."""
+    """Family ``name``'s runs that ended after ``since`` (Unix s), from every client (one per
+    queue server and database), by start. A Redis that does not answer, and an entry of an
+    unexpected shape, are left out: history is an aid, not state."""
     found = []
     for each in clients:
         try:
             raw = each.lrange(_list_key(name), 0, -1)
         except REDIS_ERRORS:
             continue
-        found += [run for run in map(Delivery.decode, raw) if run and run.ended >= since]
+        found += [
+            run for run in map(Delivery.decode, raw) if run and run.started + run.took >= since
+        ]
     return sorted(found, key=lambda run: (run.started, run.job_id))
 
 
 def of_key(clients: list[Any], scope: str, key: str, resource: str = "") -> list[Delivery]:
-    """The runs of idempotency ``key`` of the job named ``scope`` (their resource, if known,
-    names the family they are kept under)."""
+    """The runs of idempotency ``key`` of the job named ``scope`` (kept under its resource's
+    family, if known)."""
     runs = read(clients, family_of(resource, key))
     return [run for run in runs if run.key == key and run.func == scope]
 
@@ -146,8 +134,6 @@ def summary(found: list[Delivery]) -> str:
     """One line: how many deliveries (distinct RQ job ids) and runs, and what each run did."""
     if not found:
         return ""
-    outcomes: dict[str, int] = {}
-    for run in found:
-        outcomes[run.outcome] = outcomes.get(run.outcome, 0) + 1
+    outcomes = Counter(run.outcome for run in found)
     shown = ", ".join(f"{n} {name}" for name, n in sorted(outcomes.items()))
     return f"{len({run.job_id for run in found})} deliveries (RQ jobs), {len(found)} runs: {shown}"

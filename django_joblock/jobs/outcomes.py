@@ -1,20 +1,11 @@
-"""How one run of a ``@locked_job`` ends: its outcome in ``job.meta``, one log line, metrics.
-
-Every run of an RQ job ends with:
-
-- ``job.meta["joblock"]["outcome"]`` set to a :class:`JobOutcome` (and, except for ``ran`` /
-  ``replayed``, a ``reason``), plus ``waited``: seconds from the job's enqueue
-  (``job.created_at``) to the start of the run that took its lock (a parked or requeued job
-  waited that long; ``admission`` and ``requeues`` say how). RQ never saves ``meta`` when it
-  finishes a job, so this is one ``HSET`` on the queue's connection, written after the job's
-  transaction committed, in one round trip with the run's entry in its family's history
-  (:mod:`.history`); a failure to write them is logged, never turned into a job failure.
-- **one** INFO line on logger ``django_joblock``: ``job <id> <outcome>: <function>
-  resource=<r> key=<k> ...`` with the holder (``host:pid``, owner hash, RQ job id) when the
-  resource was busy, the delay of a requeue and the reason. Inline calls log it at DEBUG.
-
-``waited`` compares the enqueuing host's clock (RQ's ``created_at``) with the worker's: keep
-hosts NTP-synced (as for idempotency leases); a negative difference counts as 0.
+"""How one run of a ``@locked_job`` ends (:func:`finish`): ``job.meta["joblock"]`` gets its
+``outcome`` (a :class:`JobOutcome`), a ``reason`` unless it ran or replayed, and ``waited``
+(seconds from enqueue to the start of the run that took the lock; keep hosts' clocks synced, a
+negative difference counts as 0). RQ never saves ``meta`` when a job ends, so it is written
+after the job's commit, with the run's :mod:`.history` entry, in one round trip; a failed write
+is logged, never a job failure. Each run logs **one** line on ``django_joblock`` (INFO; DEBUG
+inline): ``job <id> <outcome>: <function> resource=<r> key=<k>``, with the holder when busy, a
+requeue's delay and the reason.
 """
 
 from __future__ import annotations
@@ -29,10 +20,9 @@ from .. import conf, metrics
 from ..backend import REDIS_ERRORS, raise_refused, send
 from ..idempotency.inputs import key_family
 from ..locks.keys import family
+from ..logs import logger
 from . import history
 from .spec import JobSpec
-
-logger = logging.getLogger("django_joblock")
 
 
 class JobOutcome(enum.StrEnum):
@@ -53,11 +43,8 @@ RAISED = frozenset({JobOutcome.FAILED, JobOutcome.ABORTED, JobOutcome.GAVE_UP})
 
 @dataclass
 class Run:
-    """One run of a job: what it is about, and who runs it.
-
-    ``job`` is the RQ job (None for an inline call); ``worker`` is True when an RQ worker runs
-    it, so it can be requeued (a synchronous queue runs it inline at enqueue: False).
-    """
+    """One run of a job. ``job``: the RQ job (None inline); ``worker``: an RQ worker runs it,
+    so it can be requeued (False on a synchronous queue, which runs it inline at enqueue)."""
 
     spec: JobSpec[Any, Any]
     resource: str | None
@@ -74,9 +61,8 @@ class Run:
         return family(self.resource) if self.resource is not None else key_family(self.key or "")
 
     def note_duration(self) -> None:
-        """Count a worker's run that took ``ALERTS["TIMEOUT_RATIO"]`` or more of its RQ
-        ``job_timeout`` (metric ``near_timeout``; a run RQ's timeout killed counts too, since
-        its ``JobTimeoutException`` unwinds through the run)."""
+        """Count ``near_timeout`` for a worker's run that took ``ALERTS["TIMEOUT_RATIO"]`` of
+        its RQ ``job_timeout`` or more (or that RQ's timeout killed: it unwinds through here)."""
         timeout = getattr(self.job, "timeout", None)
         if not self.worker or not isinstance(timeout, (int, float)) or timeout <= 0:
             return
@@ -85,22 +71,16 @@ class Run:
 
     def started(self) -> None:
         """The run took its lock (or needs none): record the wait since enqueue."""
-        if self.job is None or self.waited is not None:
-            return
-        created = getattr(self.job, "created_at", None)
-        if created is None:
+        created = getattr(self.job, "created_at", None)  # None inline
+        if created is None or self.waited is not None:
             return
         self.waited = max(0.0, time.time() - created.timestamp())
         metrics.observe("start_wait_seconds", self.family, self.spec.name, self.waited)
 
 
 def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
-    """Record ``outcome`` in the job's meta and its history, and log the run's one line.
-
-    One round trip on the queue's connection: the meta's ``HSET`` and, for a run by a worker
-    with a lock or a key, its entry in the family's history. A failed run (it raised) by a
-    worker counts ``failed_runs``, and ``rq_retries`` when RQ retries it.
-    """
+    """Record ``outcome`` and log the run's line (module docs); a worker's run that raised
+    counts ``failed_runs``, and ``rq_retries`` when RQ retries it."""
     _log(run, outcome, extra)
     job = run.job
     if job is None:
@@ -118,15 +98,8 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     state.update(extra)
     calls: list[Any] = [["HSET", job.key, "meta", job.serializer.dumps(job.meta)]]
     if run.worker and (run.key is not None or run.resource is not None):
-        done = history.entry(
-            job,
-            outcome.value,
-            run.began,
-            run.waited,
-            key=run.key,
-            resource=run.resource,
-            duplicate_of=str(extra.get("duplicate_of", "")),
-        )
+        twin = str(extra.get("duplicate_of", ""))
+        done = history.entry(job, outcome.value, run.began, run.waited, run.key, run.resource, twin)
         calls += history.add_calls(done)
     try:
         raise_refused(send(job.connection, calls))

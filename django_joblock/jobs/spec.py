@@ -1,8 +1,5 @@
-"""What ``@locked_job`` knows about one function: :class:`JobSpec`, its templates, its timeouts.
-
-Shared by :mod:`django_joblock.jobs` (enqueue side), :mod:`django_joblock.runner` (the work
-horse side) and the system checks, so that none of them imports another's internals.
-"""
+"""What ``@locked_job`` knows about one function: :class:`JobSpec`, its templates, its RQ
+options and timeouts; shared by the enqueue side, the work horse side and the system checks."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ R = TypeVar("R")
 
 
 class OnConflict(enum.StrEnum):
-    """What ``@locked_job`` does when its resource is busy after admission (``on_conflict``)."""
+    """What ``@locked_job`` does when its resource is busy (``on_conflict``; :mod:`.requeue`)."""
 
     REQUEUE = "requeue"  # requeue with backoff + jitter; give up after max_wait as failed
     SKIP = "skip"  # finish without running (counted and logged)
@@ -111,36 +108,36 @@ class JobSpec(Generic[P, R]):
         return self.name
 
 
-def _template_fields(template: str) -> set[str]:
-    fields = set()
-    for _literal, name, _spec, _conversion in string.Formatter().parse(template):
-        if name is None:
-            continue
-        root = name.split(".", 1)[0].split("[", 1)[0]
-        if not root or root.isdigit():
-            raise ValueError(f"positional field {{{name}}} in {template!r}; use parameter names")
-        fields.add(root)
-    return fields
-
-
 def check_template(func: Callable[..., Any], template: Template, what: str) -> None:
+    """``TypeError`` / ``ValueError`` naming a template field that is not a parameter of
+    ``func`` (unless it takes ``**kwargs``: then checked at enqueue)."""
     if template is None or callable(template):
         return
+    where = f"@locked_job {func.__qualname__}"
     if not isinstance(template, str):
         raise TypeError(
-            f"@locked_job {func.__qualname__}: {what} must be a str template, a "
-            f"callable or None, got {template!r}"
+            f"{where}: {what} must be a str template, a callable or None, got {template!r}"
         )
     params = inspect.signature(func).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return  # any keyword may arrive; checked when the job is enqueued
+        return
+    fields = set()
     try:
-        unknown = _template_fields(template) - set(params)
+        for _literal, name, _spec, _conversion in string.Formatter().parse(template):
+            if name is None:
+                continue
+            root = name.split(".", 1)[0].split("[", 1)[0]
+            if not root or root.isdigit():
+                raise ValueError(
+                    f"positional field {{{name}}} in {template!r}; use parameter names"
+                )
+            fields.add(root)
     except ValueError as exc:
-        raise ValueError(f"@locked_job {func.__qualname__}: bad {what}: {exc}") from exc
+        raise ValueError(f"{where}: bad {what}: {exc}") from exc
+    unknown = fields - set(params)
     if unknown:
         raise ValueError(
-            f"@locked_job {func.__qualname__}: {what} {template!r} uses "
+            f"{where}: {what} {template!r} uses "
             f"{', '.join(sorted(unknown))}, which {func.__qualname__}() does not take "
             f"(parameters: {', '.join(params) or 'none'})"
         )
@@ -157,8 +154,8 @@ class TimeoutFinding:
 
 @functools.cache
 def rq_option_names() -> frozenset[str]:
-    """The options the installed rq's ``Queue.enqueue`` takes besides the job's own arguments:
-    ``enqueue_call``'s parameters (``enqueue`` spells ``timeout`` as ``job_timeout``)."""
+    """The options of the installed rq's ``Queue.enqueue``: ``enqueue_call``'s parameters
+    (``enqueue`` spells ``timeout`` as ``job_timeout``)."""
     names = set(inspect.signature(Queue.enqueue_call).parameters)
     return frozenset((names - {"self", "func", "args", "kwargs", "timeout"}) | {"job_timeout"})
 
@@ -166,10 +163,10 @@ def rq_option_names() -> frozenset[str]:
 def check_rq_options(options: dict[str, Any], what: str) -> None:
     """``ValueError`` naming an option RQ does not know, or a ``job_timeout`` RQ cannot use.
 
-    RQ's ``enqueue`` called with ``args=`` / ``kwargs=`` (as ``@locked_job`` calls it, so that a
-    job argument named ``description`` stays an argument) drops every other keyword without a
-    word: a typo such as ``job_timout=`` would leave the default timeout in force, and a job
-    argument passed to ``.enqueue()`` beside ``kwargs=`` would vanish.
+    Called with ``args=`` / ``kwargs=`` (as ``@locked_job`` calls it), RQ's ``enqueue`` drops
+    every other keyword silently: a typo such as ``job_timout=`` would leave the default in
+    force. A bad ``job_timeout`` would surface only at enqueue, and below 1 s RQ cannot
+    enforce it.
     """
     unknown = sorted(set(options) - rq_option_names())
     if unknown:
@@ -179,16 +176,9 @@ def check_rq_options(options: dict[str, Any], what: str) -> None:
             f"{', '.join(sorted(rq_option_names()))}), and RQ would drop it without a word. "
             "The job's own arguments go in .delay(...) or .enqueue(args=(...), kwargs={...})."
         )
-    if "job_timeout" in options:
-        parse_job_timeout(options["job_timeout"], what)
-
-
-def parse_job_timeout(value: Any, what: str) -> int | None:
-    """RQ's ``job_timeout`` in whole seconds (``None``: the queue's default, ``-1``: none), or
-    ``ValueError`` naming it: RQ's own ``TimeoutFormatError`` would surface only at enqueue
-    (or in a system check), and a timeout below 1 s is no timeout RQ can enforce."""
+    value = options.get("job_timeout")
     if value is None:
-        return None
+        return
     seconds: int | None = None
     problem = ""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -206,18 +196,14 @@ def parse_job_timeout(value: Any, what: str) -> int | None:
             f"as '90', '10m', '2h', '1d'), or -1 for none; got {value!r}"
             + (f" ({problem})" if problem else "")
         )
-    return int(seconds)
 
 
 def job_timeout(value: Any, queue: Any) -> float:
-    """RQ's timeout (s) for a job enqueued with ``job_timeout=value`` on ``queue``.
-
-    ``None`` means the queue's default; ``-1`` (RQ's "no timeout") is ``math.inf``. Strings
-    such as ``"10m"`` are parsed as RQ parses them.
-    """
+    """RQ's timeout (s) for ``job_timeout=value`` on ``queue`` (``None``: the queue's default,
+    ``-1``: ``math.inf``), parsed as RQ parses it."""
     seconds = parse_timeout(value)
-    if seconds is None:
-        seconds = parse_timeout(getattr(queue, "_default_timeout", None)) or 180
+    if seconds is None:  # the queue's default, as RQ gives it to a job it creates (unsaved)
+        seconds = parse_timeout(queue.create_job(len).timeout) or 180
     return math.inf if seconds == -1 else float(seconds)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from rq import get_current_job
 
 from .. import conf
-from ..backend import REDIS_ERRORS, client, send, text, unavailable
+from ..backend import REDIS_ERRORS, Call, client, send, text, unavailable
 from .keys import LockKeys, owner_hash, validate_resource
 from .scripts import READ
 
@@ -145,7 +145,7 @@ def read_many(found: Any, resources: list[str]) -> list[Snapshot]:
     atomic read on the server that holds it, with that server's clock. Raises redis-py's
     errors (callers map them with :func:`~django_joblock.backend.unavailable`)."""
     prefix = conf.get().KEY_PREFIX
-    calls = [(READ, [LockKeys(prefix, resource).lock], []) for resource in resources]
+    calls: list[Call] = [(READ, [LockKeys(prefix, r).lock], []) for r in resources]
     snapshots = []
     for reply in send(found, calls) if calls else []:
         if isinstance(reply, Exception):

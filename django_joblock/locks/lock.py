@@ -2,28 +2,26 @@
 
 Guarantees (with a single Redis primary whose clock does not step):
 
-- at most one *valid* holder per resource: acquire is ``SET``-if-absent in one Lua script, and
-  renew / release compare the owner token atomically (never a blind ``DEL`` or ``PEXPIRE``);
+- at most one *valid* holder per resource: acquire is ``SET``-if-absent in one Lua script,
+  renew and release compare the owner token atomically (never a blind ``DEL`` or ``PEXPIRE``);
 - every lock expires: the TTL is always set, so a dead holder frees it after at most ``ttl``;
-- each acquisition gets a fence strictly greater than every earlier one for the same resource,
-  for the database to reject a stale holder's writes (see :mod:`.fencing`);
-- the holder's own view is conservative (see :mod:`.state`).
+- each acquisition gets a fence strictly greater than every earlier one for the resource
+  (:mod:`.fencing`); the holder's own view of its validity is conservative (:mod:`.state`).
 
-Rules (docs/locks.md): a lock belongs to the *process* that acquired it (a forked child never
-touches its parent's lock in Redis); leaving a ``with`` block releases the lock in whatever
-``contextvars`` context, and raises :class:`LockLost` if the lock had been lost and the block
-raised nothing; a ``Lock`` nobody references any more is not renewed and expires.
+A lock belongs to the *process* that acquired it (a forked child never touches it in Redis);
+leaving a ``with`` block releases it in whatever ``contextvars`` context, and raises
+:class:`LockLost` if it had been lost and the block raised nothing; a ``Lock`` nobody
+references any more is not renewed and expires (docs/locks.md).
 
-Waiting (``wait`` > 0): a busy lock is waited for in line, in arrival order, and handed over
-by the release rather than polled for (see :mod:`.waiting`). An uncontended acquire, a
-``wait=0`` try and a release nobody waits for are one round trip each, their entry in the
-active-lock index (:mod:`.index`) included.
+An uncontended acquire, a ``wait=0`` try on a free lock and a release nobody waits for are one
+round trip each, the holding's entry in the active-lock index (:mod:`.index`) included. A busy
+lock is waited for in line and handed over by the release (:mod:`.waiting`).
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
-(never "busy"), within ``JOBLOCK["REDIS_TIMEOUT"]``; so does a reply that arrives after the
-lock's validity already ran out. Nothing is retried behind the caller's back, but a failed
-acquire can be repeated by the same ``Lock``: the script recognises its own token, so an
-acquire whose reply was lost gets the same lock and fence back.
+(never "busy") within ``JOBLOCK["REDIS_TIMEOUT"]``; so does a reply that arrives after the
+lock's validity ran out (the lock is then given back). A connection lost mid-call is sent
+once more: the scripts recognise their own token, so an acquire whose reply was lost gets the
+same lock and fence back, and a repeated release finds its own release done.
 """
 
 from __future__ import annotations
@@ -41,22 +39,22 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, client, is_cluster, send, unavailable
-from ..exceptions import JoblockConfigError, LockBackendUnavailable, LockError, LockNotAcquired
+from ..backend import REDIS_ERRORS, client, send, unavailable
+from ..exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from ..logs import log_lock, logger
 from ..signals import lock_acquired, lock_contended, lock_lost, lock_released
-from . import index, waiting
+from . import index, replicas, waiting
+from .current import current_lock, reset_current_lock, set_current_lock
 from .info import holder_details
 from .keys import LockKeys, validate_resource
 from .renewal import renewer
 from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, RENEW, Outcome, busy_pttl_ms
 from .state import Holding, LockState, drift
 
-OnLost = Callable[["Lock", str], Any]
+__all__ = ["Lock", "LockState", "current_lock", "lock", "reset_current_lock", "set_current_lock"]
 
-_current: contextvars.ContextVar[Lock | None] = contextvars.ContextVar(
-    "django_joblock_current_lock", default=None
-)
+OnLost = Callable[["Lock", str], Any]
+_HOLDING = (LockState.HELD, LockState.SUSPECT)
 
 
 class Lock(Holding):
@@ -84,14 +82,10 @@ class Lock(Holding):
         settings = conf.get()
         self.resource: str = validate_resource(resource)
         what = f"lock({resource!r}):"
-        self.ttl: float = conf.TTL_RANGE.check(
-            f"{what} ttl", settings.LOCK_TTL if ttl is None else ttl
-        )
-        self.wait: float = _check_wait(what, settings.ACQUIRE_WAIT if wait is None else wait)
-        hold = settings.MAX_HOLD if max_hold is None else max_hold
-        self.max_hold: float | None = (
-            None if hold is None else conf.HOLD_RANGE.check(f"{what} max_hold", hold)
-        )
+        self.ttl: float = conf.TTL_RANGE.check(f"{what} ttl", _or(ttl, settings.LOCK_TTL))
+        self.wait: float = _check_wait(what, _or(wait, settings.ACQUIRE_WAIT))
+        hold = _or(max_hold, settings.MAX_HOLD)
+        self.max_hold = None if hold is None else conf.HOLD_RANGE.check(f"{what} max_hold", hold)
         self.heartbeat: bool = bool(heartbeat)
         self.heartbeat_interval: float = settings.heartbeat_interval(self.ttl)
         self.on_lost: OnLost | None = on_lost
@@ -99,22 +93,20 @@ class Lock(Holding):
         self.keys = LockKeys(settings.KEY_PREFIX, self.resource)
         self.key: str = self.keys.lock
         self.family: str = self.keys.family
-        # The ticket first in line behind this holder when it got the lock: its release hands
-        # the lock to it in one round trip (see waiting.release).
+        # Who was first in line behind this holder when it got the lock: its release hands
+        # the lock to that waiter in the same round trip (see waiting.release).
         self._next_ticket = ""
         self.token = secrets.token_hex(16)
-        self.job_id: str = ""
-        self.job_func: str = ""
+        self.job_id = self.job_func = ""
         self._reset_view()
-        self._context_token: contextvars.Token[Lock | None] | None = None
+        self._context_token: contextvars.Token[Any] | None = None
 
     # -- checks --------------------------------------------------------------------------
     def ensure_held(self) -> None:
         """Raise :class:`LockLost` unless this lock is still validly held by this process.
 
-        Noticing an expired deadline here (before the renewal thread did) counts as the loss:
-        the lock is marked LOST with the usual signal, log, metric and ``on_lost``. In a forked
-        child it raises without touching Redis or the lock's state.
+        Noticing an expired deadline here (before the renewal thread did) counts as the loss
+        (signal, log, metric, ``on_lost``). In a forked child it raises without touching Redis.
         """
         if self._foreign():
             raise self._lost_error(
@@ -123,27 +115,18 @@ class Lock(Holding):
             )
         if not self.held:
             self._declare_lost("validity deadline passed")
-            reason = self.lost_reason or (
-                "validity deadline passed"
-                if self.state is not LockState.RELEASED
-                else "already released"
-            )
+            released = self.state is LockState.RELEASED
+            reason = self.lost_reason or ("already released" if released else "deadline passed")
             raise self._lost_error(f"Lock is no longer held: {reason}")
 
     def owned(self) -> bool:
         """Ask Redis whether the lock still carries this object's token, without renewing it.
 
-        One read, no TTL change. Finding it gone or taken marks a held lock LOST (as a renewal
-        would). False without asking when this object has not acquired the lock, has released
-        it, or is a forked child's copy. A lock can still be owned on the server after its
-        local deadline passed (``held`` is False): act on ``held`` / :meth:`ensure_held`, which
-        stay on the safe side of clock drift.
+        One read. Finding it gone or taken marks a held lock LOST (as a renewal would). False
+        without asking when this object does not hold it here. The lock may still be owned on
+        the server after its local deadline passed: act on ``held`` / :meth:`ensure_held`.
         """
-        if self._foreign() or self.state not in (
-            LockState.HELD,
-            LockState.SUSPECT,
-            LockState.LOST,
-        ):
+        if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
             return False
         try:
             stored = self._client().hget(self.key, "token")
@@ -156,9 +139,8 @@ class Lock(Holding):
         self._declare_lost((Outcome.GONE if stored is None else Outcome.OTHER_OWNER).reason)
         return False
 
-    # -- loss (the renewal thread decides when; the lock changes its own state) ------------
+    # -- loss: the renewal thread decides when; the lock changes its own state -------------
     def _declare_lost(self, reason: str) -> None:
-        """Found lost by the owner's own call: stop renewing, mark LOST and announce (once)."""
         renewer().remove(self)
         if self.mark_lost(reason):
             self.announce_lost(reason)
@@ -184,13 +166,8 @@ class Lock(Holding):
         with the cause."""
         if self.mark_suspect():
             cause = f"{type(exc).__name__}: {exc}"
-            log_lock(
-                logging.WARNING,
-                "renew_failed",
-                self,
-                f"renewal failed ({cause}); retrying until {self.remaining():.2f}s before expiry",
-                reason=cause,
-            )
+            message = f"renewal failed ({cause}); retrying for {self.remaining():.2f}s"
+            log_lock(logging.WARNING, "renew_failed", self, message, reason=cause)
 
     # -- Redis ---------------------------------------------------------------------------
     def _client(self) -> Any:
@@ -199,32 +176,25 @@ class Lock(Holding):
     def _unavailable(self, exc: BaseException, action: str) -> LockBackendUnavailable:
         return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
 
-    def _index_entry(self) -> list[index.Entry]:
-        return [(self.resource, self.owner, self.ttl)]
-
     def acquire(self, wait: float | None = None) -> bool:
         """Take the lock; if it is busy, wait in line for up to ``wait`` seconds.
 
-        ``wait`` defaults to this lock's wait (0: one try, one round trip; ``math.inf``: until
-        it gets it, interruptible). Waiters are served in arrival order and handed the lock by
-        the release (see :mod:`.waiting`); while some wait, a free lock is theirs and a
-        newcomer is refused. Returns False if it was still busy (or reserved for earlier
-        waiters) after ``wait`` seconds.
+        ``wait`` defaults to this lock's (0: one try; ``math.inf``: until it gets it,
+        interruptible). While others wait, a free lock is theirs and a newcomer is refused.
+        Returns False if still busy (or reserved for earlier waiters) after ``wait``.
 
-        Raises :class:`LockBackendUnavailable` if Redis cannot be asked, or answered only after
-        the lock's validity had run out (then the lock is given back at once),
-        :class:`LockError` if this object already holds the lock. A failed call can simply be
-        repeated: the same object keeps its token (and its place in line) until it acquires.
+        Raises :class:`LockBackendUnavailable` if Redis cannot be asked or answered too late,
+        :class:`LockError` if this object already holds the lock. A failed call can be
+        repeated: the object keeps its token (and its place in line) until it acquires.
         """
-        if self.state in (LockState.HELD, LockState.SUSPECT) and not self._foreign():
+        if self.state in _HOLDING and not self._foreign():
             raise LockError(
                 "This Lock object already holds the lock",
                 resource=self.resource,
                 key=self.key,
                 owner=self.owner,
             )
-        what = f"lock({self.resource!r}):"
-        wait = self.wait if wait is None else _check_wait(what, wait)
+        wait = self.wait if wait is None else _check_wait(f"lock({self.resource!r}):", wait)
         if self.state is not LockState.UNLOCKED:
             # A fresh token per acquisition: a late renew of the previous holding can never
             # extend this one (nor can a forked child's acquire find its parent's lock).
@@ -232,113 +202,61 @@ class Lock(Holding):
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
         found = self._client()
-        prefix = self.keys.prefix
+        indexing = index.add_calls(self.keys.prefix, [(self.resource, self.owner, self.ttl)])
         started = time.monotonic()
         try:
             if wait > 0:
+                deadline = started + wait
+                confirm = not self.heartbeat  # else the heartbeat renews a handed-over lock
                 turn = waiting.wait_in_line(
-                    found,
-                    self.alias,
-                    self.keys,
-                    self.owner,
-                    args,
-                    started + wait,
-                    confirm=not self.heartbeat,
+                    found, self.alias, self.keys, self.owner, args, deadline, confirm=confirm
                 )
                 if turn.reply > 0:
-                    send(found, index.add_calls(prefix, self._index_entry()))
+                    send(found, indexing)
             else:
-                calls = [(ACQUIRE, waiting.lock_keys(self.keys), args)]
-                calls += index.add_calls(prefix, self._index_entry())
+                calls = [(ACQUIRE, waiting.lock_keys(self.keys), args), *indexing]
                 try:
-                    reply, *_ = send(found, calls)
-                except RedisConnectionError:
-                    # Lost mid-call (its reply, maybe): safe to send again, the script finds
-                    # its own token and answers with the same fence.
-                    reply, *_ = send(found, calls)
+                    reply = send(found, calls)[0]
+                except RedisConnectionError:  # lost mid-call: safe to send again (see above)
+                    reply = send(found, calls)[0]
                 if isinstance(reply, Exception):
                     raise reply
-                if reply <= 0:  # take the speculative index entry back (contended path only)
-                    found.execute_command(*index.remove_call(prefix, self.resource, self.owner))
+                if reply <= 0:  # busy: take the entry written with the try back
+                    found.execute_command(
+                        *index.remove_call(self.keys.prefix, self.resource, self.owner)
+                    )
                 turn = waiting.Turn(int(reply), started, None, "")
         except REDIS_ERRORS as exc:
             metrics.count("acquire_attempts", self.family, self.job_func)
             metrics.count("acquire_errors", self.family, self.job_func)
             raise self._unavailable(exc, "acquire the lock") from exc
-        if turn.reply > 0:
-            now = time.monotonic()
-            valid_for = self.ttl if turn.valid_for is None else turn.valid_for
-            if now - turn.sent >= valid_for - drift(valid_for):
-                raise self._too_late(found, now - turn.sent)
-            acks = conf.get().REPLICA_ACKS
-            if acks:
-                self._await_replicas(found, acks)
-            self._next_ticket = turn.next_ticket
-            waited = now - started if wait > 0 else 0.0  # one try waits for nothing
-            metrics.record_acquire(self.family, self.job_func, waited, acquired=True)
-            self._on_acquired(turn.reply, turn.sent, waited=waited, valid_for=turn.valid_for)
-            return True
-        waited = time.monotonic() - started
-        metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
-        lock_contended.send(sender=Lock, lock=self, waited=waited)
-        log_lock(
-            logging.INFO,
-            "contended",
-            self,
-            "lock busy",
-            reason=f"held, pttl={busy_pttl_ms(turn.reply)}ms",
-        )
-        return False
-
-    def _await_replicas(self, found: Any, acks: int) -> None:
-        """Return once ``acks`` replicas have the new lock (``REPLICA_ACKS``); otherwise give
-        it back and raise :class:`LockBackendUnavailable`: a lock only the primary knows is
-        one a failover would forget.
-
-        One round trip: a RENEW (a write of this connection, after the acquire or the
-        hand-over in the replication stream: ``WAIT`` counts this connection's writes) then
-        ``WAIT acks timeout``.
-        """
-        timeout = conf.get().REPLICA_ACK_TIMEOUT
-        if is_cluster(found):
-            raise JoblockConfigError(
-                "JOBLOCK['REPLICA_ACKS'] cannot be used with a Redis Cluster client "
-                "(system check django_joblock.E008)"
-            )
-        try:
-            renewed, acked = send(
+        now = time.monotonic()
+        waited = now - started if wait > 0 else 0.0  # one try waits for nothing
+        metrics.record_acquire(self.family, self.job_func, waited, acquired=turn.reply > 0)
+        if turn.reply <= 0:
+            lock_contended.send(sender=Lock, lock=self, waited=waited)
+            pttl = busy_pttl_ms(turn.reply)
+            log_lock(logging.INFO, "contended", self, "lock busy", reason=f"held, pttl={pttl}ms")
+            return False
+        valid_for = self.ttl if turn.valid_for is None else turn.valid_for
+        if now - turn.sent >= valid_for - drift(valid_for):
+            raise self._given_back(
                 found,
-                [
-                    (RENEW, [self.key], [self.token, self.ttl_ms]),
-                    ["WAIT", acks, max(1, int(timeout * 1000))],
-                ],
+                f"Redis answered the acquire after {now - turn.sent:.3f}s, when the lock's "
+                f"validity (ttl {self.ttl:g}s minus the drift margin) had already run out",
             )
-            for reply in (renewed, acked):
-                if isinstance(reply, Exception):
-                    raise reply
-        except REDIS_ERRORS as exc:
-            acked, error = 0, f"{type(exc).__name__}: {exc}"
-        else:
-            error = "" if renewed == Outcome.OK else "lost before it was replicated"
-            acked = int(acked) if not error else -1
-        if acked >= acks:
-            return
-        raise self._given_back(
-            found,
-            f"the lock reached {max(acked, 0)} of the {acks} replicas JOBLOCK['REPLICA_ACKS'] "
-            f"asks for within {timeout:g}s ({error or 'WAIT timed out'}); not acquired",
-        )
+        if conf.get().REPLICA_ACKS:
+            short = replicas.shortfall(found, self.key, self.token, self.ttl_ms)
+            if short:
+                raise self._given_back(found, short)
+        self._next_ticket = turn.next_ticket
+        self._begin(turn.reply, turn.sent, valid_for=turn.valid_for)
+        renewer().add(self, renew_within=math.inf if turn.valid_for is None else valid_for / 3)
+        lock_acquired.send(sender=Lock, lock=self, waited=waited)
+        log_lock(logging.DEBUG, "acquired", self, "lock acquired")
+        return True
 
-    def _too_late(self, found: Any, took: float) -> LockBackendUnavailable:
-        """The error for an acquire whose reply came after the lock's validity ran out. The
-        lock is ours on the server for at most the drift margin longer: give it back now."""
-        return self._given_back(
-            found,
-            f"Redis answered the acquire after {took:.3f}s, when the lock's validity "
-            f"(ttl {self.ttl:g}s minus the drift margin) had already run out; not acquired",
-        )
-
-    def _given_back(self, found: Any, message: str) -> LockBackendUnavailable:
+    def _given_back(self, found: Any, why: str) -> LockBackendUnavailable:
         """An acquire that got the lock but cannot use it: counted as an acquire error, the
         lock given back (best effort: else it expires on its own), and the error to raise."""
         metrics.count("acquire_attempts", self.family, self.job_func)
@@ -347,27 +265,18 @@ class Lock(Holding):
         try:
             waiting.release(found, self.keys, self.token, "", [unindex])
         except REDIS_ERRORS:
-            pass  # it expires on its own
+            pass
         return LockBackendUnavailable(
-            message, resource=self.resource, key=self.key, owner=self.owner
+            f"{why}; not acquired", resource=self.resource, key=self.key, owner=self.owner
         )
-
-    def _on_acquired(
-        self, fence: int, sent: float, *, waited: float, valid_for: float | None
-    ) -> None:
-        self._begin(fence, sent, valid_for=valid_for)
-        renewer().add(self, renew_within=math.inf if valid_for is None else valid_for / 3)
-        lock_acquired.send(sender=Lock, lock=self, waited=waited)
-        log_lock(logging.DEBUG, "acquired", self, "lock acquired")
 
     def renew(self) -> bool:
         """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours.
 
-        Also False, without asking Redis and without marking it lost, once ``max_hold`` has
-        passed (the lock then runs out, as with the heartbeat), when the lock is not held, and
-        in a forked child.
+        Also False, without asking Redis or marking it lost, once ``max_hold`` has passed (the
+        lock then runs out, as with the heartbeat), when not held, and in a forked child.
         """
-        if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
+        if self.state not in _HOLDING or self._foreign():
             return False
         sent = time.monotonic()
         if sent >= self.hold_until:
@@ -376,72 +285,70 @@ class Lock(Holding):
             code = Outcome(RENEW(self._client(), [self.key], [self.token, self.ttl_ms]))
         except REDIS_ERRORS as exc:
             raise self._unavailable(exc, "renew the lock") from exc
-        if code is Outcome.OK:
-            self.confirm_renewed(sent)
-            log_lock(logging.DEBUG, "renewed", self, "lock renewed")
-            return True
-        self._declare_lost(code.reason)
-        return False
+        if code is not Outcome.OK:
+            self._declare_lost(code.reason)
+            return False
+        self.confirm_renewed(sent)
+        log_lock(logging.DEBUG, "renewed", self, "lock renewed")
+        return True
 
     def release(self) -> bool:
         """Release if still ours (compare-and-delete). False if it had expired or changed owner.
 
         A lock found lost here is marked LOST first (signal, log, metric, ``on_lost``), and
-        ``lost`` / ``lost_reason`` keep saying so after the release. Raises
-        :class:`LockBackendUnavailable` if Redis cannot be asked; the lock then expires after
-        its TTL. In a forked child: False, and Redis is not touched (the lock is the parent's).
+        ``lost`` / ``lost_reason`` keep saying so. Raises :class:`LockBackendUnavailable` if
+        Redis cannot be asked (the lock then expires after its TTL). In a forked child: False,
+        and Redis is not touched (the lock is the parent's).
         """
-        if self._foreign() or self.state not in (
-            LockState.HELD,
-            LockState.SUSPECT,
-            LockState.LOST,
-        ):
+        if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
             return False
         renewer().remove(self)
         sent = time.monotonic()
         if sent >= self.valid_until and self.mark_lost("validity deadline passed"):
             self.announce_lost("validity deadline passed")
+        valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
         also: list[Any] = [index.remove_call(self.keys.prefix, self.resource, self.owner)]
-        # Metrics ride along: inside a job always (a work horse may exit right after),
-        # elsewhere once a flush is due.
+        # Metrics ride along: always inside a job (a work horse may exit right after).
         pending = metrics.take_for_flush(force=bool(self.job_id))
         if pending:
             also.append(metrics.flush_call(pending))
+        found, retried = self._client(), False
         try:
-            code, _ = waiting.release(
-                self._client(), self.keys, self.token, self._next_ticket, also
-            )
+            try:
+                code, _ = waiting.release(found, self.keys, self.token, self._next_ticket, also)
+            except RedisConnectionError:  # lost mid-call: once more, without the metrics
+                retried = True  # (kept for the next flush: counted twice rather than lost)
+                if pending:
+                    metrics.restore(pending)
+                code, _ = waiting.release(found, self.keys, self.token, self._next_ticket, also[:1])
         except REDIS_ERRORS as exc:
             self.mark_released()
-            if pending:
+            if pending and not retried:
                 metrics.restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        released = code is Outcome.OK
+        # Sent twice, it finds the lock gone (or handed over) if the first one ran: that was
+        # our own release, if the lock was still valid when sent.
+        released = code is Outcome.OK or (retried and valid and code is Outcome.GONE)
         if not released and self.mark_lost(code.reason):
             self.announce_lost(code.reason)
         self.mark_released()
         lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
-        log_lock(
-            logging.DEBUG if released else logging.WARNING,
-            "released",
-            self,
-            "lock released" if released else "lock was no longer ours at release",
-            reason=code.reason if not released else "ok",
-        )
+        if released:
+            log_lock(logging.DEBUG, "released", self, "lock released", reason="ok")
+        else:
+            message = "lock was no longer ours at release"
+            log_lock(logging.WARNING, "released", self, message, reason=code.reason)
         return released
 
     # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> Lock:
         if not self.acquire():
             raise LockNotAcquired(
-                f"Lock busy after waiting {self.wait:g}s",
-                resource=self.resource,
-                key=self.key,
-                owner=None,
+                f"Lock busy after waiting {self.wait:g}s", resource=self.resource, key=self.key
             )
-        self._context_token = _current.set(self)
+        self._context_token = set_current_lock(self)
         return self
 
     def __exit__(
@@ -451,14 +358,8 @@ class Lock(Holding):
         tb: TracebackType | None,
     ) -> None:
         token, self._context_token = self._context_token, None
-        try:
-            if token is not None:
-                _leave(self, token)
-        finally:
-            self._exit(exc)
-
-    def _exit(self, exc: BaseException | None) -> None:
-        """Release on leaving the ``with`` block; raise :class:`LockLost` if it had been lost."""
+        if token is not None:
+            reset_current_lock(token, self)
         if self._foreign():
             return  # a forked child leaving its copy of the block: the lock is the parent's
         released_in_block = self.state is LockState.RELEASED
@@ -467,15 +368,17 @@ class Lock(Holding):
         except LockBackendUnavailable:
             if exc is None:
                 raise
-            # Do not hide the body's own exception; the lock expires after its TTL.
-            logger.warning(
-                "Could not release %s after an error in the block", self.key, exc_info=True
-            )
+            # The block's own exception wins; the lock expires after its TTL.
+            logger.warning("could not release %s after an error in the block", self.key)
             return
         if exc is None and not released_in_block and self.lost_reason:
             raise self._lost_error(
                 f"Lock was lost before the end of the with block: {self.lost_reason}"
             )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _check_wait(what: str, wait: object) -> float:
@@ -508,33 +411,3 @@ def lock(
         on_lost=on_lost,
         using=using,
     )
-
-
-def current_lock() -> Lock | None:
-    """The lock entered by the code (or RQ job) running in this thread/context, if any."""
-    return _current.get()
-
-
-def set_current_lock(held: Lock | None) -> contextvars.Token[Lock | None]:
-    """Make ``held`` the :func:`current_lock` (used by the RQ wrapper); undo with the token."""
-    return _current.set(held)
-
-
-def reset_current_lock(token: contextvars.Token[Lock | None]) -> None:
-    """Undo :func:`set_current_lock`."""
-    _current.reset(token)
-
-
-def _leave(held: Lock, token: contextvars.Token[Lock | None]) -> None:
-    """Undo ``__enter__``'s :func:`current_lock` change, in whatever context the block is left.
-
-    ``ContextVar.reset`` refuses a token made in another context (a lock's ``__enter__`` and
-    ``__exit__`` run by two ``sync_to_async`` calls, each in a copy of the caller's context);
-    then the previous value is restored here instead, and nothing is raised.
-    """
-    try:
-        _current.reset(token)
-    except ValueError:
-        if _current.get() is held:
-            previous = token.old_value
-            _current.set(None if previous is contextvars.Token.MISSING else previous)

@@ -1,25 +1,20 @@
 """The one-per-process renewal thread: heartbeats, loss detection and index refreshes.
 
-Every lock a process acquires is registered here. One daemon thread, however many locks:
+One daemon thread keeps every lock the process holds, however many:
 
-- renews each heartbeat lock every ``heartbeat_interval`` seconds, batching the renewals due
-  within a quarter interval into one round trip per Redis alias (at most :data:`BATCH` per
-  pipeline), earliest deadline first; each batch also refreshes the locks' entries in the
-  active-lock index (:mod:`.index`), scored by their new expiry;
-- HELD -> SUSPECT when a renewal fails (retried soon, logged once with its cause);
-  SUSPECT -> LOST when the token is gone or someone else's, when no renewal can be confirmed
-  before the local validity deadline (declared one socket timeout *before* it, so never
-  after the server may have let another holder in), or when ``max_hold`` stopped the
-  renewals and the lock ran out. On LOST: ``lock.lost``, the ``lock_lost`` signal, a warning
-  and ``on_lost`` (the lock changes its own state; this thread decides when);
-- refers to the locks *weakly*: a ``Lock`` nobody references any more (dropped without
-  release) is not renewed again; it expires after its TTL, and a warning names it;
+- renews each heartbeat lock every ``heartbeat_interval``, batching the renewals due within a
+  quarter interval into one round trip per alias (at most :data:`BATCH`), earliest deadline
+  first, with the refresh of their active-lock index entries (:mod:`.index`);
+- a failed renewal makes the lock SUSPECT (retried soon, logged once with its cause); it is
+  LOST when its token is gone or another's, when no renewal can be confirmed before its local
+  deadline (declared one socket timeout *before* it: never after the server may have let
+  another holder in), or when ``max_hold`` stopped the renewals and it ran out;
+- refers to the locks weakly: a ``Lock`` nobody references any more is not renewed, expires
+  after its TTL, and a warning names it;
 - flushes the process's buffered metrics once a second while there are any.
 
-Its client has short socket timeouts and no retries (``min(REDIS_TIMEOUT, TTL / 5)``, see
-:mod:`django_joblock.backend`), so a black-holed server is noticed and the lock declared LOST
-before its TTL could let another holder in. A failure inside the thread is logged and the
-loop goes on; a lock's own deadline keeps running out regardless.
+Its sockets time out after ``min(REDIS_TIMEOUT, TTL / 5)`` without retries, so a black-holed
+server is noticed in time. A failure inside the thread is logged and the loop goes on.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .. import conf, metrics
 from ..backend import client, send
@@ -42,35 +37,8 @@ from . import index
 from .scripts import RENEW, Outcome
 from .state import LockState
 
-
-class Renewable(Protocol):
-    """What the renewal thread needs of a lock (a :class:`django_joblock.Lock`)."""
-
-    resource: str
-    key: str
-    alias: str
-    family: str
-    job_func: str
-    token: str
-    heartbeat: bool
-    heartbeat_interval: float
-    max_hold: float | None
-    state: LockState
-
-    @property
-    def ttl(self) -> float: ...
-    @property
-    def ttl_ms(self) -> int: ...
-    @property
-    def owner(self) -> str: ...
-    @property
-    def valid_until(self) -> float: ...
-    @property
-    def hold_until(self) -> float: ...
-    def confirm_renewed(self, sent: float) -> None: ...
-    def mark_lost(self, reason: str) -> bool: ...
-    def announce_lost(self, reason: str) -> None: ...
-    def renewal_failed(self, exc: BaseException) -> None: ...
+if TYPE_CHECKING:  # the lock changes its own state; this thread only decides when
+    from .lock import Lock
 
 
 COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pipeline
@@ -95,7 +63,7 @@ class RenewalStats:
 class Entry:
     """One holding of one lock, as the thread schedules it (its lock referred to weakly)."""
 
-    ref: weakref.ReferenceType[Renewable]
+    ref: weakref.ReferenceType[Lock]
     lock_id: int  # id() of the lock: the registry key, valid while ``ref`` returns the lock
     key: str
     alias: str
@@ -105,7 +73,7 @@ class Entry:
     in_flight: bool = False
 
 
-_Work = tuple[Entry, Renewable]
+_Work = tuple[Entry, "Lock"]
 
 
 class Renewer:
@@ -129,7 +97,7 @@ class Renewer:
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
-    def add(self, held: Renewable, *, renew_within: float = math.inf) -> None:
+    def add(self, held: Lock, *, renew_within: float = math.inf) -> None:
         """Start keeping ``held`` (just acquired); renew it first within ``renew_within``
         seconds if that is sooner than its interval (a lock handed over by a release is valid
         for less than its TTL until renewed)."""
@@ -156,14 +124,14 @@ class Renewer:
             if when < self._wake_at:
                 self._cond.notify()
 
-    def remove(self, held: Renewable) -> None:
+    def remove(self, held: Lock) -> None:
         """Stop keeping ``held``."""
         with self._cond:
             entry = self._entries.get(id(held))
             if entry is not None and entry.ref() is held:
                 del self._entries[entry.lock_id]
 
-    def held_locks(self) -> list[Renewable]:
+    def held_locks(self) -> list[Lock]:
         """The locks this process holds (acquired, not yet released, lost or dropped)."""
         with self._cond:
             found = [entry.ref() for entry in self._entries.values()]
@@ -174,13 +142,13 @@ class Renewer:
             return replace(self._stats)
 
     # -- thread ---------------------------------------------------------------------------
-    def _schedule(self, entry: Entry, held: Renewable) -> float:
+    def _schedule(self, entry: Entry, held: Lock) -> float:
         """Push ``entry`` at its next moment (caller holds the condition)."""
         when = min(self._give_up_at(entry, held), entry.renew_due)
         heapq.heappush(self._heap, (when, next(self._seq), entry))
         return when
 
-    def _give_up_at(self, entry: Entry, held: Renewable) -> float:
+    def _give_up_at(self, entry: Entry, held: Lock) -> float:
         """When a lock must be declared lost at the latest: its local deadline, or, while its
         renewals fail, one socket timeout before it (a renewal sent later could not be
         confirmed in time)."""
@@ -236,14 +204,14 @@ class Renewer:
 
     def _gather(
         self, now: float
-    ) -> tuple[list[tuple[Renewable, str]], dict[str, list[_Work]], list[str]]:
+    ) -> tuple[list[tuple[Lock, str]], dict[str, list[_Work]], list[str]]:
         """Pop what is due (caller holds the condition): (lost, work per alias, dropped keys).
 
         Everything due within a quarter interval of the first due lock joins one batch:
         renewing a little early is harmless (renew replaces the TTL) and turns a stream of
         deadlines into a few pipelines per interval. The batch is ordered by deadline.
         """
-        lost: list[tuple[Renewable, str]] = []
+        lost: list[tuple[Lock, str]] = []
         work: dict[str, list[_Work]] = defaultdict(list)
         dropped: list[str] = []
         later: list[_Work] = []
@@ -300,7 +268,7 @@ class Renewer:
         self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
         self._wake_at = -math.inf  # awake: add() need not notify
 
-    def _lost_reason(self, entry: Entry, held: Renewable, now: float) -> str:
+    def _lost_reason(self, entry: Entry, held: Lock, now: float) -> str:
         if now >= held.valid_until:
             if not held.heartbeat:
                 return "ttl expired (heartbeat off)"
@@ -324,7 +292,7 @@ class Renewer:
             replies = send(client(alias, self._timeouts[alias]), calls)
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             replies = [exc] * len(items)
-        lost: list[tuple[Renewable, str]] = []
+        lost: list[tuple[Lock, str]] = []
         renewed: dict[tuple[str, str], int] = defaultdict(int)
         with self._cond:
             self._stats.round_trips += 1

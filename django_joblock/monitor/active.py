@@ -1,10 +1,9 @@
-"""What the admin, the commands, the Prometheus exporter and the alerts show about locks and
-schedulers, composed from the owners of the structures they read.
+"""The active locks and the queues' schedulers, as the pages, commands and alerts show them.
 
-The active locks come from the active-lock index (:mod:`django_joblock.locks.index`, which
+Active locks are read from the active-lock index (:mod:`django_joblock.locks.index`, which
 prunes expired entries while reading) and the lock hashes (:mod:`django_joblock.locks.info`);
-entries whose lock hash is gone or another owner's are dropped from the index here. Metrics
-are read with :mod:`django_joblock.metrics`. No ``KEYS``, no whole-keyspace ``SCAN``.
+an entry whose lock hash is gone or another owner's is dropped from the index here. No
+``KEYS``, no whole-keyspace ``SCAN``.
 """
 
 from __future__ import annotations
@@ -24,22 +23,17 @@ from ..locks import index
 from ..locks.info import Holder, read_many
 
 
-def _client() -> Any:
-    return client(conf.get().REDIS_ALIAS)
-
-
-# -- active locks ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ActiveLock(Holder):
-    """One row of the active-lock pages: a held lock, its holder and how long it was held."""
+    """One held lock, its holder and how long it was held."""
 
     resource: str
     family: str
     owner: str
     pttl_ms: int
     held_for: float  # seconds, on the lock server's clock
-    # The lock server's clock (Unix ms, ``TIME``) when this row was read: acquired / renewed
-    # times are compared with it, never with this machine's clock.
+    # The lock server's clock (Unix ms, ``TIME``) when the row was read: the holder's times
+    # are compared with it, never with this machine's clock.
     read_ms: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -49,12 +43,11 @@ class ActiveLock(Holder):
 def active_locks(
     family: str | None = None, limit: int = 500, total: int | None = None
 ) -> list[ActiveLock]:
-    """Locks held right now, with their holders, longest-held first.
+    """Locks held right now, longest-held first.
 
-    At most ``limit`` per family and, with ``total``, about ``total`` overall (shared between
-    the families), soonest-to-expire first within a family: the cost is bounded by what is
-    shown, never by how many locks exist. Index entries whose lock hash is gone or owned by
-    someone else are skipped (and dropped from the index).
+    Reads at most ``limit`` index entries per family (the soonest to expire) and, with
+    ``total``, about ``total`` overall shared between the families: the cost is bounded by
+    what is shown, never by how many locks exist.
     """
     names = [family] if family else index.families()
     if total is not None and names:
@@ -62,7 +55,7 @@ def active_locks(
     entries = index.members(names, limit)
     if not entries:
         return []
-    hashes = read_many(_client(), [resource for _fam, resource, _owner in entries])
+    hashes = read_many(client(conf.get().REDIS_ALIAS), [entry[1] for entry in entries])
     found, stale = [], []
     for (fam, resource, owner), (held, pttl, server_ms) in zip(entries, hashes, strict=True):
         if held is None or held.owner != owner:
@@ -80,15 +73,12 @@ def active_locks(
             )
         )
     index.drop(stale)
-    found.sort(key=lambda row: -row.held_for)
-    return found
+    return sorted(found, key=lambda row: -row.held_for)
 
 
-# -- scheduler -------------------------------------------------------------------------------
 def requeueing_queues() -> dict[str, Any]:
-    """Name -> queue of every queue a requeueing ``@locked_job`` uses. A queue whose name
-    cannot be resolved is left out (system check E006 reports it), and so is a synchronous
-    queue (``is_async=False``): its jobs run inline and never requeue."""
+    """Name -> queue of every asynchronous queue a requeueing ``@locked_job`` uses (a queue
+    whose name cannot be resolved is left out: system check E006 reports it)."""
     found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
@@ -98,17 +88,17 @@ def requeueing_queues() -> dict[str, Any]:
             queue = get_queue(spec.queue)
         except (JoblockConfigError, ValueError):
             continue
-        if queue.is_async:
+        if queue.is_async:  # a synchronous queue runs its jobs inline: they never requeue
             found[name] = queue
     return found
 
 
 def has_scheduler(queue: Any, client: Any = None) -> bool:
-    """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, on the queue's connection
-    or ``client``, a client on the same server.)"""
+    """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, read on the queue's
+    connection or on ``client``, a client of the same server.)"""
     return bool((client or queue.connection).exists(RQScheduler.get_locking_key(queue.name)))
 
 
 def queues_without_scheduler() -> list[str]:
-    """Queues used by requeueing ``@locked_job`` functions that no RQ scheduler serves."""
+    """Queues of requeueing ``@locked_job`` functions that no RQ scheduler serves."""
     return [name for name, queue in requeueing_queues().items() if not has_scheduler(queue)]

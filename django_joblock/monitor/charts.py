@@ -6,12 +6,11 @@ Three kinds, all with axes, tick labels and axis titles:
 - :func:`minute_chart`: one column per minute, a time axis with clock labels in the current
   Django time zone, a count axis on the left;
 - :func:`timeline_chart`: one row per resource over the last minutes, each run a bar from its
-  start to its release (coloured by outcome), its wait from enqueue a thin line under the row
-  before it, and a run that found the resource busy a mark.
+  start to its release (coloured by outcome), its wait from enqueue a thin line under the row,
+  and a run that found the resource busy a mark.
 
 A chart whose values are all zero has no bars: the page says "no data" instead of drawing a
-flat line that looks like a broken chart. The numbers here are SVG user units; the template
-only places what this module computes.
+flat line that looks broken. Numbers are SVG user units; the template only places them.
 """
 
 from __future__ import annotations
@@ -31,6 +30,11 @@ PLOT_TOP = 8
 PLOT_HEIGHT = 100
 TICK_EVERY = 15  # minutes between time labels
 LAST_LABEL_MINUTES = 8  # no quarter-hour label this close to the (right-aligned) last one
+TIMELINE_WIDTH = 920
+TIMELINE_LABEL = 130  # room for the resource names
+TIMELINE_ROW = 18
+#: Outcomes drawn as a mark (the run found the resource busy) rather than a held bar.
+BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})
 
 
 @dataclass
@@ -42,7 +46,7 @@ class Bar:
     y: float = 0.0
     width: float = 0.0
     height: float = 0.0
-    css: str = ""  # timeline: the outcome's class (jl-tl-<outcome>, jl-tl-wait)
+    css: str = ""  # timeline: the outcome's class (jl-tl-<outcome>, jl-tl-wait, jl-tl-busy)
 
 
 @dataclass
@@ -82,9 +86,27 @@ class Chart:
 
 def _number(value: float) -> str:
     """A tick label: whole numbers as they are, others to three significant digits."""
-    if float(value).is_integer():
-        return f"{int(value):,}"
-    return f"{value:.3g}"
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:.3g}"
+
+
+def _framed(
+    chart: Chart, frame: tuple[float, float, float, float], ticks: list[Tick], summary: str
+) -> Chart:
+    """``chart`` with its ticks, its vertical axis at ``left`` from ``top`` and its horizontal
+    one at ``bottom`` to ``right`` (``frame``), and room for two rows of labels under it."""
+    left, top, bottom, right = frame
+    chart.axes = [Line(left, top, left, bottom), Line(left, bottom, right, bottom)]
+    chart.height, chart.ticks, chart.summary = int(bottom + 38), ticks, summary
+    return chart
+
+
+def _local(at: float) -> datetime:
+    return datetime.fromtimestamp(at, UTC).astimezone(timezone.get_current_timezone())
+
+
+def _time_title(x: float, y: float) -> Tick:
+    zone = timezone.localtime(timezone.now(), timezone.get_current_timezone()).tzname() or ""
+    return Tick(x, y, f"time ({zone})")
 
 
 def bar_chart(
@@ -100,47 +122,30 @@ def bar_chart(
     if not shown:
         return Chart(title, "bars", [], note=note, empty=empty)
     top = max(value for _label, value, _text in shown)
-    bars = [
-        Bar(
-            label,
-            value,
-            text,
-            x=LABEL_WIDTH,
-            y=PLOT_TOP + index * BAR_ROW,
-            width=round(max(1.0, BAR_SPAN * value / top), 1),
-            height=BAR_ROW - 6,
+    bars = []
+    for row, (label, value, text) in enumerate(shown):
+        width = round(max(1.0, BAR_SPAN * value / top), 1)
+        bars.append(
+            Bar(label, value, text, LABEL_WIDTH, PLOT_TOP + row * BAR_ROW, width, BAR_ROW - 6)
         )
-        for index, (label, value, text) in enumerate(shown)
-    ]
-    baseline = PLOT_TOP + len(shown) * BAR_ROW
-    axes = [
-        Line(LABEL_WIDTH, PLOT_TOP - 2, LABEL_WIDTH, baseline),
-        Line(LABEL_WIDTH, baseline, LABEL_WIDTH + BAR_SPAN, baseline),
-    ]
+    bottom = PLOT_TOP + len(shown) * BAR_ROW
     ticks = [
-        Tick(LABEL_WIDTH, baseline + 14, "0"),
-        Tick(LABEL_WIDTH + BAR_SPAN, baseline + 14, _number(top)),
-        Tick(LABEL_WIDTH + BAR_SPAN / 2, baseline + 30, axis),
+        Tick(LABEL_WIDTH, bottom + 14, "0"),
+        Tick(LABEL_WIDTH + BAR_SPAN, bottom + 14, _number(top)),
+        Tick(LABEL_WIDTH + BAR_SPAN / 2, bottom + 30, axis),
     ]
-    return Chart(
-        title,
-        "bars",
-        bars,
-        height=int(baseline + 38),
-        note=note,
-        axes=axes,
-        ticks=ticks,
-        summary=f"{len(shown)} row(s); largest {_number(top)}",
-    )
+    frame = (LABEL_WIDTH, PLOT_TOP - 2, bottom, LABEL_WIDTH + BAR_SPAN)
+    summary = f"{len(shown)} row(s); largest {_number(top)}"
+    return _framed(Chart(title, "bars", bars, note=note), frame, ticks, summary)
 
 
 def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: str = "") -> Chart:
     """One column per minute of ``[(minute_start_unix, count)]`` (oldest first)."""
-    total = sum(value for _start, value in series)
-    minutes = len(series)
-    empty = f"no data in the last {minutes} minutes"
+    total, minutes = sum(value for _start, value in series), len(series)
     if not total:
-        return Chart(title, "minutes", [], note=note, empty=empty)
+        return Chart(
+            title, "minutes", [], note=note, empty=f"no data in the last {minutes} minutes"
+        )
     peak = max(value for _start, value in series)
     plot_width = WIDTH - PLOT_LEFT - 8
     step = plot_width / max(1, minutes)
@@ -150,68 +155,38 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
         Tick(PLOT_LEFT - 4, bottom + 4, "0", "end"),
         Tick(PLOT_LEFT - 4, PLOT_TOP + 8, _number(peak), "end"),
     ]
-    zone = timezone.get_current_timezone()
     for index, (start, value) in enumerate(series):
-        at = datetime.fromtimestamp(start, UTC).astimezone(zone)
+        at = _local(start)
         label = at.strftime("%H:%M")
         height = round(PLOT_HEIGHT * value / peak, 1)
         x = round(PLOT_LEFT + index * step, 1)
-        width = max(1.0, step - 1)
-        bars.append(
-            Bar(label, value, f"{value}", x=x, y=bottom - height, width=width, height=height)
-        )
-        last = index == minutes - 1
-        # A quarter-hour label this close to the last minute's (about a label's width at the
-        # chart's width and font) would print over it.
-        crowded = minutes - 1 - index < LAST_LABEL_MINUTES
-        if last:  # right-aligned to the plot's end, so the SVG never clips it
+        bars.append(Bar(label, value, f"{value}", x, bottom - height, max(1.0, step - 1), height))
+        left = minutes - 1 - index  # minutes after this one
+        if not left:  # right-aligned to the plot's end, so the SVG never clips it
             ticks.append(Tick(round(x + step, 1), bottom + 14, label, "end"))
-        elif at.minute % TICK_EVERY == 0 and not crowded:
+        # A quarter-hour label this close to the last one (about a label's width at this
+        # chart's width and font) would print over it.
+        elif at.minute % TICK_EVERY == 0 and left >= LAST_LABEL_MINUTES:
             ticks.append(Tick(round(x + step / 2, 1), bottom + 14, label))
-    zone_name = timezone.localtime(timezone.now(), zone).tzname() or ""
-    ticks.append(Tick(PLOT_LEFT + plot_width / 2, bottom + 30, f"time ({zone_name})"))
+    ticks.append(_time_title(PLOT_LEFT + plot_width / 2, bottom + 30))
     ticks.append(Tick(12, PLOT_TOP + PLOT_HEIGHT / 2, axis, "middle", rotate=True))
-    axes = [
-        Line(PLOT_LEFT, PLOT_TOP, PLOT_LEFT, bottom),
-        Line(PLOT_LEFT, bottom, PLOT_LEFT + plot_width, bottom),
-    ]
-    return Chart(
-        title,
-        "minutes",
-        bars,
-        height=bottom + 38,
-        note=note,
-        axes=axes,
-        ticks=ticks,
-        summary=f"last {minutes} minutes: total {total}, peak {peak}/min",
-    )
-
-
-TIMELINE_WIDTH = 920
-TIMELINE_LABEL = 130  # room for the resource names
-TIMELINE_ROW = 18
-#: Outcomes drawn as a mark (the run found the resource busy) rather than a held bar.
-BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})
+    frame = (PLOT_LEFT, PLOT_TOP, bottom, PLOT_LEFT + plot_width)
+    summary = f"last {minutes} minutes: total {total}, peak {peak}/min"
+    return _framed(Chart(title, "minutes", bars, note=note), frame, ticks, summary)
 
 
 def timeline_chart(
     title: str, spans: list[Any], *, now: float, minutes: int, rows: int, note: str = ""
 ) -> Chart:
     """Rows of resources (the ``rows`` most recently active; newest first) over the last
-    ``minutes`` before ``now`` (Unix seconds), from :class:`~django_joblock.timeline.Span`-like
-    objects (``resource``, ``job_id``, ``func``, ``started``, ``took``, ``waited``,
+    ``minutes`` before ``now`` (Unix seconds), from :class:`~django_joblock.jobs.history.Delivery`
+    -like objects (``resource``, ``job_id``, ``func``, ``started``, ``took``, ``waited``,
     ``outcome``)."""
     start = now - minutes * 60
     shown = [span for span in spans if span.started + span.took >= start]
     if not shown:
-        return Chart(
-            title,
-            "timeline",
-            [],
-            width=TIMELINE_WIDTH,
-            note=note,
-            empty=(f"no runs with a lock in the last {minutes} minutes"),
-        )
+        empty = f"no runs with a lock in the last {minutes} minutes"
+        return Chart(title, "timeline", [], width=TIMELINE_WIDTH, note=note, empty=empty)
     latest: dict[str, float] = {}
     for span in shown:
         latest[span.resource] = max(latest.get(span.resource, 0.0), span.started + span.took)
@@ -224,90 +199,45 @@ def timeline_chart(
 
     bars: list[Bar] = []
     for span in shown:
-        row = row_of.get(span.resource)
-        if row is None:
+        if span.resource not in row_of:
             continue
-        y = PLOT_TOP + row * TIMELINE_ROW
+        y = PLOT_TOP + row_of[span.resource] * TIMELINE_ROW
+        x0 = x_of(span.started)
         what = f"job {span.job_id} ({span.func}): {span.outcome}, ran {span.took:g}s"
         if span.waited:
             what += f" after waiting {span.waited:g}s"
-            x0, x1 = x_of(span.started - span.waited), x_of(span.started)
-            bars.append(
-                Bar(
-                    span.resource,
-                    span.waited,
-                    f"job {span.job_id} waited {span.waited:g}s",
-                    x=x0,
-                    y=y + TIMELINE_ROW - 4,  # under the row's bars: a wait overlaps a holder
-                    width=max(1.0, x1 - x0),
-                    height=2,
-                    css="jl-tl-wait",
-                )
-            )
-        x0 = x_of(span.started)
+            x_wait = x_of(span.started - span.waited)
+            waited = f"job {span.job_id} waited {span.waited:g}s"
+            # Under the row's bars: a wait overlaps a holder.
+            line = (x_wait, y + TIMELINE_ROW - 4, max(1.0, x0 - x_wait), 2)
+            bars.append(Bar(span.resource, span.waited, waited, *line, css="jl-tl-wait"))
         if span.outcome in BUSY_OUTCOMES:
-            bars.append(
-                Bar(
-                    span.resource,
-                    0,
-                    what,
-                    x=x0 - 1,
-                    y=y + 3,
-                    width=3,
-                    height=TIMELINE_ROW - 8,
-                    css="jl-tl-busy",
-                )
-            )
-            continue
-        width = max(2.0, x_of(span.started + span.took) - x0)
-        bars.append(
-            Bar(
-                span.resource,
-                span.took,
-                what,
-                x=x0,
-                y=y + 1,
-                width=width,
-                height=TIMELINE_ROW - 6,
-                css=f"jl-tl-{span.outcome}",
-            )
-        )
+            mark = (x0 - 1, y + 3, 3, TIMELINE_ROW - 8)
+            bars.append(Bar(span.resource, 0, what, *mark, css="jl-tl-busy"))
+        else:
+            run = (x0, y + 1, max(2.0, x_of(span.started + span.took) - x0), TIMELINE_ROW - 6)
+            bars.append(Bar(span.resource, span.took, what, *run, css=f"jl-tl-{span.outcome}"))
     bottom = PLOT_TOP + len(names) * TIMELINE_ROW
     ticks = [
         Tick(TIMELINE_LABEL - 6, PLOT_TOP + index * TIMELINE_ROW + 12, _short(name), "end")
         for index, name in enumerate(names)
     ]
-    zone = timezone.get_current_timezone()
     for minute in range(minutes + 1):
-        at = start + minute * 60
         if minute % max(1, minutes // 5) == 0 or minute == minutes:
-            label = datetime.fromtimestamp(at, UTC).astimezone(zone).strftime("%H:%M:%S")
             anchor = "end" if minute == minutes else ("start" if minute == 0 else "middle")
-            ticks.append(Tick(x_of(at), bottom + 14, label, anchor))
-    zone_name = timezone.localtime(timezone.now(), zone).tzname() or ""
-    ticks.append(Tick(TIMELINE_LABEL + plot / 2, bottom + 30, f"time ({zone_name})"))
-    axes = [
-        Line(TIMELINE_LABEL, PLOT_TOP - 2, TIMELINE_LABEL, bottom),
-        Line(TIMELINE_LABEL, bottom, TIMELINE_LABEL + plot, bottom),
-    ]
+            at = start + minute * 60
+            ticks.append(Tick(x_of(at), bottom + 14, _local(at).strftime("%H:%M:%S"), anchor))
+    ticks.append(_time_title(TIMELINE_LABEL + plot / 2, bottom + 30))
     held = sum(1 for span in shown if span.outcome not in BUSY_OUTCOMES)
-    busy = len(shown) - held
-    more = len(latest) - len(names)
-    return Chart(
-        title,
-        "timeline",
-        bars,
-        width=TIMELINE_WIDTH,
-        height=int(bottom + 38),
-        note=note,
-        axes=axes,
-        ticks=ticks,
-        summary=(
-            f"{len(names)} resource(s){f' (and {more} more)' if more else ''}: {held} run(s) "
-            f"holding the lock, {busy} found it busy, "
-            f"{sum(1 for span in shown if span.outcome == 'aborted')} lost it"
-        ),
+    lost = sum(1 for span in shown if span.outcome == "aborted")
+    more = f" (and {len(latest) - len(names)} more)" if len(latest) > len(names) else ""
+    frame = (TIMELINE_LABEL, PLOT_TOP - 2, bottom, TIMELINE_LABEL + plot)
+    summary = (
+        f"{len(names)} resource(s){more}: {held} run(s) holding the lock, "
+        f"{len(shown) - held} found it busy, {lost} lost it"
     )
+    chart = Chart(title, "timeline", bars, width=TIMELINE_WIDTH, note=note)
+    return _framed(chart, frame, ticks, summary)
 
 
 def _short(name: str, limit: int = 20) -> str:

@@ -1,5 +1,4 @@
-"""Everything the "Job locks" admin page shows, gathered from :mod:`monitoring` and
-:mod:`health` (the admin only renders it).
+"""Everything the "Job locks" admin page shows (the admin only renders it).
 
 Cost is bounded whatever the size: per-family ``ZCARD`` for counts, at most ``LOCK_ROWS``
 index entries read in detail, 60 metric buckets in one pipeline, an indexed query for stuck
@@ -19,20 +18,18 @@ from ..locks import index
 from ..locks.keys import family as family_of
 from . import active, alerts
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
-from .health import (
-    DEAD,
-    HEALTHY,
-    Health,
-    lock_health,
-    queue_connections,
-    stuck_claims,
-    stuck_jobs,
-)
+from .health import DEAD, HEALTHY, Health, lock_health, queue_connections, stuck_claims, stuck_jobs
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
 TIMELINE_MINUTES = 10
 TIMELINE_ROWS = 12  # resources drawn on the timeline (the most recently active)
+CONTENTION_AXIS = "% of acquires that found the lock busy"
+# The counters of the per-job-type table, in its column order.
+JOB_TYPE_COUNTERS = tuple(
+    "acquire_attempts contended requeued given_up duplicates_in_flight duplicates_blocked lost "
+    "near_timeout failed_runs rq_retries".split()
+)
 
 
 def build(
@@ -44,89 +41,61 @@ def build(
 ) -> dict[str, Any]:
     """The dashboard's context: cards, charts, the timeline, active locks, stuck work, alerts.
 
-    ``family`` must be a family name (validated by the caller), ``health_filter`` one of the
-    :class:`~django_joblock.health.Health` values; ``claims=False`` leaves out the stuck
-    idempotency claims (for users who may not see idempotency records). ``timeline_of`` is a
-    family or a resource (validated by the caller; a resource contains ``:``); by default the
-    timeline shows the family with the most contention in the last hour.
+    The caller validates ``family`` (a family name), ``health_filter`` (a :class:`Health`
+    value) and ``timeline_of`` (a family, or a resource: it contains ``:``; by default the
+    family with the most contention in the last hour). ``claims=False`` leaves out the stuck
+    idempotency claims (for users who may not see idempotency records).
     """
     started = time.perf_counter()
     hour = metrics.window(3600)
     counts = index.active_counts()
     active_total = sum(counts.values())
-    attempts = hour.total("acquire_attempts")
-    contended = hour.total("contended")
+    attempts, contended = hour.total("acquire_attempts"), hour.total("contended")
     fams = sorted(set(counts) | hour.families())
-    contention = [
-        (
-            fam,
-            hour.total("contended", fam) / hour.total("acquire_attempts", fam) * 100,
-            f"{hour.total('contended', fam)}/{hour.total('acquire_attempts', fam)}",
-        )
-        for fam in fams
-        if hour.total("acquire_attempts", fam)
-    ]
-    holds = []
+    contention = []
     for fam in fams:
-        merged = hour.merged_histogram("hold_seconds", fam)
-        p95, p99 = metrics.percentile(merged, 0.95), metrics.percentile(merged, 0.99)
-        if p95 is not None and p99 is not None:
-            holds.append((fam, p99, f"p95 ≤ {p95:g}s, p99 ≤ {p99:g}s"))
-    waits = []
-    for fam in fams:
-        merged = hour.merged_histogram("start_wait_seconds", fam)
-        p50, p99 = metrics.percentile(merged, 0.5), metrics.percentile(merged, 0.99)
-        if p50 is not None and p99 is not None:
-            waits.append((fam, p99, f"p50 ≤ {p50:g}s, p99 ≤ {p99:g}s"))
+        busy, tries = hour.total("contended", fam), hour.total("acquire_attempts", fam)
+        if tries:
+            share = busy / tries * 100
+            contention.append((fam, share, f"{share:.0f}% ({busy}/{tries})"))
     everywhere = hour.merged_histogram("start_wait_seconds")
     wait_p50 = metrics.percentile(everywhere, 0.5)
     wait_p99 = metrics.percentile(everywhere, 0.99)
+
+    def per_minute(title: str, metric: str, axis: str, note: str = "") -> Chart:
+        return minute_chart(title, metrics.per_minute(metric, CHART_MINUTES), axis=axis, note=note)
+
+    p99_axis = "seconds (p99 bucket bound)"
+    retried = f"{hour.total('rq_retries')} retried by RQ in the last hour"
+    held_now: list[tuple[str, float, str]] = [
+        (f, c, str(c)) for f, c in sorted(counts.items(), key=lambda fc: -fc[1])
+    ]
     charts = [
-        bar_chart(
-            "Contention per family (last hour)",
-            [(f, v, f"{v:.0f}% ({t})") for f, v, t in contention],
-            axis="% of acquires that found the lock busy",
-        ),
-        minute_chart(
-            "Requeues for contention per minute",
-            metrics.per_minute("requeued", CHART_MINUTES),
-            axis="requeues",
-        ),
-        minute_chart(
-            "Failed runs per minute",
-            metrics.per_minute("failed_runs", CHART_MINUTES),
-            axis="failed runs",
-            note=f"{hour.total('rq_retries')} retried by RQ in the last hour",
-        ),
+        bar_chart("Contention per family (last hour)", contention, axis=CONTENTION_AXIS),
+        per_minute("Requeues for contention per minute", "requeued", "requeues"),
+        per_minute("Failed runs per minute", "failed_runs", "failed runs", retried),
         bar_chart(
             "Hold time p95 / p99 per family (last hour)",
-            holds,
-            axis="seconds (p99 bucket bound)",
+            _spread(hour, "hold_seconds", fams, 95),
+            axis=p99_axis,
             note="accurate to one histogram bucket",
         ),
         bar_chart(
-            "Active locks per family",
-            [(f, c, str(c)) for f, c in sorted(counts.items(), key=lambda item: -item[1])],
-            axis="locks held now",
-            empty="no active locks",
+            "Active locks per family", held_now, axis="locks held now", empty="no active locks"
         ),
-        minute_chart(
-            "Duplicates blocked by idempotency per minute",
-            metrics.per_minute("duplicates_blocked", CHART_MINUTES),
-            axis="duplicates",
+        per_minute(
+            "Duplicates blocked by idempotency per minute", "duplicates_blocked", "duplicates"
         ),
         bar_chart(
             "Wait from enqueue to start p50 / p99 per family (last hour)",
-            waits,
-            axis="seconds (p99 bucket bound)",
+            _spread(hour, "start_wait_seconds", fams, 50),
+            axis=p99_axis,
             note="jobs parked behind a busy resource or requeued wait longer",
         ),
     ]
     locks = active.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
     health = lock_health(locks)
-    # Every lock read, before the health filter: a dead holder is stuck work whatever is shown.
-    dead_locks = []
-    rows = []
+    dead_locks, rows = [], []
     for held in locks:
         state = health.get(held.resource)
         row = {
@@ -135,11 +104,11 @@ def build(
             "why": state.why if state is not None else "",
             "ttl_left": max(0.0, held.pttl_ms / 1000),
         }
+        # Every lock read, whatever the filter: a dead holder is stuck work.
         if row["health"] == DEAD.value:
             dead_locks.append(row)
-        if health_filter and (state is None or state.state.value != health_filter):
-            continue
-        rows.append(row)
+        if not health_filter or (state is not None and state.state.value == health_filter):
+            rows.append(row)
     fired = alerts.evaluate()
     cards = [
         ("Active locks", active_total),
@@ -184,6 +153,18 @@ def build(
     }
 
 
+def _spread(hour: metrics.Series, metric: str, fams: list[str], low: int) -> list[Any]:
+    """``(family, p99, text)`` for each family with samples of histogram ``metric``, the text
+    giving its p``low`` and p99."""
+    found = []
+    for fam in fams:
+        merged = hour.merged_histogram(metric, fam)
+        lower, p99 = metrics.percentile(merged, low / 100), metrics.percentile(merged, 0.99)
+        if lower is not None and p99 is not None:
+            found.append((fam, p99, f"p{low} ≤ {lower:g}s, p99 ≤ {p99:g}s"))
+    return found
+
+
 def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
     """The family with the most contention in ``hour``, else the most active locks now."""
     contended = {fam: hour.total("contended", fam) for fam in hour.families()}
@@ -199,11 +180,9 @@ def _timeline(target: str) -> Chart:
     fam = family_of(target)  # a family is its own family
     now = time.time()
     spans = history.read(queue_connections(), fam, since=now - TIMELINE_MINUTES * 60)
-    if target != fam:
-        spans = [span for span in spans if span.resource == target]
     return timeline_chart(
         f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)",
-        spans,
+        [span for span in spans if target == fam or span.resource == target],
         now=now,
         minutes=TIMELINE_MINUTES,
         rows=TIMELINE_ROWS,
@@ -211,25 +190,9 @@ def _timeline(target: str) -> Chart:
     )
 
 
-# The counters of the per-job-type table, in its column order.
-JOB_TYPE_COUNTERS = (
-    "acquire_attempts",
-    "contended",
-    "requeued",
-    "given_up",
-    "duplicates_in_flight",
-    "duplicates_blocked",
-    "lost",
-    "near_timeout",
-    "failed_runs",
-    "rq_retries",
-)
-
-
 def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
-    """One row per (job function, family) seen in ``hour``: its acquires, contention,
-    requeues, give-ups, duplicates (in flight and blocked), losses, runs near their timeout
-    and p99 wait to start; busiest first. ``lock()`` calls outside a job have no function."""
+    """One row per (job function, family) seen in ``hour``: its counters, contention and p99
+    wait to start; busiest first. ``lock()`` calls outside a job have no function."""
     labels = {label for name in JOB_TYPE_COUNTERS for label in hour.counters[name]}
     labels |= set(hour.histograms["start_wait_seconds"])
     rows = []

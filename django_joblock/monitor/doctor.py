@@ -1,21 +1,15 @@
 """From "it ran twice" to the cause: the design article's debugging steps, walked with evidence.
 
-:func:`diagnose` takes an RQ job id, an idempotency key or a resource and returns a
-:class:`Diagnosis`: the story (the key's deliveries, the resource's holder and operator
-releases, the family's recent losses) and the article's seven steps, each with its evidence and
-a verdict (``ok``, ``problem``, ``info``, ``unknown``):
-
-1. did the queue really deliver it twice?
-2. do the conflicting runs build the same lock key?
-3. TTL and heartbeat against the runs' real durations;
-4. did a lock expire (get lost) mid-run?
-5. do release and renew verify the owner token?
-6. are the side effects guarded by the idempotency key or a unique constraint (and did the
-   ones outside the database go through the outbox, and are they delivered)?
-7. is the queue's ACK (RQ's ``job_timeout``) in line with the runs' durations?
+:func:`diagnose` takes an RQ job id, an idempotency key or a resource and returns the story
+(the key's deliveries, the resource's holder and operator releases, the family's recent
+losses) and the article's seven steps, each with its evidence and a verdict (``ok``,
+``problem``, ``info``, ``unknown``): 1. was it delivered twice? 2. do the runs build the same
+lock key? 3. TTL and heartbeat against the runs' durations; 4. did a lock expire mid-run?
+5. do release and renew verify the owner? 6. are the side effects guarded by the key (and did
+those outside the database go through the outbox, delivered)? 7. is RQ's ``job_timeout`` (the
+queue's ACK) in line with the durations?
 
 Read-only; every read is bounded (one key's history, one resource, one family's metrics).
-``manage.py joblock_doctor`` prints it (``--json`` for tooling).
 """
 
 from __future__ import annotations
@@ -78,8 +72,11 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
     else:
         found = Diagnosis(f"resource {validate_resource(resource)!r}")
     found.scope, found.key = scope, key
-    if key and not resource:
-        resource = _record_resource(scope, key)
+    if key and not resource:  # the resource the key's record was claimed under, if any
+        from ..models import IdempotencyRecord
+
+        claimed = IdempotencyRecord.objects.filter(scope=scope, key=key)
+        resource = next(iter(claimed.values_list("lock_resource", flat=True)[:1]), "")
     runs = record_deliveries(scope, key, resource) if key else []
     found.deliveries = [asdict(run) for run in runs]
     found.resource = resource or next((r.resource for r in runs if r.resource), "")
@@ -122,14 +119,6 @@ def _from_job(job_id: str) -> tuple[str, str, str]:
     raise NotFound(f"no RQ job {job_id} on any known queue")
 
 
-def _record_resource(scope: str, key: str) -> str:
-    """The resource the key's record was claimed under ("" without a lock or a record)."""
-    from ..models import IdempotencyRecord
-
-    found = IdempotencyRecord.objects.filter(scope=scope, key=key).values_list("lock_resource")
-    return next((resource for (resource,) in found[:1]), "")
-
-
 def _scope_of(key: str) -> str:
     from ..models import IdempotencyRecord
 
@@ -154,20 +143,17 @@ def _line(run: Delivery) -> str:
 def _resource_story(resource: str) -> list[str]:
     from ..models import LockAudit
 
-    lines = []
     try:
         info = lock_info(resource)
     except LockBackendUnavailable as exc:
-        lines.append(f"resource {resource!r}: Redis unavailable ({exc})")
-        info = None
+        lines = [f"resource {resource!r}: Redis unavailable ({exc})"]
     else:
-        if info is None:
-            lines.append(f"resource {resource!r}: free now")
-        else:
-            lines.append(
-                f"resource {resource!r}: held now by {info.host}:{info.pid} (job "
-                f"{info.job_id or '-'}), fence {info.fence}, {info.expires_in:.1f}s of TTL left"
-            )
+        lines = [
+            f"resource {resource!r}: free now"
+            if info is None
+            else f"resource {resource!r}: held now by {info.host}:{info.pid} (job "
+            f"{info.job_id or '-'}), fence {info.fence}, {info.expires_in:.1f}s of TTL left"
+        ]
     for audit in LockAudit.objects.filter(resource=resource)[:5]:
         lines.append(
             f"  {audit.created_at:%Y-%m-%d %H:%M:%S} operator {audit.action} by {audit.actor}: "
@@ -177,32 +163,29 @@ def _resource_story(resource: str) -> list[str]:
 
 
 def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step]:
+    steps: list[Step] = []
+
+    def step(question: str, verdict: str, text: str) -> None:
+        steps.append(Step(len(steps) + 1, question, verdict, text))
+
     ran = [run for run in runs if run.outcome == "ran"]
     jobs = list(dict.fromkeys(run.job_id for run in runs))
     spec = registry.get(found.scope)
-    steps = []
     if not found.key:
-        steps.append(Step(1, "Did the queue deliver it twice?", UNKNOWN, "no idempotency key"))
+        verdict, text = UNKNOWN, "no idempotency key"
     elif not runs:
-        steps.append(
-            Step(1, "Did the queue deliver it twice?", UNKNOWN, "no delivery history for it")
-        )
+        verdict, text = UNKNOWN, "no delivery history for it"
     elif len(jobs) > 1:
         replayed = sorted({run.job_id for run in runs if run.outcome == "replayed"})
-        steps.append(
-            Step(
-                1,
-                "Did the queue deliver it twice?",
-                INFO,
-                f"yes: {len(jobs)} deliveries (RQ jobs {', '.join(jobs)}); "
-                f"{', '.join(sorted({r.job_id for r in ran})) or 'none'} ran, "
-                f"{', '.join(replayed) or 'none'} replayed the stored result",
-            )
+        verdict = INFO
+        text = (
+            f"yes: {len(jobs)} deliveries (RQ jobs {', '.join(jobs)}); "
+            f"{', '.join(sorted({r.job_id for r in ran})) or 'none'} ran, "
+            f"{', '.join(replayed) or 'none'} replayed the stored result"
         )
     else:
-        steps.append(
-            Step(1, "Did the queue deliver it twice?", OK, f"no: one delivery (job {jobs[0]})")
-        )
+        verdict, text = OK, f"no: one delivery (job {jobs[0]})"
+    step("Did the queue deliver it twice?", verdict, text)
     resources = sorted({run.resource for run in runs})
     if not runs:
         verdict, text = UNKNOWN, "no runs to compare"
@@ -213,25 +196,24 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
     else:
         verdict = PROBLEM
         text = f"runs of one key locked different resources: {', '.join(resources)}"
-    steps.append(Step(2, "Do conflicting runs build the same lock key?", verdict, text))
+    step("Do conflicting runs build the same lock key?", verdict, text)
     longest = max((run.took for run in runs if run.took is not None), default=None)
-    ttl = (spec.ttl if spec and spec.ttl is not None else conf.get().LOCK_TTL) if spec else None
     if longest is None or spec is None:
         verdict, text = UNKNOWN, "no durations recorded"
     elif spec.lock is None:
         verdict, text = INFO, f"longest run {longest:g}s; no lock, so no TTL to outlive"
-    elif spec.lock is not None and not spec.heartbeat and ttl is not None and longest >= ttl:
-        verdict = PROBLEM
-        text = f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
     else:
-        beat = "renewed every TTL/3" if spec.heartbeat else "heartbeat off"
-        verdict, text = OK, f"longest run {longest:g}s; TTL {ttl:g}s, {beat}"
-    steps.append(Step(3, "TTL and heartbeat against real durations", verdict, text))
+        ttl = conf.get().LOCK_TTL if spec.ttl is None else spec.ttl
+        if not spec.heartbeat and longest >= ttl:
+            verdict = PROBLEM
+            text = f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
+        else:
+            beat = "renewed every TTL/3" if spec.heartbeat else "heartbeat off"
+            verdict, text = OK, f"longest run {longest:g}s; TTL {ttl:g}s, {beat}"
+    step("TTL and heartbeat against real durations", verdict, text)
     aborted = [run.job_id for run in runs if run.outcome == "aborted"]
-    lost = 0
     fam = family(found.resource) if found.resource else ""
-    if fam:
-        lost = metrics.window(conf.get().ALERTS["WINDOW"]).total("lost", fam)
+    lost = metrics.window(conf.get().ALERTS["WINDOW"]).total("lost", fam) if fam else 0
     if aborted:
         verdict = INFO
         text = f"lost mid-run and aborted (rolled back): jobs {', '.join(aborted)}"
@@ -239,15 +221,12 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
         verdict, text = OK, "no run of this key lost its lock"
     if lost:
         text += f"; {lost} lock(s) of family {fam!r} lost in the last alert window"
-    steps.append(Step(4, "Did a lock expire mid-run?", verdict, text))
-    steps.append(
-        Step(
-            5,
-            "Do release and renew verify the owner?",
-            OK,
-            "always: the release and renew scripts compare the owner token atomically; "
-            "operator releases are in the story above",
-        )
+    step("Did a lock expire mid-run?", verdict, text)
+    step(
+        "Do release and renew verify the owner?",
+        OK,
+        "always: the release and renew scripts compare the owner token atomically; "
+        "operator releases are in the story above",
     )
     if len(ran) > 1:
         verdict = PROBLEM
@@ -255,17 +234,15 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
     elif found.key:
         pending = [message.key for message in sent if message.status != OutboxStatus.DELIVERED]
         verdict = INFO if pending else OK
-        text = "the idempotency record let one run commit (" + (
-            ran[0].job_id if ran else "none yet"
-        )
+        text = f"the idempotency record let one run commit ({ran[0].job_id if ran else 'none yet'})"
         if sent:
-            text += f"); {len(sent)} effect(s) outside the database went through the outbox"
+            text += f"; {len(sent)} effect(s) outside the database went through the outbox"
             text += f", not delivered yet: {', '.join(pending)}" if pending else ", all delivered"
         else:
-            text += "); effects outside the database (e-mail, APIs) need send_after_commit"
+            text += "; effects outside the database (e-mail, APIs) need send_after_commit"
     else:
         verdict, text = UNKNOWN, "no idempotency key: only the lock and the fence guard it"
-    steps.append(Step(6, "Are side effects guarded by the key?", verdict, text))
+    step("Are side effects guarded by the key?", verdict, text)
     ratio = conf.get().ALERTS["TIMEOUT_RATIO"]
     near = [
         run.job_id
@@ -279,7 +256,7 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
         verdict, text = OK, "every run ended well within its RQ job_timeout"
     else:
         verdict, text = UNKNOWN, "no runs"
-    steps.append(Step(7, "Is the ACK (job_timeout) in line with durations?", verdict, text))
+    step("Is the ACK (job_timeout) in line with durations?", verdict, text)
     return steps
 
 

@@ -1,40 +1,30 @@
 """Is a lock's holder alive? Which RQ jobs and idempotency claims are stuck? (read-only)
 
-RQ's state is read where RQ keeps it: on the connection of the *queue* the job was enqueued
-on (which may be another Redis database or server than the locks'), with RQ's own key helpers
-(``Job.key_for`` of the queue's job class, the worker class's key prefix; both follow rq 3's
-``RQ_KEY_PREFIX``). The queue of a lock's job is the queue of its registered ``@locked_job``
-function; for other jobs (a ``lock()`` inside a plain RQ job) every known queue connection is
-asked, and a job found on none of them is *unknown*, never evidence of death. Registries are
-read with ``cleanup=False``: looking never moves or fails anybody's job.
+RQ's state is read where RQ keeps it, with RQ's own key helpers (which follow rq 3's
+``RQ_KEY_PREFIX``): on the connection of the job's queue, that of its registered
+``@locked_job``. For any other job (a ``lock()`` in a plain RQ job) every known queue is
+asked, and a job found on none is *unknown*, never evidence of death. Registries are read
+with ``cleanup=False``: looking never moves or fails a job. Times are compared on one
+server's clock: a lock's with its Redis server's ``TIME``, a started job's with its queue's.
 
-Times are compared on one clock: a lock's renewal times come from its Redis server's ``TIME``
-and are compared with that server's ``TIME`` read together with the lock; a started RQ job's
-run time is measured with its queue server's ``TIME``.
-
-A lock's health is one of:
-
-- ``holder dead``: no renewal in the last half TTL (a lock never renewed counts as not
-  renewed), *and* positive evidence its holder is gone: its RQ job no longer exists or is no
-  longer ``started``, its RQ worker has vanished, or (same host) its process id does not exist.
-  An orphaned work horse that still heartbeats is alive, whatever happened to its worker.
-  ``why`` names the evidence that applied.
-- ``not renewing``: it was renewed before (so its holder runs a heartbeat) and then not for
-  more than half its TTL, with no other evidence: judged by the lock's own heartbeat, so a
-  holder outside RQ or on another host that died (or hangs) is seen before its lock expires.
-  Never reaped or force-released as dead: a paused process may still believe it holds the
-  lock until its TTL, so the lock is left to expire (the fence covers a late write).
-- ``overdue``: held longer than ``JOBLOCK["STUCK_AFTER"]``;
-- ``healthy`` otherwise.
+- ``holder dead``: not renewed in the last half TTL (never renewed counts as not renewed)
+  *and* positive evidence (``why``) that its holder is gone: its RQ job is gone or no longer
+  ``started``, its RQ worker vanished, or (same host) its process is gone. A work horse that
+  still renews is alive, whatever happened to its worker.
+- ``not renewing``: renewed before, then not for over half its TTL, with no other evidence
+  (seen before the lock expires, even outside RQ or on another host). Never reaped: a paused
+  holder may still believe it holds the lock, so it is left to expire (the fence covers a
+  late write).
+- ``overdue``: held longer than ``JOBLOCK["STUCK_AFTER"]``; ``healthy`` otherwise.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import socket
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -78,8 +68,8 @@ class LockHealth:
 
 def known_queues() -> dict[str, Any]:
     """Name -> queue for the queues of the registered ``@locked_job`` functions and of
-    django-rq's ``RQ_QUEUES``. A job whose queue cannot be resolved is left out (system check
-    ``django_joblock.E006`` reports it) and logged, so one bad name cannot break a page."""
+    django-rq's ``RQ_QUEUES``. A job whose queue cannot be resolved is logged and left out
+    (system check E006 reports it): one bad name cannot break a page."""
     found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
@@ -98,155 +88,116 @@ def known_queues() -> dict[str, Any]:
 def job_queue(job_func: str) -> Any:
     """The queue a registered ``@locked_job`` function (by dotted name) is enqueued on."""
     spec = registry.get(job_func)
-    if spec is None:
-        return None
     try:
-        return get_queue(spec.queue)
+        return None if spec is None else get_queue(spec.queue)
     except (JoblockConfigError, ValueError):
         return None
 
 
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _job_key(queue: Any, job_id: str) -> str:
+    return str(queue.job_class.key_for(job_id))
 
 
-@dataclass
-class _Place:
-    """Where RQ keeps the state of some queue: a connection and the job / worker key helpers."""
-
-    connection: Any
-    job_class: Any
-    worker_prefix: str
-
-    def job_key(self, job_id: str) -> str:
-        return str(self.job_class.key_for(job_id))
-
-    def worker_key(self, name: str) -> str:
-        return self.worker_prefix + name
+def _where(queue: Any) -> tuple[Any, ...]:
+    """Where RQ keeps a queue's jobs: its server, database and job key prefix."""
+    return (*server_of(queue.connection), _job_key(queue, ""))
 
 
-def _place(queue: Any) -> _Place:
-    return _Place(queue.connection, queue.job_class, Worker.redis_worker_namespace_prefix)
-
-
-def _all_places() -> list[_Place]:
-    """One place per distinct (server, database, job key prefix) among the known queues."""
-    places: dict[tuple[Any, ...], _Place] = {}
+def _distinct_queues() -> list[Any]:
+    """One known queue per distinct :func:`_where`."""
+    found: dict[tuple[Any, ...], Any] = {}
     for queue in known_queues().values():
-        place = _place(queue)
-        places.setdefault((*server_of(queue.connection), place.job_key("")), place)
-    return list(places.values())
+        found.setdefault(_where(queue), queue)
+    return list(found.values())
 
 
 def queue_connections() -> list[Any]:
     """One connection per distinct Redis server and database among the known queues."""
-    return [place.connection for place in _all_places()]
+    return [queue.connection for queue in _distinct_queues()]
 
 
-@dataclass
-class _Seen:
-    """What RQ says about one lock's job and worker (None: not looked at / not found)."""
-
-    status: str | None = None
-    job_found: bool = False
-    worker_found: bool | None = None
-    known: bool = False  # the job's own queue was asked, so "not found" means gone
-
-
-def _read_rq(locks: list[ActiveLock]) -> dict[int, _Seen]:
-    """Index in ``locks`` -> what RQ says, one pipeline per distinct Redis server/database."""
-    queues: dict[str, Any] = {}
-    everywhere: list[_Place] | None = None
-    asks: dict[tuple[Any, ...], tuple[_Place, list[tuple[int, bool]]]] = {}
-    for index, active in enumerate(locks):
-        if not active.job_id:
-            continue
-        if active.job_func not in queues:
-            queues[active.job_func] = job_queue(active.job_func)
-        queue = queues[active.job_func]
-        if queue is not None:
-            candidates, known = [_place(queue)], True
-        else:
-            if everywhere is None:
-                everywhere = _all_places()
-            candidates, known = everywhere, False
-        for place in candidates:
-            server = (*server_of(place.connection), place.job_key(""))
-            asks.setdefault(server, (place, []))[1].append((index, known))
-    seen: dict[int, _Seen] = defaultdict(_Seen)
-    for place, wanted in asks.values():
-        pipe = place.connection.pipeline(transaction=False)
-        for index, _known in wanted:
-            active = locks[index]
-            pipe.hget(place.job_key(active.job_id), "status")
+def _read_rq(locks: list[ActiveLock]) -> dict[int, tuple[str | None, bool]]:
+    """Index in ``locks`` -> (its RQ job's status, None if gone; whether its worker exists),
+    for the jobs found and for those whose own queue was asked (so "not found" means gone).
+    One pipeline per :func:`_where`."""
+    queue_of = functools.cache(job_queue)
+    everywhere = functools.cache(_distinct_queues)
+    asks: dict[tuple[Any, ...], tuple[Any, list[tuple[int, bool]]]] = {}
+    for position, active in enumerate(locks):
+        if active.job_id:
+            queue = queue_of(active.job_func)
+            for each in everywhere() if queue is None else [queue]:
+                asks.setdefault(_where(each), (each, []))[1].append((position, queue is not None))
+    seen: dict[int, tuple[str | None, bool]] = {}
+    for queue, wanted in asks.values():
+        pipe = queue.connection.pipeline(transaction=False)
+        for position, _known in wanted:
+            active = locks[position]
+            pipe.hget(_job_key(queue, active.job_id), "status")
             if active.worker:
-                pipe.exists(place.worker_key(active.worker))
+                pipe.exists(Worker.redis_worker_namespace_prefix + active.worker)
             else:
                 pipe.echo("1")
         replies = pipe.execute()
-        for position, (index, known) in enumerate(wanted):
-            status, worker = replies[2 * position], replies[2 * position + 1]
-            entry = seen[index]
-            entry.known = entry.known or known
-            if status is not None and not entry.job_found:
-                entry.job_found, entry.status = True, text(status)
-                entry.worker_found = bool(int(worker))
-            elif known:
-                entry.worker_found = bool(int(worker))
+        for (position, known), status, worker in zip(
+            wanted, replies[::2], replies[1::2], strict=True
+        ):
+            if status is not None or known:
+                status = None if status is None else text(status)
+                seen.setdefault(position, (status, bool(int(worker))))
     return seen
 
 
-def _evidence(active: ActiveLock, seen: _Seen | None) -> list[str]:
+def _evidence(active: ActiveLock, seen: tuple[str | None, bool] | None) -> list[str]:
     found = []
     if active.job_id and seen is not None:
-        if seen.job_found and seen.status != "started":
-            found.append(f"RQ job {active.job_id} is {seen.status}, not started")
-        elif not seen.job_found and seen.known:
+        status, worker_exists = seen
+        if status is None:
             found.append(f"RQ job {active.job_id} is gone")
-        if active.worker and (seen.job_found or seen.known) and seen.worker_found is False:
+        elif status != "started":
+            found.append(f"RQ job {active.job_id} is {status}, not started")
+        if active.worker and not worker_exists:
             found.append(f"RQ worker {active.worker} is gone")
-    if active.host == _HOST and active.pid is not None and not _pid_exists(active.pid):
-        found.append(f"process {active.pid} on {active.host} is gone")
+    if active.host == _HOST and active.pid is not None:
+        try:
+            os.kill(active.pid, 0)
+        except ProcessLookupError:
+            found.append(f"process {active.pid} on {active.host} is gone")
+        except PermissionError:
+            pass  # another user's process
     return found
 
 
 def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
     """resource -> health, with one pipelined read per Redis server RQ uses."""
-    if not locks:
-        return {}
-    seen = _read_rq(locks)
+    seen = _read_rq(locks) if locks else {}
     stuck_after = conf.get().STUCK_AFTER
     found = {}
-    for index, active in enumerate(locks):
-        # Both times come from the lock's Redis server clock.
+    for position, active in enumerate(locks):
+        # Both times are on the lock's Redis server clock.
         since_renewal = max(0, active.read_ms - (active.renewed_ms or active.acquired_ms or 0))
         # A renewal in the last half TTL proves a live renewal thread (e.g. an orphaned work
         # horse whose worker died); a lock never renewed proves nothing either way.
         renewing = bool(active.renewals) and since_renewal < (active.ttl_ms or 0) / 2
-        evidence = _evidence(active, seen.get(index))
+        evidence = _evidence(active, seen.get(position))
         if evidence and not renewing:
             never = " (never renewed)" if not active.renewals else ""
             why = "; ".join([*evidence, f"not renewed for {since_renewal / 1000:.0f}s{never}"])
-            found[active.resource] = LockHealth(DEAD, why)
+            health = LockHealth(DEAD, why)
         elif active.renewals and not renewing:
-            found[active.resource] = LockHealth(
+            health = LockHealth(
                 SILENT,
                 f"renewed {active.renewals} times, the last {since_renewal / 1000:.1f}s ago "
                 f"(TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; it expires "
                 f"in {max(0, active.pttl_ms) / 1000:.1f}s",
             )
         elif active.held_for > stuck_after:
-            found[active.resource] = LockHealth(
+            health = LockHealth(
                 OVERDUE, f"held {active.held_for:.0f}s, longer than STUCK_AFTER {stuck_after:g}s"
             )
         else:
-            found[active.resource] = LockHealth(HEALTHY)
+            health = LockHealth(HEALTHY)
+        found[active.resource] = health
     return found
 
 
@@ -263,51 +214,29 @@ class StuckJob:
     url: str = ""  # django-rq's page of the job, filled in by the admin when it has one
 
 
-def _server_now(client: Any) -> datetime:
-    seconds, micros = client.time()
-    return datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, UTC)
-
-
 def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[StuckJob]:
-    """RQ jobs in the started registries of ``queues`` (default: the known queues) that have
-    run past their timeout, measured with each queue server's clock."""
+    """RQ jobs (at most ``limit`` per queue) in the started registries of ``queues`` (default:
+    the known queues) that have run past their timeout, by each queue server's clock."""
     found = []
     for name, queue in (known_queues() if queues is None else queues).items():
-        registry = StartedJobRegistry(queue=queue)
-        ids = registry.get_job_ids(0, limit - 1, cleanup=False)
+        ids = StartedJobRegistry(queue=queue).get_job_ids(0, limit - 1, cleanup=False)
         if not ids:
             continue
-        now = _server_now(queue.connection)
-        for job in fetch_jobs(queue, ids):
-            if job.started_at is None:
+        seconds, micros = queue.connection.time()
+        now = datetime.fromtimestamp(int(seconds) + int(micros) / 1e6, UTC)
+        jobs = queue.job_class.fetch_many(
+            ids, connection=queue.connection, serializer=queue.serializer
+        )
+        for job in jobs:
+            if job is None or job.started_at is None:
                 continue
-            started = (
-                job.started_at.replace(tzinfo=UTC)
-                if job.started_at.tzinfo is None
-                else job.started_at
-            )
-            running = (now - started).total_seconds()
-            timeout = job.timeout
+            started = job.started_at.replace(tzinfo=job.started_at.tzinfo or UTC)
+            running, timeout = (now - started).total_seconds(), job.timeout
             if timeout is not None and timeout >= 0 and running > timeout:
-                found.append(
-                    StuckJob(
-                        job.id,
-                        name,
-                        job.func_name or "",
-                        job.worker_name or "",
-                        started,
-                        timeout,
-                        running,
-                        f"running {running:.0f}s, timeout {timeout}s",
-                    )
-                )
+                who = (job.func_name or "", job.worker_name or "")
+                reason = f"running {running:.0f}s, timeout {timeout}s"
+                found.append(StuckJob(job.id, name, *who, started, timeout, running, reason))
     return found
-
-
-def fetch_jobs(queue: Any, ids: list[str]) -> list[Any]:
-    """The RQ jobs ``ids`` of ``queue`` that still exist, in one pipelined read."""
-    jobs = queue.job_class.fetch_many(ids, connection=queue.connection, serializer=queue.serializer)
-    return [job for job in jobs if job is not None]
 
 
 def stuck_claims(limit: int = 50) -> list[Any]:
@@ -322,8 +251,8 @@ def stuck_claims(limit: int = 50) -> list[Any]:
 
 
 def record_deliveries(scope: str, key: str, resource: str = "") -> list[history.Delivery]:
-    """The runs of an idempotency record's key (its ``scope`` is the job's dotted name; its
-    ``resource``, when it had a lock, names the family they are kept under), read on that
-    job's queue connection; empty for a scope no ``@locked_job`` has."""
+    """The runs of an idempotency record's key (``scope``: its job's dotted name; ``resource``,
+    if it had a lock, names the family they are kept under), read on that job's queue
+    connection; empty for a scope no ``@locked_job`` has."""
     queue = job_queue(scope)
     return [] if queue is None else history.of_key([queue.connection], scope, key, resource)

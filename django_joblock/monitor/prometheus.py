@@ -9,14 +9,11 @@ conventions: ``joblock_*``, counters end in ``_total``, durations in ``_seconds`
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -40,13 +37,9 @@ class JoblockCollector:
                 continue
             histogram = HistogramMetricFamily(name, metric.help, labels=["family", "function"])
             for (fam, func), counts in sorted(totals.histograms[metric.name].items()):
-                cumulative, running = [], 0
-                for bound, count in zip(bounds, counts, strict=True):
-                    running += count
-                    cumulative.append((bound, running))
-                histogram.add_metric(
-                    [fam, func], cumulative, totals.sums_us[metric.name][(fam, func)] / 1_000_000
-                )
+                cumulative = list(zip(bounds, itertools.accumulate(counts), strict=True))
+                seconds = totals.sums_us[metric.name][(fam, func)] / 1_000_000
+                histogram.add_metric([fam, func], cumulative, seconds)
             yield histogram
         active = GaugeMetricFamily(
             "joblock_active_locks", "Locks held right now.", labels=["family"]

@@ -1,7 +1,7 @@
 """``manage.py joblock_alerts [--json]``: print the alerts firing now; exit 1 if any fires.
 
-Run it from cron (or a monitoring agent) every minute: each run also records the active-lock
-count that the ``active_growth`` alert compares over time.
+Run it every minute (cron, a monitoring agent): each run also records the active-lock count
+that the ``active_growth`` alert compares over time.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``manage.py joblock_doctor (--job ID | --key KEY [--scope S] | --resource R) [--json]``.
 
-Prints the story of one RQ job, idempotency key or resource (deliveries, holder, operator
-releases) and walks the design article's debugging steps, each with its evidence and a
-verdict (see :mod:`django_joblock.doctor`). Read-only.
+The story of one RQ job, idempotency key or resource (deliveries, holder, operator releases)
+and the design article's debugging steps, each with its evidence and verdict (see
+:mod:`django_joblock.monitor.doctor`). Read-only.
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ class Command(BaseCommand):
     help = "Explain what happened to a job, an idempotency key or a resource."
 
     def add_arguments(self, parser: CommandParser) -> None:
+        # No default "": argparse would take --job "" for no value at all ("is required").
         target = parser.add_mutually_exclusive_group(required=True)
-        # default None, not "": argparse takes a value equal to the default for no value at
-        # all, and would answer --job "" with "one of the arguments ... is required".
         target.add_argument("--job", help="An RQ job id.")
         target.add_argument("--key", help="An idempotency key.")
         target.add_argument("--resource", help="A lock resource (order:123).")
-        parser.add_argument(
-            "--scope", default="", help="The key's job (dotted name), when several use it."
-        )
+        parser.add_argument("--scope", default="", help="The key's job, when several use it.")
         parser.add_argument("--json", action="store_true", help="Print the diagnosis as JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:

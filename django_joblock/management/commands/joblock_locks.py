@@ -1,10 +1,9 @@
-"""``manage.py joblock_locks [--family F] [--stuck] [--json]``: the active locks and holders.
+"""``manage.py joblock_locks [--family F] [--stuck] [--json] [--limit N]``: the active locks.
 
-JSON output: a list of objects with ``resource``, ``family``, ``owner`` (token hash),
+``--json`` prints a list of objects with ``resource``, ``family``, ``owner`` (token hash),
 ``fence``, ``host``, ``pid``, ``job_id``, ``job_func``, ``worker``, ``acquired_ms``,
 ``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds), ``health``
-(``healthy`` / ``holder dead`` / ``not renewing`` / ``overdue``) and ``why`` (the evidence
-behind the state; empty when healthy).
+(``healthy`` / ``holder dead`` / ``not renewing`` / ``overdue``) and ``why`` (its evidence).
 """
 
 from __future__ import annotations
@@ -19,31 +18,27 @@ from django_joblock.locks.keys import validate_family
 from django_joblock.monitor.active import active_locks
 from django_joblock.monitor.health import HEALTHY, LockHealth, lock_health
 
-# Entries a family's index read may ask for (Redis takes 64-bit ranges; nobody reads more).
-MAX_LIMIT = 1_000_000
+MAX_LIMIT = 1_000_000  # entries one family's index read may ask for
 
 
 class Command(BaseCommand):
     help = "List active django-joblock locks with their holders and health."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--family", help="Only this family (the part before the first ':').")
-        parser.add_argument(
-            "--stuck",
-            action="store_true",
-            help="Only locks whose holder is dead or that are overdue.",
-        )
-        parser.add_argument("--json", action="store_true", help="Print JSON.")
-        parser.add_argument("--limit", type=int, default=1000, help="At most this many per family.")
+        add = parser.add_argument
+        add("--family", help="Only this family (the part before the first ':').")
+        add("--stuck", action="store_true", help="Only locks whose holder is dead or overdue.")
+        add("--json", action="store_true", help="Print JSON.")
+        add("--limit", type=int, default=1000, help="At most this many per family.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 1 <= options["limit"] <= MAX_LIMIT:
             raise CommandError(f"--limit must be 1 to {MAX_LIMIT}, got {options['limit']}.")
-        if options["family"] is not None:
-            try:
+        try:
+            if options["family"] is not None:
                 validate_family(options["family"])
-            except ValueError as exc:
-                raise CommandError(str(exc)) from exc
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
         try:
             locks = active_locks(family=options["family"], limit=options["limit"])
             health = lock_health(locks)
@@ -54,15 +49,13 @@ class Command(BaseCommand):
             state = health.get(active.resource, LockHealth(HEALTHY))
             row = {**active.as_dict(), "health": state.state.value, "why": state.why}
             row.pop("read_ms", None)
-            rows.append(row)
-        if options["stuck"]:
-            rows = [row for row in rows if row["health"] != HEALTHY.value]
+            if not options["stuck"] or state.state != HEALTHY:
+                rows.append(row)
         if options["json"]:
             self.stdout.write(json.dumps(rows, indent=2))
             return
         if not rows:
-            self.stdout.write("No active locks." if not options["stuck"] else "No stuck locks.")
-            return
+            self.stdout.write("No stuck locks." if options["stuck"] else "No active locks.")
         for row in rows:
             self.stdout.write(
                 f"{row['resource']:40} {row['health']:12} fence={row['fence']} "

@@ -1,9 +1,9 @@
 """``manage.py joblock_outbox [--limit N] [--every SECONDS] [--database ALIAS]``.
 
-Deliver the outbox messages that are due: those whose delivery after their commit failed (at
-their next backoff time) and those whose process died between the commit and the delivery.
-Once, or every ``--every`` seconds until stopped (run it from cron or as a service beside the
-workers). See :mod:`django_joblock.outbox`.
+Deliver the due outbox messages (:mod:`django_joblock.outbox`): those whose delivery after
+their commit failed, at their next backoff time, and those whose process died between the
+commit and the delivery. Once, or every ``--every`` seconds until stopped (from cron, or as a
+service beside the workers).
 """
 
 from __future__ import annotations
@@ -17,26 +17,18 @@ from django.db import connections
 
 from django_joblock import outbox
 
-# Messages one pass may take (a SQL LIMIT; the database refuses numbers past 64 bits).
-MAX_LIMIT = 1_000_000
+MAX_LIMIT = 1_000_000  # messages one pass may take (a SQL LIMIT: 64 bits at most)
 
 
 class Command(BaseCommand):
     help = "Deliver due outbox messages (side effects recorded with send_after_commit)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
-            "--limit", type=int, default=100, help="Messages per pass (default 100)."
-        )
-        parser.add_argument(
-            "--every",
-            type=float,
-            default=None,
-            help="Seconds between passes; run until stopped (default: one pass).",
-        )
-        parser.add_argument(
+        add = parser.add_argument
+        add("--limit", type=int, default=100, help="Messages per pass (default 100).")
+        add("--every", type=float, help="Seconds between passes; run until stopped.")
+        add(
             "--database",
-            default=None,
             choices=tuple(connections),
             help="The database alias of the outbox (default: the router's choice).",
         )

@@ -1,19 +1,14 @@
 """``manage.py joblock_purge [--dry-run] [--batch-size N] [--redis [--force]]``.
 
-Without ``--redis``: delete expired idempotency records.
+Without ``--redis``: delete the idempotency records whose ``expires_at`` has passed, except a
+``running`` claim whose lease is still live (a duplicate could otherwise claim the key afresh
+and run beside it). Batches of primary keys, each its own short transaction (never one giant
+transaction or a long table lock), and the condition repeated in each ``DELETE``, so a record
+claimed between the read and the delete is kept.
 
-A record is deleted once its ``expires_at`` has passed, *except* a ``running`` claim whose
-lease is still live: deleting it would let a duplicate claim the key afresh and run alongside
-the claim that is still working. It goes once its lease ends (or it finishes and expires).
-
-Deletes in batches of primary keys, each in its own short transaction, so a large backlog never
-becomes one giant transaction or a long table lock. The condition is repeated in each
-``DELETE``, so a record claimed between the read and the delete is kept.
-
-With ``--redis`` (uninstall): remove every key django-joblock wrote to Redis, under
-``JOBLOCK["KEY_PREFIX"]`` only, on the lock Redis and on the Redis of every known queue (see
-:mod:`django_joblock.cleanup`). It refuses while locks are
-held (stop the workers first), unless ``--force``; ``--dry-run`` counts them by kind.
+With ``--redis`` (uninstall): remove every key under ``JOBLOCK["KEY_PREFIX"]`` on the lock
+Redis and every known queue's Redis (:mod:`django_joblock.monitor.cleanup`); refused while
+locks are held unless ``--force``. ``--dry-run`` counts them by kind.
 """
 
 from __future__ import annotations
@@ -42,32 +37,22 @@ class Command(BaseCommand):
     help = "Delete idempotency records whose expires_at has passed, in batches."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
-            "--dry-run", action="store_true", help="Only count what would be deleted."
-        )
-        parser.add_argument(
-            "--batch-size",
-            type=int,
-            default=1000,
-            help="Records deleted per statement (default 1000).",
-        )
-        parser.add_argument(
+        add = parser.add_argument
+        add("--dry-run", action="store_true", help="Only count what would be deleted.")
+        add("--batch-size", type=int, default=1000, help="Records per statement (default 1000).")
+        add(
             "--database",
             default="default",
             choices=tuple(connections),
             help="The database alias of the records (default: 'default').",
         )
-        parser.add_argument(
+        add(
             "--redis",
             action="store_true",
             help="Uninstall: remove every key django-joblock wrote to Redis (under KEY_PREFIX) "
             "instead of idempotency records.",
         )
-        parser.add_argument(
-            "--force",
-            action="store_true",
-            help="With --redis: remove the keys even while locks are held.",
-        )
+        add("--force", action="store_true", help="With --redis: even while locks are held.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["redis"]:
@@ -79,21 +64,14 @@ class Command(BaseCommand):
         if batch < 1:
             raise CommandError(f"--batch-size must be >= 1, got {batch}.")
         now = timezone.now()
-        expired = IdempotencyRecord.objects.using(options["database"]).filter(purgeable(now))
+        records = IdempotencyRecord.objects.using(options["database"])
+        expired = records.filter(purgeable(now))
         if options["dry_run"]:
             self.stdout.write(f"{expired.count()} expired idempotency record(s) would be deleted.")
             return
         total = batches = 0
-        while True:
-            ids = list(expired.order_by("expires_at").values_list("pk", flat=True)[:batch])
-            if not ids:
-                break
-            deleted, _ = (
-                IdempotencyRecord.objects.using(options["database"])
-                .filter(purgeable(now), pk__in=ids)
-                .delete()
-            )
-            total += deleted
+        while ids := list(expired.order_by("expires_at").values_list("pk", flat=True)[:batch]):
+            total += records.filter(purgeable(now), pk__in=ids).delete()[0]
             batches += 1
         self.stdout.write(f"Deleted {total} expired idempotency record(s) in {batches} batch(es).")
 

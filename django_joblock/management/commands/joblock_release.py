@@ -1,12 +1,11 @@
 """``manage.py joblock_release RESOURCE --reason R [--owner H | --token T]``: audited force
 release.
 
-``--owner`` is the holder to release by its 12-character owner hash, as ``joblock_locks`` and
-the dashboard show it; ``--token`` by the owner token itself (the secret a ``Lock`` carries);
-with neither, whoever holds the lock right now. Either way it is a compare-and-delete, never a
-blind DEL, and it is written to the lock audit log.
-Exit status 1 when nothing was released; a Redis that does not answer is a ``CommandError``
-saying whether the release may have happened.
+``--owner`` names the holder by its 12-character owner hash (as ``joblock_locks`` and the
+dashboard show it), ``--token`` by the owner token itself; with neither, whoever holds the lock
+now. Always a compare-and-delete, written to the lock audit log. Exit status 1 when nothing
+was released; a Redis that does not answer is a ``CommandError`` saying whether the release
+may have happened.
 """
 
 from __future__ import annotations
@@ -25,18 +24,11 @@ class Command(BaseCommand):
     help = "Force-release a django-joblock lock (audited)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("resource")
-        parser.add_argument("--reason", required=True, help="Why (kept in the audit log).")
-        parser.add_argument(
-            "--owner",
-            default=None,
-            help="Only release if the holder with this owner hash still holds it.",
-        )
-        parser.add_argument(
-            "--token",
-            default=None,
-            help="Only release if the holder with this owner token still holds it.",
-        )
+        add = parser.add_argument
+        add("resource")
+        add("--reason", required=True, help="Why (kept in the audit log).")
+        add("--owner", help="Only release if the holder with this owner hash still holds it.")
+        add("--token", help="Only release if the holder with this owner token still holds it.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:

@@ -1,24 +1,17 @@
 """``manage.py joblock_worker [queues] [--burst] [--with-scheduler] [--simple] [...]``.
 
-Runs an RQ worker with Django set up, on the queues ``@locked_job`` uses (django-rq's
-``RQ_QUEUES`` when installed, else the ``JOBLOCK["REDIS_ALIAS"]`` connection). Use
-``--with-scheduler`` on at least one worker per queue that requeues on contention: requeue
-delays are scheduled jobs.
+An RQ worker with Django set up, on the queues ``@locked_job`` uses (django-rq's ``RQ_QUEUES``
+when installed, else the ``REDIS_ALIAS`` connection). Run ``--with-scheduler`` on at least one
+worker per queue that requeues on contention: requeue delays are scheduled jobs. A queue name
+missing from ``RQ_QUEUES`` is an error (as in django-rq's ``rqworker``), and so are queues on
+different Redis connections (RQ reads them all through one): start one worker per connection.
 
-With django-rq installed, a queue name missing from ``RQ_QUEUES`` is an error listing the
-known names (as django-rq's ``rqworker`` refuses it), never a silent queue on another Redis.
-Queues on different Redis connections cannot share one worker (RQ reads them all through one
-connection): that is an error too; start one worker per connection.
+The options are those of django-rq's ``rqworker``, under its names; with django-rq,
+``rqworker --worker-class django_joblock.worker.JoblockWorker`` is the equivalent.
 
-It takes the common options of django-rq's ``rqworker`` under the same names
-(``--worker-class``, ``--job-class``, ``--serializer``, ``--worker-ttl``, ``--max-jobs``,
-``--max-idle-time``, ``--pid``, ``--name``, ``--burst``, ``--with-scheduler``); with django-rq
-installed, ``rqworker --worker-class django_joblock.worker.JoblockWorker`` is the equivalent.
-
-The system checks run at start without database probes (``databases=[]``): a worker must start
-while a job elsewhere holds a long transaction (on SQLite that transaction holds the database
-lock, which Django's JSON-support probe would wait for); ``manage.py check`` and ``migrate``
-still probe the databases.
+The system checks run at start without database probes: a worker must start while a job holds
+a long transaction (on SQLite that holds the database lock Django's JSON-support probe waits
+for); ``manage.py check`` and ``migrate`` still probe the databases.
 """
 
 from __future__ import annotations
@@ -35,6 +28,8 @@ from django_joblock.exceptions import JoblockConfigError
 from django_joblock.jobs.queues import get_queue, server_of
 from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 
+POSITIVE = ("max_jobs", "maintenance_interval", "worker_ttl", "max_idle_time")
+
 
 class Command(BaseCommand):
     help = "Run an RQ worker for django-joblock jobs."
@@ -44,52 +39,38 @@ class Command(BaseCommand):
         super().check(*args, **kwargs)
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
+        add = parser.add_argument
+        add(
             "queues",
             nargs="*",
             default=["default"],
-            help="Queue names, in priority order (default: default).",
+            help="Queue names by priority (default: default).",
         )
-        parser.add_argument("--burst", action="store_true", help="Exit when the queues are empty.")
-        parser.add_argument(
+        add("--burst", action="store_true", help="Exit when the queues are empty.")
+        add(
             "--with-scheduler",
             action="store_true",
-            help="Also run RQ's scheduler (needed for requeue delays).",
+            help="Also run RQ's scheduler (requeue delays).",
         )
-        parser.add_argument(
-            "--simple",
-            action="store_true",
-            help="Run jobs in this process (SimpleWorker), without forking.",
-        )
-        parser.add_argument("--name", default=None, help="Worker name.")
-        parser.add_argument("--max-jobs", type=int, default=None, help="Exit after this many jobs.")
-        parser.add_argument(
+        add("--simple", action="store_true", help="Run jobs in this process (SimpleWorker).")
+        add("--name", help="Worker name.")
+        add("--max-jobs", type=int, help="Exit after this many jobs.")
+        add(
             "--worker-class",
-            default=None,
-            help="Dotted path of an RQ Worker class (default: "
-            "django_joblock.worker.JoblockWorker, or JoblockSimpleWorker with --simple).",
+            help="Dotted path of an RQ Worker class (default: django_joblock.worker."
+            "JoblockWorker, or JoblockSimpleWorker with --simple).",
         )
-        parser.add_argument("--job-class", default=None, help="Dotted path of an RQ Job class.")
-        parser.add_argument(
-            "--serializer", default=None, help="Dotted path of an RQ serializer (as enqueued)."
-        )
-        parser.add_argument(
-            "--worker-ttl", type=int, default=None, help="Seconds the worker's heartbeat lives."
-        )
-        parser.add_argument(
-            "--max-idle-time",
-            type=int,
-            default=None,
-            help="Exit after this many seconds without a job.",
-        )
-        parser.add_argument("--pid", default=None, help="Write the worker's pid to this file.")
-        parser.add_argument(
+        add("--job-class", help="Dotted path of an RQ Job class.")
+        add("--serializer", help="Dotted path of an RQ serializer (as enqueued).")
+        add("--worker-ttl", type=int, help="Seconds the worker's heartbeat lives.")
+        add("--max-idle-time", type=int, help="Exit after this many idle seconds.")
+        add("--pid", help="Write the worker's pid to this file.")
+        add(
             "--maintenance-interval",
             type=int,
-            default=None,
-            help="Seconds between RQ's registry clean-ups (default 60; RQ's own: 600). It "
-            "bounds how soon the jobs of a worker that died are retried, their resource's next "
-            "waiting job starts, and a dead scheduler is replaced.",
+            help="Seconds between RQ's registry clean-ups (default 60; RQ's own: 600): how soon "
+            "a dead worker's jobs are retried, its resource's next job starts and a dead "
+            "scheduler is replaced.",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -106,13 +87,12 @@ class Command(BaseCommand):
                 f"worker: {', '.join(f'{n} -> {s}' for n, s in servers.items())}. Start one "
                 "worker per connection."
             )
-        for option in ("max_jobs", "maintenance_interval", "worker_ttl", "max_idle_time"):
+        for option in POSITIVE:
             if options[option] is not None and options[option] < 1:
-                raise CommandError(
-                    f"--{option.replace('_', '-')} must be >= 1, got {options[option]}."
-                )
+                name = option.replace("_", "-")
+                raise CommandError(f"--{name} must be >= 1, got {options[option]}.")
         worker_class = self._worker_class(options["worker_class"], simple=options["simple"])
-        extra: dict[str, Any] = {
+        extra = {
             key: options[key]
             for key in ("maintenance_interval", "worker_ttl", "job_class", "serializer")
             if options[key] is not None
@@ -150,7 +130,7 @@ class Command(BaseCommand):
                 f"--worker-class {dotted!r} is not an RQ worker class (rq.worker.BaseWorker)."
             )
         if not issubclass(found, (JoblockWorker, JoblockSimpleWorker)):
-            # Still allowed (the user may close connections their own way), but say it.
+            # Allowed (it may close connections its own way), but said.
             sys.stderr.write(
                 f"Warning: {dotted} does not derive from django_joblock.worker.JoblockWorker: "
                 "database connections are not closed before each fork, so a work horse may "
