@@ -1,15 +1,10 @@
-"""Django admin for django-joblock: the "Job locks" dashboard with audited force release, the
-read-only idempotency records and the lock audit log. Thin over :mod:`dashboard` (data) and
-:mod:`control` (actions).
+"""Django admin: the "Job locks" dashboard with audited force release, the read-only
+idempotency records and the lock audit log; thin over :mod:`dashboard` and :mod:`control`.
 
-Who sees what (Django's model permissions; superusers have them all): the dashboard, every
-active staff user (its stuck idempotency claims need ``view_idempotencyrecord``); idempotency
-records, ``django_joblock.view_idempotencyrecord``; the audit log,
-``django_joblock.view_lockaudit``; force release, ``django_joblock.force_release_lock``.
-
-Templates escape every reflected value; a bad parameter is a ``text/plain`` 400 naming it; a
-Redis that does not answer is a 503 page saying so. Changelist filters accept lookups on
-displayed fields only (a claim's hidden ``token`` cannot be probed with ``?token__startswith=``).
+Permissions (``django_joblock.*``): the dashboard, any active staff user (its stuck claims need
+``view_idempotencyrecord``); records, ``view_idempotencyrecord``; the audit log,
+``view_lockaudit``; force release, ``force_release_lock``. Reflected values are escaped; a bad
+parameter is a ``text/plain`` 400 naming it; a Redis that does not answer is a 503 page.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from django.utils.html import format_html, format_html_join
 from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, bad_request, pretty_json
 from .backend import REDIS_ERRORS
 from .exceptions import LockBackendUnavailable
-from .jobs.history import summary
+from .jobs.history import Delivery, summary
 from .locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 from .monitor import control, dashboard
@@ -38,14 +33,13 @@ from .monitor.health import Health, job_queue, record_deliveries
 
 # Where the operations runbook lives (a pip install carries no docs/ folder).
 DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"
+DASHBOARD = "admin:django_joblock_dashboard_changelist"
 
 
 def rq_job_url(queue_name: str, job_id: str) -> str:
-    """django-rq's page of an RQ job when django-rq is installed and routed, else ``""``.
-
-    django-rq >= 4 serves it in the admin (``admin:django_rq_job_detail``), older releases
-    from ``include("django_rq.urls")`` (``rq_job_detail``); both take the queue's index.
-    """
+    """django-rq's page of an RQ job when django-rq is installed and routed, else ``""``: in
+    the admin since django-rq 4 (``admin:django_rq_job_detail``), before from
+    ``include("django_rq.urls")`` (``rq_job_detail``); both take the queue's index."""
     if not queue_name or not job_id or not apps.is_installed("django_rq"):
         return ""
     try:
@@ -92,21 +86,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         found = record_deliveries(obj.scope, obj.key, obj.lock_resource)
         if not found:
             return "-"
-        rows = format_html_join(
-            "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            (
-                (
-                    _utc(d.started),
-                    d.job_id,
-                    d.worker or "-",
-                    f"{d.host}:{d.pid}",
-                    d.outcome,
-                    f"duplicate in flight beside {d.duplicate_of}" if d.duplicate_of else "",
-                )
-                for d in found
-            ),
-        )
+        rows = format_html_join("", "<tr>" + "<td>{}</td>" * 6 + "</tr>", map(_cells, found))
         return format_html(
             '<p style="margin:0 0 4px">{}</p><table><tr><th>started (UTC)</th><th>RQ job</th>'
             "<th>worker</th><th>host:pid</th><th>outcome</th><th></th></tr>{}</table>",
@@ -119,9 +99,11 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         return owner_hash(obj.token) if obj.token else ""
 
 
-def _utc(seconds: float | None) -> str:
-    """Unix ``seconds`` as ``YYYY-MM-DD HH:MM:SS`` UTC ("-" if unknown)."""
-    return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
+def _cells(d: Delivery) -> tuple[Any, ...]:
+    """One delivery's row: started (UTC), RQ job, worker, host:pid, outcome, duplicate."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.started))
+    beside = f"duplicate in flight beside {d.duplicate_of}" if d.duplicate_of else ""
+    return (started, d.job_id, d.worker or "-", f"{d.host}:{d.pid}", d.outcome, beside)
 
 
 def _bad_dashboard_parameter(family: str | None, health: str | None, timeline: str | None) -> str:
@@ -160,19 +142,11 @@ class DashboardAdmin(ReadOnlyAdmin):
         ]
 
     def _render(
-        self,
-        request: HttpRequest,
-        page: str,
-        title: str,
-        crumb: str,
-        status: int = 200,
-        **extra: Any,
+        self, request: HttpRequest, page: str, title: str, crumb: str, **extra: Any
     ) -> TemplateResponse:
         """One of our pages: breadcrumbs to the dashboard and on to ``crumb`` (none on the
         dashboard itself), the admin's context and ``extra``."""
-        home = reverse(
-            "admin:django_joblock_dashboard_changelist", current_app=self.admin_site.name
-        )
+        home = reverse(DASHBOARD, current_app=self.admin_site.name)
         context = {
             **self.admin_site.each_context(request),
             "title": title,
@@ -182,12 +156,12 @@ class DashboardAdmin(ReadOnlyAdmin):
             "docs_url": DOCS_URL,
             **extra,
         }
-        return TemplateResponse(
-            request, f"admin/django_joblock/{page}.html", context, status=status
-        )
+        return TemplateResponse(request, f"admin/django_joblock/{page}.html", context)
 
     def _unavailable(self, request: HttpRequest, title: str, error: str) -> HttpResponse:
-        return self._render(request, "unavailable", title, title, status=503, error=error)
+        response = self._render(request, "unavailable", title, title, error=error)
+        response.status_code = 503
+        return response
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         if not self.has_view_permission(request):
@@ -198,31 +172,21 @@ class DashboardAdmin(ReadOnlyAdmin):
         if problem := _bad_dashboard_parameter(family, health, timeline):
             return bad_request(problem)
         started = time.perf_counter()
+        claims = request.user.has_perm("django_joblock.view_idempotencyrecord")
         try:
             data = dashboard.build(
-                family=family,
-                health_filter=health,
-                claims=request.user.has_perm("django_joblock.view_idempotencyrecord"),
-                timeline_of=timeline,
+                family=family, health_filter=health, claims=claims, timeline_of=timeline
             )
         except REDIS_ERRORS as exc:
-            return self._unavailable(
-                request,
-                "Job locks: Redis does not answer",
-                f"Redis did not answer ({type(exc).__name__}: {exc}). The dashboard reads "
-                "locks, metrics and RQ state from Redis; nothing was changed.",
-            )
+            error = f"Redis did not answer ({type(exc).__name__}: {exc}); nothing was changed."
+            return self._unavailable(request, "Job locks: Redis does not answer", error)
         for row in data["rows"]:
             queue = job_queue(row["lock"].job_func) if row["lock"].job_func else None
-            row["job_url"] = rq_job_url(
-                str(queue.name) if queue is not None else "", row["lock"].job_id
-            )
+            row["job_url"] = rq_job_url(str(queue.name) if queue else "", row["lock"].job_id)
         for job in data["stuck_jobs"]:
             job.url = rq_job_url(job.queue, job.job_id)
-        can_release = request.user.has_perm("django_joblock.force_release_lock")
-        response = self._render(
-            request, "dashboard", "Job locks", "", **data, can_release=can_release
-        )
+        data["can_release"] = request.user.has_perm("django_joblock.force_release_lock")
+        response = self._render(request, "dashboard", "Job locks", "", **data)
         response.render()
         response["Server-Timing"] = f"dashboard;dur={(time.perf_counter() - started) * 1000:.1f}"
         return response
@@ -240,48 +204,38 @@ class DashboardAdmin(ReadOnlyAdmin):
         except ValueError as exc:
             return bad_request(str(exc))
         if owner and not is_owner_hash(owner):
-            return bad_request(
-                f"Invalid owner {owner[:80]!r}: expected the 12-character owner hash shown "
-                "on the dashboard."
-            )
+            return bad_request(f"Invalid owner {owner[:80]!r}: expected a 12-character owner hash.")
         unavailable = f"Force-release {resource}: Redis does not answer"
         reason = request.POST.get("reason", "").strip()
+        post = request.method == "POST"
         errors = []
-        if request.method == "POST" and not reason:
+        if post and not reason:
             errors.append("A reason is required.")
-        elif request.method == "POST" and not owner:
+        elif post and not owner:
             errors.append("The owner shown on the page is missing.")
-        elif request.method == "POST":
+        elif post:
             user = request.user
             try:
                 result = control.force_release(
                     resource, owner=owner, reason=reason, user=user, actor=user.get_username()
                 )
             except LockBackendUnavailable as exc:
-                return self._unavailable(
-                    request, unavailable, f"{exc}. See the lock audit log for what was recorded."
-                )
+                error = f"{exc}. See the lock audit log for what was recorded."
+                return self._unavailable(request, unavailable, error)
             if result.released:
                 message = f"Force-released lock {resource} (owner {owner}): {reason}"
                 self.log_change(request, result.audit, message)
                 messages.success(request, f"Released {resource}: {reason}")
             else:
                 messages.error(request, f"Not released: {result.outcome}")
-            return redirect("admin:django_joblock_dashboard_changelist")
+            return redirect(DASHBOARD)
         try:
             current = control.holder(resource)
         except LockBackendUnavailable as exc:
             return self._unavailable(request, unavailable, f"{exc}. Nothing was changed.")
-        return self._render(
-            request,
-            "release_confirm",
-            f"Force-release {resource}?",
-            "Force release",
-            resource=resource,
-            owner=owner,
-            lock=current,
-            errors=errors,
-        )
+        title = f"Force-release {resource}?"
+        extra = {"resource": resource, "owner": owner, "lock": current, "errors": errors}
+        return self._render(request, "release_confirm", title, "Force release", **extra)
 
 
 @admin.register(LockAudit)

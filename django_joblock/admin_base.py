@@ -34,13 +34,10 @@ def bad_request(message: str) -> HttpResponse:
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
-    """Nothing is added, edited or deleted through the admin.
-
-    URL lookups (``?field__lookup=value``) work on displayed model fields only (a hidden column
-    cannot be probed character by character), and only the plain comparisons of
-    :data:`URL_LOOKUPS` on the model's own fields: no regular expressions, JSON key paths or
-    transforms (``__year``), which some databases cannot run. A value the database refuses
-    anyway (an integer past 64 bits) is a plain-text 400, not a server error."""
+    """Nothing is added, edited or deleted through the admin. URL lookups (``?field__lookup=``)
+    work on displayed model fields only (a hidden column cannot be probed character by
+    character), with the plain comparisons of :data:`URL_LOOKUPS` only (no regular expressions,
+    JSON paths or transforms); a value the database refuses is a plain-text 400."""
 
     def displayed_fields(self) -> set[str]:
         shown = {*self.list_display, *(self.fields or ()), *self.readonly_fields}

@@ -1,6 +1,5 @@
 """The outbox in Django admin: every side effect recorded with ``send_after_commit``, its
-delivery state and last error (read-only), and a "deliver now" action for users with
-``django_joblock.deliver_outbox_message``. Thin over :mod:`django_joblock.outbox`."""
+state and last error (read-only), and a "deliver now" action (``deliver_outbox_message``)."""
 
 from __future__ import annotations
 
@@ -50,11 +49,8 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
         pending = list(queryset.filter(status=OutboxStatus.PENDING).values_list("pk", flat=True))
         delivered = sum(outbox.deliver(pk, using=queryset.db) for pk in pending)
         skipped = queryset.count() - len(pending)
-        level = messages.SUCCESS if delivered == len(pending) else messages.WARNING
-        self.message_user(
-            request,
-            f"{delivered} of {len(pending)} pending message(s) delivered"
-            f"{f'; {skipped} were delivered already' if skipped else ''}"
-            f"{'; see last error for the rest' if delivered < len(pending) else ''}.",
-            level,
-        )
+        text = f"{delivered} of {len(pending)} pending message(s) delivered"
+        text += f"; {skipped} were delivered already" if skipped else ""
+        failed = delivered < len(pending)
+        text += "; see last error for the rest." if failed else "."
+        self.message_user(request, text, messages.WARNING if failed else messages.SUCCESS)

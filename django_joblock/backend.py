@@ -1,22 +1,19 @@
 """The Redis clients of django-joblock, its scripts' runner, and what a Redis failure means.
 
 The *base* of an alias is django-redis' ``get_redis_connection(alias, write=True)`` (never
-``cache.lock()``), or, for ``JOBLOCK["REDIS_ALIAS"]`` when ``JOBLOCK["REDIS_CLIENT"]`` names a
-factory, the ``RedisCluster`` it returns. The locks never send on the base itself: each alias
-gets dedicated clients built with redis-py's public constructors from the base's connection
-class and arguments (so TLS, passwords, Sentinel and Cluster settings carry over):
+``cache.lock()``), or the ``RedisCluster`` that ``JOBLOCK["REDIS_CLIENT"]`` makes. The locks
+never send on it: they get dedicated clients built with redis-py's public constructors from
+its connection class and arguments (TLS, passwords, Sentinel, Cluster carry over):
 
-- :func:`client`: a small blocking pool of :data:`POOL_SIZE` connections with socket timeouts
-  of ``JOBLOCK["REDIS_TIMEOUT"]`` (or shorter, for the renewal of short TTLs) and no
-  client-side retries: a Redis that does not answer raises within the timeout, an acquire is
-  never retried blindly, and the user's own pool (the Django cache) is never starved. A
-  connection the server closed while idle (a restart, a failover) is replaced by redis-py's
-  pool before the next command is sent.
-- :func:`blocking_client`: the connections waiting acquires block on (``BLPOP``), with a
-  socket timeout longer than any block, so a blocked waiter never holds one of the above.
+- :func:`client`: a pool of :data:`POOL_SIZE` connections that callers wait for, sockets
+  timing out after ``JOBLOCK["REDIS_TIMEOUT"]`` (less for short-TTL renewals), no retries:
+  Redis not answering raises within the timeout, and the user's pool is never starved. A
+  connection the server closed while idle is replaced before the next command is sent;
+- :func:`blocking_client`: a connection per blocked waiter (``BLPOP``), its socket timeout
+  longer than any block.
 
-Clients are cached per alias and dropped when ``CACHES`` or ``JOBLOCK`` change; redis-py's pools
-replace their connections in a forked child on their own.
+Cached per alias, dropped when ``CACHES`` or ``JOBLOCK`` change; redis-py's pools make new
+connections in a forked child.
 """
 
 from __future__ import annotations
@@ -47,15 +44,8 @@ MAX_BLOCK = 1.0  # longest single BLPOP of a waiting acquire, seconds
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
-_UNAVAILABLE_PREFIXES = (
-    "OOM",
-    "LOADING",
-    "BUSY",
-    "READONLY",
-    "MASTERDOWN",
-    "CLUSTERDOWN",
-    "TRYAGAIN",
-    "NOREPLICAS",
+_UNAVAILABLE_PREFIXES = tuple(
+    "OOM LOADING BUSY READONLY MASTERDOWN CLUSTERDOWN TRYAGAIN NOREPLICAS".split()
 )
 # redis-py maps some of those replies to classes of their own (without the prefix).
 _UNAVAILABLE_CLASSES = tuple(
@@ -146,16 +136,8 @@ def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
 # Arguments RedisCluster puts among its nodes' connection arguments itself (bound to that
 # client, or its retry policy): a new client must not inherit them.
 _CLUSTER_OWN_KWARGS = frozenset(
-    {
-        "host",
-        "port",
-        "retry",
-        "retry_on_error",
-        "retry_on_timeout",
-        "redis_connect_func",
-        "oss_cluster_maint_notifications_handler",
-        "maint_notifications_config",
-    }
+    "host port retry retry_on_error retry_on_timeout redis_connect_func "
+    "oss_cluster_maint_notifications_handler maint_notifications_config".split()
 )
 
 

@@ -1,9 +1,6 @@
-"""Exponential backoff with full jitter (AWS architecture blog, "Exponential Backoff And Jitter").
-
-Full jitter draws the delay uniformly from ``[0, min(max_delay, base * factor**attempt)]``
-(``REQUEUE_BACKOFF``'s ``base``, ``factor`` and ``max``): contenders
-spread out instead of retrying in lock-step, which a fixed rate or plain exponential delay does.
-"""
+"""Exponential backoff with full jitter (AWS architecture blog, "Exponential Backoff And Jitter"):
+a delay uniform in ``[0, min(max_delay, base * factor**attempt)]`` spreads contenders out
+instead of retrying in lock-step, as a fixed rate or plain exponential delay does."""
 
 from __future__ import annotations
 

@@ -1,27 +1,24 @@
 """System checks. Ids are ``django_joblock.E0xx`` (errors) and ``W0xx`` (warnings); each is tested.
 
-=========  ==================================================================================
-E001       ``JOBLOCK`` is not a dict
-E002       unknown key in ``JOBLOCK`` (or in its ``REQUEUE_BACKOFF`` / ``ALERTS`` dicts)
-E003       a ``JOBLOCK`` value has the wrong type or range
-E004       ``HEARTBEAT_INTERVAL`` >= ``LOCK_TTL``
-E005       ``REDIS_ALIAS`` is not a django-redis cache in ``CACHES``
-E006       a ``@locked_job`` queue name is not in ``RQ_QUEUES`` while django-rq is installed
-E007       ``REDIS_CLIENT`` cannot be imported, is not callable, or does not make a client
-E008       ``REPLICA_ACKS`` is set while ``REDIS_CLIENT`` makes a Redis Cluster client
-W001       ``HEARTBEAT_INTERVAL`` > ``LOCK_TTL / 2``
-W002       a ``@locked_job`` with heartbeat off has a lock TTL shorter than its RQ job timeout
-W003       ``IDEMPOTENCY_TTL`` shorter than ``REQUEUE_MAX_WAIT``
-W004       a requeueing ``@locked_job`` waits longer (``max_wait``) than ``IDEMPOTENCY_TTL``
-W005       ``IDEMPOTENCY_TTL`` shorter than ``IDEMPOTENCY_LEASE``
-W006       a ``@locked_job`` with an idempotency key and no lock has an RQ job timeout longer
-           than ``IDEMPOTENCY_LEASE``
-W010       (deploy) Redis does not answer (the locks' Redis, or a requeueing job's queue Redis)
-W011       (deploy) Redis ``maxmemory-policy`` can evict locks
-W012       (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
-W013       ``ALERTS`` ``BASELINE`` not longer than ``WINDOW`` (``contention_spike`` never fires)
-W014       ``METRICS_RETENTION`` shorter than the alerts read back (``WINDOW`` + ``BASELINE``)
-=========  ==================================================================================
+E001  ``JOBLOCK`` is not a dict
+E002  unknown key in ``JOBLOCK`` (or in its ``REQUEUE_BACKOFF`` / ``ALERTS`` dicts)
+E003  a ``JOBLOCK`` value has the wrong type or range
+E004  ``HEARTBEAT_INTERVAL`` >= ``LOCK_TTL``
+E005  ``REDIS_ALIAS`` is not a django-redis cache in ``CACHES``
+E006  a ``@locked_job`` queue name is not in ``RQ_QUEUES`` while django-rq is installed
+E007  ``REDIS_CLIENT`` cannot be imported, is not callable, or does not make a client
+E008  ``REPLICA_ACKS`` is set while ``REDIS_CLIENT`` makes a Redis Cluster client
+W001  ``HEARTBEAT_INTERVAL`` > ``LOCK_TTL / 2``
+W002  a ``@locked_job`` with heartbeat off has a lock TTL shorter than its RQ job timeout
+W003  ``IDEMPOTENCY_TTL`` shorter than ``REQUEUE_MAX_WAIT``
+W004  a requeueing ``@locked_job`` waits longer (``max_wait``) than ``IDEMPOTENCY_TTL``
+W005  ``IDEMPOTENCY_TTL`` shorter than ``IDEMPOTENCY_LEASE``
+W006  an idempotent ``@locked_job`` without a lock has a job timeout over ``IDEMPOTENCY_LEASE``
+W010  (deploy) Redis does not answer (the locks' Redis, or a requeueing job's queue Redis)
+W011  (deploy) Redis ``maxmemory-policy`` can evict locks
+W012  (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
+W013  ``ALERTS`` ``BASELINE`` not longer than ``WINDOW`` (``contention_spike`` never fires)
+W014  ``METRICS_RETENTION`` shorter than the alerts read back (``WINDOW`` + ``BASELINE``)
 
 Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
 per-call ``.enqueue(job_timeout=)`` is checked at enqueue time and logged with the same id.
@@ -34,16 +31,8 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import ERROR, CheckMessage, Error, Tags, Warning, register
 
-from . import conf
-from .backend import (
-    REDIS_ERRORS,
-    client_from_factory,
-    close,
-    connection,
-    dedicated,
-    is_cluster,
-    server_infos,
-)
+from . import backend, conf
+from .backend import REDIS_ERRORS, close, connection, dedicated, server_infos
 from .exceptions import JoblockConfigError, LockBackendUnavailable
 from .jobs.decorator import job_timeout, registered_jobs, timeout_findings
 from .jobs.queues import get_queue
@@ -77,31 +66,24 @@ def check_redis_alias(app_configs: Any = None, **kwargs: Any) -> list[CheckMessa
     if not isinstance(alias, str):
         return []  # reported by E001 / E003
     caches = getattr(settings, "CACHES", {}) or {}
-    backend = caches.get(alias, {}).get("BACKEND")
-    if backend == DJANGO_REDIS_BACKEND:
+    engine = caches.get(alias, {}).get("BACKEND")
+    if engine == DJANGO_REDIS_BACKEND:
         return []
-    found = "missing" if alias not in caches else f"BACKEND {backend!r}"
-    return [
-        _message(
-            "E005",
-            f"JOBLOCK['REDIS_ALIAS'] = {alias!r} must name a django-redis cache in CACHES "
-            f"({found}).",
-            hint=f"Add CACHES[{alias!r}] = {{'BACKEND': '{DJANGO_REDIS_BACKEND}', "
-            "'LOCATION': 'redis://127.0.0.1:6379/0'}, or point REDIS_ALIAS at one.",
-        )
-    ]
+    found = "missing" if alias not in caches else f"BACKEND {engine!r}"
+    message = f"JOBLOCK['REDIS_ALIAS'] = {alias!r} is not a django-redis cache ({found})."
+    hint = f"Make CACHES[{alias!r}] a {DJANGO_REDIS_BACKEND!r} cache, or change REDIS_ALIAS."
+    return [_message("E005", message, hint)]
 
 
 @register(Tags.caches, TAG)
 def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """E007: ``REDIS_CLIENT`` names a factory that makes a redis-py client (it is called); E008:
-    ``REPLICA_ACKS`` with a Cluster client. A factory that cannot reach Redis is W010's
-    finding (``--deploy``), not a configuration error."""
+    ``REPLICA_ACKS`` with a Cluster client. A factory that cannot reach Redis is W010's."""
     path = None if _settings_broken() else conf.get().REDIS_CLIENT
     if path is None:
         return []
     try:
-        client = client_from_factory(path)
+        client = backend.client_from_factory(path)
     except LockBackendUnavailable:
         return []
     except JoblockConfigError as exc:
@@ -109,21 +91,13 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
             _message(
                 "E007",
                 str(exc),
-                hint="Name a function of yours that returns e.g. "
-                "redis.cluster.RedisCluster(startup_nodes=...); see docs/topologies.md.",
+                "Name a function returning a redis-py client; see docs/topologies.md.",
             )
         ]
-    if not (is_cluster(client) and conf.get().REPLICA_ACKS):
+    if not (backend.is_cluster(client) and conf.get().REPLICA_ACKS):
         return []
-    return [
-        _message(
-            "E008",
-            "JOBLOCK['REPLICA_ACKS'] is set, but REDIS_CLIENT makes a Redis Cluster client: "
-            "WAIT counts the replicas of one node, and a cluster's locks live on many.",
-            hint="Set REPLICA_ACKS to 0 on Cluster; it is for a primary with replicas "
-            "(Sentinel). See docs/topologies.md.",
-        )
-    ]
+    message = "JOBLOCK['REPLICA_ACKS'] is set, but REDIS_CLIENT makes a Redis Cluster client."
+    return [_message("E008", message, "Set REPLICA_ACKS to 0; see docs/topologies.md.")]
 
 
 @register(Tags.caches, TAG, deploy=True)
@@ -137,13 +111,8 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         client = dedicated(connection(alias), 2.0)
         memories = server_infos(client, "memory")
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
-        return [
-            _message(
-                "W010",
-                f"Redis of cache {alias!r} does not answer: {exc}",
-                hint="Locks cannot be taken; every acquire raises LockBackendUnavailable.",
-            )
-        ]
+        message = f"Redis of cache {alias!r} does not answer: {exc}"
+        return [_message("W010", message, "Check that Redis runs at the configured address.")]
     finally:
         if client is not None:
             close(client)
@@ -153,15 +122,8 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         maxmemory = int(memory.get("maxmemory", 0) or 0)
         if maxmemory and policy != "noeviction":
             where = f"Redis of cache {alias!r}" + (f" ({server})" if len(memories) > 1 else "")
-            found.append(
-                _message(
-                    "W011",
-                    f"{where} has maxmemory={maxmemory} with maxmemory-policy={policy!r}: under "
-                    "memory pressure it may evict a held lock and let a second holder in.",
-                    hint="Use a Redis with maxmemory-policy noeviction (or no maxmemory) for "
-                    "locks.",
-                )
-            )
+            message = f"{where} has maxmemory-policy={policy!r}: it may evict a held lock."
+            found.append(_message("W011", message, "Use maxmemory-policy noeviction."))
     return found
 
 
@@ -176,28 +138,16 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         try:
             queue = get_queue(spec.queue)
         except (JoblockConfigError, ValueError) as exc:
-            found.append(
-                _message(
-                    "E006",
-                    f"{spec.name}: {exc}",
-                    hint="Every @locked_job queue must be in RQ_QUEUES when django-rq is "
-                    "installed; .delay() of this job raises the same error.",
-                )
-            )
+            found.append(_message("E006", f"{spec.name}: {exc}", "Add the queue to RQ_QUEUES."))
             continue
         timeout = job_timeout(spec.rq_options.get("job_timeout"), queue)
         found += [_message(f.id, f.message, hint=f.hint) for f in timeout_findings(spec, timeout)]
         window = spec.max_wait if spec.max_wait is not None else conf.get().REQUEUE_MAX_WAIT
         requeues = spec.idempotency_key is not None and spec.on_conflict is OnConflict.REQUEUE
         if requeues and keep < window:
-            found.append(
-                _message(
-                    "W004",
-                    f"{spec.name}: requeues for up to {window:g}s but idempotency records expire "
-                    f"after {keep:g}s: a late duplicate could run again.",
-                    hint="Raise JOBLOCK['IDEMPOTENCY_TTL'] or lower max_wait.",
-                )
-            )
+            message = f"{spec.name}: requeues for up to {window:g}s > IDEMPOTENCY_TTL {keep:g}s."
+            hint = "Raise JOBLOCK['IDEMPOTENCY_TTL'] or lower max_wait."
+            found.append(_message("W004", message, hint))
     return found
 
 
@@ -218,22 +168,10 @@ def check_scheduler(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
             finally:
                 close(client)
         except REDIS_ERRORS as exc:
-            found.append(
-                _message(
-                    "W010",
-                    f"Redis of RQ queue {name!r} does not answer: {exc}",
-                    hint="Jobs cannot be enqueued or run on this queue.",
-                )
-            )
+            message = f"Redis of RQ queue {name!r} does not answer: {exc}"
+            found.append(_message("W010", message, "Check that Redis runs at the queue's address."))
             continue
         if not served:
-            found.append(
-                _message(
-                    "W012",
-                    f"No RQ scheduler is running for queue {name!r}, whose jobs requeue on lock "
-                    "contention with delays: requeued jobs would wait forever.",
-                    hint="Run one worker per queue with --with-scheduler "
-                    "(manage.py joblock_worker --with-scheduler).",
-                )
-            )
+            message = f"No RQ scheduler runs for queue {name!r}: its requeued jobs never run."
+            found.append(_message("W012", message, "Run a worker with --with-scheduler."))
     return found

@@ -1,9 +1,6 @@
-"""The values of the models' choice fields, importable before Django's app registry is ready.
-
-The models use them as their ``choices`` (``IdempotencyRecord.Status``, ``LockAudit.Action``
-are these classes); the library modules that write or filter records, which load with the
-package, compare against them instead of string literals.
-"""
+"""The values of the models' choice fields, importable before Django's app registry is ready:
+the models' ``choices`` (``IdempotencyRecord.Status`` is :class:`RecordStatus`...), and what
+the library compares records against instead of string literals."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """The single ``JOBLOCK`` setting: one declaration per key, read lazily, reset on
 ``setting_changed``.
 
-Each key is a field of :class:`JoblockSettings` declaring its default, rule
-(:mod:`~django_joblock.setting_rules`) and docs; defaults, validation, system checks and the
-tables of ``docs/settings.md`` come from there. Durations are seconds. Every key is optional;
-an unknown one (a typo such as ``LOCK_TLL``) is an error. :func:`get` validates on first use
-and raises :class:`JoblockConfigError` naming the bad key (never half-applied);
-:func:`problems` returns the same findings for the system checks.
+Each key is a field of :class:`JoblockSettings` with its default, rule
+(:mod:`~django_joblock.setting_rules`) and docs; validation, the system checks and the tables
+of ``docs/settings.md`` come from there. Durations are seconds. Every key is optional (one whose
+default is ``None`` may be set to ``None``); an unknown one (``LOCK_TLL``) is an error.
+:func:`get` validates on first use and raises :class:`JoblockConfigError` naming the bad key
+(never half-applied); :func:`problems` returns the same findings for the system checks.
 """
 
 from __future__ import annotations
@@ -21,21 +21,9 @@ from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
+from . import setting_rules as rules
 from .exceptions import JoblockConfigError
-from .setting_rules import (
-    DAY,
-    Choice,
-    Count,
-    Flag,
-    Mapping,
-    Problem,
-    Range,
-    Rule,
-    Secret,
-    SubKey,
-    Text,
-    between_keys,
-)
+from .setting_rules import DAY, Mapping, Problem, Range, SubKey
 
 __all__ = ["DAY", "JoblockSettings", "Problem", "Range", "get", "problems", "reset"]
 
@@ -44,9 +32,9 @@ MAX_TTL = 7 * DAY  # longest lock TTL / lease: how long a crashed holder can blo
 MAX_DURATION = 365 * DAY  # longest wait, hold, window or retention
 
 
-def _setting(default: Any, rule: Rule, doc: str, *, optional: bool = False) -> Any:
-    """Declare one key: its default, its rule (None allowed with ``optional``) and its docs."""
-    meta = {"rule": rule, "doc": doc, "optional": optional}
+def _setting(default: Any, rule: rules.Rule, doc: str) -> Any:
+    """Declare one key: its default (``None``: the key may be ``None``), rule and docs."""
+    meta = {"rule": rule, "doc": doc}
     if isinstance(default, dict):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -56,77 +44,52 @@ def _setting(default: Any, rule: Rule, doc: str, *, optional: bool = False) -> A
 TTL_RANGE = LEASE_RANGE = Range(0.01, MAX_TTL)
 WAIT_RANGE = Range(0.0, MAX_DURATION)
 POSITIVE = HOLD_RANGE = MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
+SHARE = Range(0.0, 1.0, open_low=True, unit="")
+
+
+def _times(high: float) -> Range:
+    return Range(1.0, high, unit="")
+
 
 BACKOFF = Mapping(
     {
         "base": SubKey(1.0, Range(0.0, DAY, open_low=True), "ceiling of the first delay"),
-        "factor": SubKey(2.0, Range(1.0, 100.0, unit=""), "growth of the ceiling per requeue"),
+        "factor": SubKey(2.0, _times(100.0), "growth of the ceiling per requeue"),
         "max": SubKey(300.0, Range(0.0, DAY, open_low=True), "largest ceiling"),
     }
 )
 
 
-def _count(default: float, doc: str, alert: str) -> SubKey:
+def _count(doc: str, alert: str, default: float = 1.0) -> SubKey:
     """An alert threshold counted within ``WINDOW`` (1: any occurrence)."""
-    return SubKey(default, Range(1.0, 1e9, unit=""), f"{doc} in `WINDOW`", alert)
+    return SubKey(default, _times(1e9), f"{doc} in `WINDOW`", alert)
 
 
-ALERT_RULES = Mapping(
-    {
-        "CONTENTION_RATIO": SubKey(
-            0.5,
-            Range(0.0, 1.0, open_low=True, unit=""),
-            "share of a family's acquires finding the lock busy in `WINDOW` (20+ attempts)",
-            "contention",
-        ),
-        "CONTENTION_SPIKE": SubKey(
-            3.0,
-            Range(1.0, 1000.0, unit=""),
-            "a family's contention in `WINDOW` is this many times that in `BASELINE` (and >= "
-            "10 %; 20+ attempts in each)",
-            "contention_spike",
-        ),
-        "BASELINE": SubKey(
-            3600.0,
-            Range(600.0, 7 * DAY),
-            "the period before `WINDOW` that `CONTENTION_SPIKE` compares with (longer than "
-            "`WINDOW`, within `METRICS_RETENTION`)",
-            "contention_spike",
-        ),
-        "RENEW_FAILURES": _count(5.0, "failed renewals", "renew_failures"),
-        "ACQUIRE_ERRORS": _count(
-            1.0, "acquires that failed because Redis was unavailable", "acquire_errors"
-        ),
-        "LOCKS_LOST": _count(
-            1.0, "locks lost by their holder (expired, taken over, not renewed)", "locks_lost"
-        ),
-        "GIVEN_UP": _count(
-            1.0, "jobs that gave up on a busy lock (`LockContentionTimeout`)", "given_up"
-        ),
-        "NEAR_TIMEOUT": _count(
-            1.0, "runs that took `TIMEOUT_RATIO`+ of their RQ `job_timeout`", "near_timeout"
-        ),
-        "TIMEOUT_RATIO": SubKey(
-            0.8,
-            Range(0.1, 1.0, unit=""),
-            "the share of its `job_timeout` that makes a run count for `near_timeout`",
-            "near_timeout",
-        ),
-        "LONG_WAIT": SubKey(
-            300.0, POSITIVE, "a family's p99 wait from enqueue to start in `WINDOW`", "long_wait"
-        ),
-        "HOLD_FACTOR": SubKey(
-            10.0,
-            Range(1.0, 1e6, unit=""),
-            "a lock held this many times its family's p95 hold time (and over 5 s)",
-            "long_hold",
-        ),
-        "ACTIVE_GROWTH": SubKey(
-            1800.0, POSITIVE, "active locks grew without falling this long", "active_growth"
-        ),
-        "WINDOW": SubKey(300.0, Range(60.0, DAY), "the sliding window of the rates above"),
-    }
-)
+# fmt: off
+ALERT_RULES = Mapping({
+    "CONTENTION_RATIO": SubKey(0.5, SHARE, "share of a family's acquires finding the lock busy "
+                               "in `WINDOW` (20+ attempts)", "contention"),
+    "CONTENTION_SPIKE": SubKey(3.0, _times(1000.0), "a family's contention in `WINDOW` is this "
+                               "many times that in `BASELINE` (and >= 10 %)", "contention_spike"),
+    "BASELINE": SubKey(3600.0, Range(600.0, 7 * DAY), "the period before `WINDOW` that "
+                       "`CONTENTION_SPIKE` compares with", "contention_spike"),
+    "RENEW_FAILURES": _count("failed renewals", "renew_failures", 5.0),
+    "ACQUIRE_ERRORS": _count("acquires failed as Redis was unavailable", "acquire_errors"),
+    "LOCKS_LOST": _count("locks lost by their holder", "locks_lost"),
+    "GIVEN_UP": _count("jobs that gave up on a busy lock", "given_up"),
+    "NEAR_TIMEOUT": _count("runs that took `TIMEOUT_RATIO`+ of their `job_timeout`",
+                           "near_timeout"),
+    "TIMEOUT_RATIO": SubKey(0.8, Range(0.1, 1.0, unit=""), "the share of its `job_timeout` "
+                            "that counts a run for `near_timeout`", "near_timeout"),
+    "LONG_WAIT": SubKey(300.0, POSITIVE, "a family's p99 wait from enqueue to start in `WINDOW`",
+                        "long_wait"),
+    "HOLD_FACTOR": SubKey(10.0, _times(1e6), "a lock held this many times its family's p95 hold "
+                          "time (and over 5 s)", "long_hold"),
+    "ACTIVE_GROWTH": SubKey(1800.0, POSITIVE, "active locks grew without falling this long",
+                            "active_growth"),
+    "WINDOW": SubKey(300.0, Range(60.0, DAY), "the sliding window of the rates above"),
+})
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -135,78 +98,66 @@ class JoblockSettings:
 
     REDIS_ALIAS: str = _setting(
         "default",
-        Text(),
+        rules.Text(),
         "the django-redis cache whose connection the locks, metrics and (without django-rq) "
         "queues use",
     )
     REDIS_CLIENT: str | None = _setting(
         None,
-        Text(
+        rules.Text(
             r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+",
             "a dotted path (`pkg.module.name`)",
         ),
         "dotted path of a no-argument callable returning the redis-py client of the locks and "
-        "metrics, instead of the `REDIS_ALIAS` cache's: how to put the locks on Redis Cluster "
-        "(a `redis.cluster.RedisCluster`; queues then come from django-rq's `RQ_QUEUES`), see "
+        "metrics instead of `REDIS_ALIAS`'s (Redis Cluster), see "
         "[topologies.md](topologies.md#redis-cluster)",
-        optional=True,
     )
     REPLICA_ACKS: int = _setting(
         0,
-        Count(0, 32, "replicas"),
-        "replicas that must have a new lock before an acquire succeeds (Redis `WAIT`; 0 = do "
-        "not wait): narrows the window in which a Sentinel failover forgets a lock, see "
-        "[topologies.md](topologies.md#redis-sentinel)",
+        rules.Count(0, 32, "replicas"),
+        "replicas that must have a new lock before an acquire succeeds (Redis `WAIT`; 0: do "
+        "not wait), see [topologies.md](topologies.md#redis-sentinel)",
     )
     REPLICA_ACK_TIMEOUT: float = _setting(
         0.5,
         Range(0.001, 60.0),
-        "how long an acquire waits for `REPLICA_ACKS`; with fewer, the lock is given back and "
-        "the acquire raises `LockBackendUnavailable`",
+        "how long an acquire waits for `REPLICA_ACKS`; short of them it gives the lock back and "
+        "raises `LockBackendUnavailable`",
     )
     KEY_PREFIX: str = _setting(
         "joblock",
-        Text(r"[A-Za-z0-9_.-]{1,64}", "`[A-Za-z0-9_.-]`, 1 to 64 characters"),
+        rules.Text(r"[A-Za-z0-9_.-]{1,64}", "`[A-Za-z0-9_.-]`, 1 to 64 characters"),
         "prefix of every Redis key",
     )
-    LOCK_TTL: float = _setting(
-        30.0, TTL_RANGE, "TTL of a lock when `lock(ttl=)` / `@locked_job(ttl=)` is not given"
-    )
+    LOCK_TTL: float = _setting(30.0, TTL_RANGE, "TTL of a lock given no `ttl=`")
     HEARTBEAT_INTERVAL: float | None = _setting(
         None,
         Range(0.001, MAX_TTL),
-        "renewal interval; `None` = TTL / 3; capped at TTL / 2 per lock; must be < `LOCK_TTL` "
-        "(E004)",
-        optional=True,
+        "renewal interval; `None`: TTL / 3; at most TTL / 2 per lock; < `LOCK_TTL` (E004)",
     )
     MAX_HOLD: float | None = _setting(
         None,
         HOLD_RANGE,
-        "stop renewing (and `renew()`) after this long, so a hung holder keeps a lock at most "
-        "`MAX_HOLD` + TTL; `None` = no limit (RQ's `job_timeout` bounds a hung job, see "
-        "[locks.md](locks.md#rules-process-context-restart-clock))",
-        optional=True,
+        "stop renewing after this long (a hung holder keeps a lock `MAX_HOLD` + TTL); `None`: "
+        "no limit, see [locks.md](locks.md#rules-process-context-restart-clock)",
     )
     ACQUIRE_WAIT: float = _setting(
         0.0,
         WAIT_RANGE,
-        "default `wait` of `lock()`, of inline `@locked_job` calls and of jobs on a synchronous "
-        "queue; 0 = one try. Jobs run by a worker try once (a parked job handed the resource "
-        "waits up to 0.5 s for the previous one to let go), then apply `on_conflict`",
+        "default `wait` of `lock()`, inline `@locked_job` calls and synchronous queues (0: one "
+        "try); a worker's job tries once, then applies `on_conflict`",
     )
     WAITER_TTL: float = _setting(
         2.0,
         Range(0.1, 3600.0),
-        "how long a waiting acquire keeps its place in line unrefreshed (it refreshes every "
-        "quarter of this, at most every second), and the TTL of a lock handed to a waiter "
-        "until it renews: a dead waiter delays the line at most this long, see "
-        "[locks.md](locks.md#waiting-for-a-lock)",
+        "how long a waiter keeps its place in line unrefreshed, and the TTL of a lock handed to "
+        "it until it renews, see [locks.md](locks.md#waiting-for-a-lock)",
     )
     ON_LOCK_LOST: str = _setting(
         "abort",
-        Choice(("abort", "flag")),
-        'what `@locked_job` does when the lock is lost mid-job: `"abort"` raises `LockLost` '
-        'in the job; `"flag"` only sets `lock.lost`',
+        rules.Choice(("abort", "flag")),
+        '`@locked_job` on a lost lock: `"abort"` raises `LockLost` in the job, `"flag"` only '
+        "sets `lock.lost`",
     )
     # _setting returns a dataclasses.field with a default_factory (a fresh dict per instance).
     REQUEUE_BACKOFF: dict[str, float] = _setting(  # noqa: RUF009
@@ -215,14 +166,13 @@ class JoblockSettings:
     REQUEUE_MAX_WAIT: float = _setting(
         3600.0,
         WAIT_RANGE,
-        "give up on a busy lock after this long: the job fails with `LockContentionTimeout` "
-        "(per job: `max_wait=`, > 0)",
+        "a job gives up on a busy lock after this long (`LockContentionTimeout`; per job: "
+        "`max_wait=`)",
     )
     IDEMPOTENCY_TTL: float = _setting(
         7 * DAY,
         Range(1.0, 10 * 365 * DAY),
-        "a record expires this long after its claim or its success; `joblock_purge` deletes "
-        "expired ones",
+        "a record expires this long after its claim or success (`joblock_purge` deletes it)",
     )
     IDEMPOTENCY_LEASE: float = _setting(
         300.0,
@@ -230,44 +180,34 @@ class JoblockSettings:
         "lease of a running claim; another claim waits (`IdempotencyInProgress`) until it "
         "ends, then takes over",
     )
-    STUCK_AFTER: float = _setting(
-        900.0,
-        POSITIVE,
-        "a lock held longer than this is shown as `overdue` (dashboard, `joblock_locks --stuck`)",
-    )
+    STUCK_AFTER: float = _setting(900.0, POSITIVE, "a lock held longer is shown as `overdue`")
     ALERTS: dict[str, float] = _setting(  # noqa: RUF009
         ALERT_RULES.defaults(), ALERT_RULES, "alert thresholds"
     )
     REDIS_TIMEOUT: float = _setting(
         2.0,
         Range(0.01, 60.0),
-        "socket timeout of the locks' own Redis client (every lock, renewal and operator "
-        "command; a renewal's also stays below TTL / 5): a Redis that does not answer raises "
+        "socket timeout of the locks' Redis client: a Redis that does not answer raises "
         "`LockBackendUnavailable` within it",
     )
-    METRICS: bool = _setting(True, Flag(), "record metrics in Redis (`False` turns it off)")
-    # Buckets are a minute long and expire after the retention.
+    METRICS: bool = _setting(True, rules.Flag(), "record metrics in Redis")
     METRICS_RETENTION: float = _setting(
         DAY, Range(60.0, MAX_DURATION), "how long per-minute metric buckets are kept"
     )
     METRICS_TOKEN: str | None = _setting(
-        None,
-        Secret(),
-        "bearer token for the Prometheus view; `None`: staff users only",
-        optional=True,
+        None, rules.Secret(), "bearer token of the Prometheus view; `None`: staff users only"
     )
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def heartbeat_interval(self, ttl: float) -> float:
-        """Renewal interval for a lock of ``ttl`` seconds: the setting capped at ``ttl / 2`` (a
-        global value must not let a shorter-lived lock expire between renewals), else ``ttl / 3``.
-        """
+        """Renewal interval of a ``ttl``-second lock: the setting capped at ``ttl / 2`` (a global
+        value must not let a shorter-lived lock expire between renewals), else ``ttl / 3``."""
         if self.HEARTBEAT_INTERVAL is not None:
             return min(self.HEARTBEAT_INTERVAL, ttl / 2)
         return ttl / 3
 
 
-# Every key's declaration (a dataclasses.Field: default, metadata "rule", "doc", "optional").
+# Every key's declaration (a dataclasses.Field: default, metadata "rule" and "doc").
 KEYS = {f.name: f for f in dataclasses.fields(JoblockSettings) if f.name != "raw"}
 
 
@@ -284,8 +224,8 @@ RENAMED = {"RENEW_TIMEOUT": "REDIS_TIMEOUT"}  # old key -> its name now (E002 sa
 
 
 def _value_problems(key: str, value: object) -> list[Problem]:
-    rule: Rule = KEYS[key].metadata["rule"]
-    if value is None and KEYS[key].metadata["optional"]:
+    rule = KEYS[key].metadata["rule"]
+    if value is None and DEFAULTS[key] is None:
         return []
     if problem := rule.problem(value):
         return [Problem("E003", f"JOBLOCK[{key!r}] {problem}.")]
@@ -309,22 +249,17 @@ def problems(raw: object) -> list[Problem]:
         return []
     if not isinstance(raw, dict):
         return [Problem("E001", f"JOBLOCK must be a dict, got {type(raw).__name__}.")]
-    found = [
-        Problem(
-            "E002",
-            f"Unknown key JOBLOCK[{key!r}]"
-            + (f" (renamed {RENAMED[key]!r})" if key in RENAMED else "")
-            + f"; known keys: {', '.join(sorted(KEYS))}.",
-        )
-        for key in raw
-        if key not in KEYS
-    ]
-    for key in KEYS:
-        if key in raw:
-            found += _value_problems(key, raw[key])
+    found = []
+    for key, value in raw.items():
+        if key in KEYS:
+            found += _value_problems(key, value)
+        else:
+            renamed = f" (renamed {RENAMED[key]!r})" if key in RENAMED else ""
+            known = ", ".join(sorted(KEYS))
+            found.append(Problem("E002", f"Unknown key JOBLOCK[{key!r}]{renamed}; known: {known}."))
     if any(p.id.startswith("E") for p in found):
         return found
-    return found + between_keys(_merge(raw))
+    return found + rules.between_keys(_merge(raw))
 
 
 def _merge(raw: dict[str, Any]) -> dict[str, Any]:
@@ -340,10 +275,8 @@ _cached: JoblockSettings | None = None
 
 
 def get() -> JoblockSettings:
-    """The validated setting, built once per change of ``settings.JOBLOCK``.
-
-    Raises :class:`JoblockConfigError` listing every error-level problem.
-    """
+    """The validated setting, built once per change of ``settings.JOBLOCK``; raises
+    :class:`JoblockConfigError` listing every error-level problem."""
     global _cached
     current = _cached
     if current is not None:

@@ -1,9 +1,6 @@
-"""The one exception tree of django-joblock.
-
-Lock errors carry what an operator needs to find the lock again: the resource, the Redis key
-and the owner (a short hash of the token; never the token, which would let a log reader
-release somebody else's lock).
-"""
+"""The one exception tree of django-joblock. Lock errors carry what an operator needs to find
+the lock again: resource, Redis key and owner (a short hash of the token; never the token,
+which would let a log reader release somebody else's lock)."""
 
 from __future__ import annotations
 
@@ -35,9 +32,7 @@ class LockError(JoblockError):
     ) -> None:
         self.resource, self.key, self.owner = resource, key, owner
         found = {"resource": resource, "key": key, "owner": owner}
-        context = ", ".join(
-            f"{name}={value!r}" for name, value in found.items() if value is not None
-        )
+        context = ", ".join(f"{n}={v!r}" for n, v in found.items() if v is not None)
         super().__init__(f"{message} ({context})" if context else message)
 
 

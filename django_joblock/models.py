@@ -24,9 +24,8 @@ class FencedModel(models.Model):
 
 
 class IdempotencyRecord(models.Model):
-    """What was already done: one row per (scope, key), claimed race-free
-    (:mod:`django_joblock.idempotency.claims`). ``expires_at``: when ``joblock_purge`` may
-    delete the row."""
+    """One row per (scope, key), claimed race-free (:mod:`django_joblock.idempotency.claims`);
+    ``joblock_purge`` may delete it after ``expires_at``."""
 
     Status = RecordStatus
 
@@ -77,8 +76,7 @@ class IdempotencyRecord(models.Model):
 
 
 class Dashboard(models.Model):
-    """No table: the admin entry "Job locks" and its permissions (``force_release_lock``:
-    release somebody else's lock from the dashboard)."""
+    """No table: the admin entry "Job locks" and its permission ``force_release_lock``."""
 
     class Meta:
         managed = False

@@ -1,21 +1,12 @@
-"""Side effects outside the database, made once per idempotency key: the outbox.
+"""Side effects outside the database, made once per key: the outbox.
 
-An e-mail or API call made inside a job cannot be rolled back: a job killed before its commit
-runs again and calls again. :func:`send_after_commit` records the intent instead (an
-:class:`~django_joblock.models.OutboxMessage` row, in the job's transaction) and delivers it
-once that transaction commits, by calling ``handler(payload, idempotency_key=key)``:
-
-- a run that dies or rolls back before its commit has sent nothing (its row rolled back too);
-- the handler hands ``key`` to the provider (an ``Idempotency-Key`` header, a message id), so
-  a delivery repeated after a crash between the provider's answer and the row's update is the
-  same request to the provider;
-- a delivery that raises stays ``pending`` with its error and is retried with exponential
-  backoff (1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due` (``manage.py
-  joblock_outbox``), as is a message whose process died right after the commit.
-
-Delivery is at least once. A delivery holds the message's row lock (``SELECT ... FOR UPDATE``;
-SQLite serialises writers anyway) while its handler runs, so two deliverers never run it at
-once: keep handlers short, with a timeout.
+:func:`send_after_commit` records the intent (an :class:`~django_joblock.models.OutboxMessage`
+row, in the job's transaction) and calls ``handler(payload, idempotency_key=key)`` once it
+commits: a run that dies or rolls back first has sent nothing. A failed delivery, or one whose
+process died after the commit, is retried with backoff (1 s doubling, at most :data:`RETRY_MAX`
+s) by :func:`deliver_due` (``manage.py joblock_outbox``). At least once, with the same key each
+time (hand it to the provider); a delivery holds the row lock while its handler runs, so keep
+handlers short. The whole story: docs/idempotency.md.
 """
 
 from __future__ import annotations
@@ -61,64 +52,45 @@ def send_after_commit(
     key: str,
     using: str | None = None,
 ) -> Any:
-    """Record a side effect in the current transaction; deliver it after the commit.
-
-    ``handler``: a module-level function (or its dotted path), called after the commit in this
-    process. ``payload``: JSON (Django's encoder: ``Decimal``, ``datetime``, ``UUID`` become
-    strings). ``key`` names the effect (``f"receipt:{order_id}"``): a key recorded already (a
-    replayed or retried job) returns the existing message and sends nothing more. Outside
-    ``transaction.atomic()`` the row commits and is delivered at once. ``ValueError`` for an
-    empty or over-long key, a payload that is not JSON, a handler not importable by its path,
-    or a key recorded before for another handler.
-    """
+    """Record a side effect in the current transaction; deliver it after the commit (at once
+    outside ``transaction.atomic()``). ``handler``: a module-level function or its dotted path.
+    ``payload``: JSON (Django's encoder). ``key`` names the effect (``f"receipt:{order_id}"``):
+    a key recorded already returns the existing message and sends nothing more. ``ValueError``
+    for a bad key, payload or handler, or a key recorded before for another handler."""
     from .models import OutboxMessage
 
     path = _handler_path(handler)
     if not isinstance(key, str) or not key or len(key) > _KEY_MAX:
-        raise ValueError(
-            f"send_after_commit: key must be a non-empty str of at most {_KEY_MAX} "
-            f"characters, got {key!r}"
-        )
+        why = f"must be a non-empty str of at most {_KEY_MAX} characters"
+        raise ValueError(f"send_after_commit: key {why}, got {key!r}")
     try:
         json.dumps(payload, cls=DjangoJSONEncoder)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"send_after_commit: payload for key {key!r} is not JSON: {exc}") from exc
     database = using or router.db_for_write(OutboxMessage)
+    defaults = {"handler": path, "payload": payload, "rq_job_id": job_context()[0]}
     message, created = OutboxMessage.objects.using(database).get_or_create(
-        key=key,
-        defaults={
-            "handler": path,
-            "payload": payload,
-            "rq_job_id": job_context()[0],
-            "next_attempt_at": timezone.now(),
-        },
+        key=key, defaults={**defaults, "next_attempt_at": timezone.now()}
     )
     if message.handler != path:
-        raise ValueError(
-            f"send_after_commit: key {key!r} was recorded for {message.handler}, not {path}"
-        )
+        recorded = f"key {key!r} was recorded for {message.handler}"
+        raise ValueError(f"send_after_commit: {recorded}, not {path}")
     if created:
         transaction.on_commit(lambda: deliver(message.pk, using=database), using=database)
     return message
 
 
 def deliver(pk: int, *, using: str | None = None) -> bool:
-    """Deliver one pending message now; True if its handler returned. False when it is
-    delivered already, being delivered by another process (its row is locked), or its handler
-    raised (recorded on the message, retried later): never raises for a handler's error."""
+    """Deliver one pending message now: True if its handler returned; False when delivered
+    already, locked by another deliverer, or its handler raised (recorded, retried later)."""
     from .models import OutboxMessage
 
     database = using or router.db_for_write(OutboxMessage)
-    # FOR UPDATE, skipping a row another deliverer holds where supported (SQLite: no FOR
-    # UPDATE, Django leaves the query as it is; one writer at a time anyway).
+    # Skip a row another deliverer holds (SQLite has no FOR UPDATE: one writer at a time).
     skip = connections[database].features.has_select_for_update_skip_locked
     with transaction.atomic(using=database):
-        message = (
-            OutboxMessage.objects.using(database)
-            .select_for_update(skip_locked=skip)
-            .filter(pk=pk, status=OutboxStatus.PENDING)
-            .first()
-        )
+        locked = OutboxMessage.objects.using(database).select_for_update(skip_locked=skip)
+        message = locked.filter(pk=pk, status=OutboxStatus.PENDING).first()
         if message is None:
             return False
         message.attempts += 1
@@ -130,21 +102,14 @@ def deliver(pk: int, *, using: str | None = None) -> bool:
             message.last_error = f"{type(exc).__name__}: {exc}"[:2000]
             message.next_attempt_at = timezone.now() + timedelta(seconds=delay)
             message.save(update_fields=["attempts", "last_error", "next_attempt_at"])
-            logger.warning(
-                "outbox: delivery %d of %s (%s) failed, next attempt in %.0f s: %s",
-                message.attempts,
-                message.key,
-                message.handler,
-                delay,
-                message.last_error,
-            )
+            what = (message.attempts, message.key, message.handler, delay, message.last_error)
+            logger.warning("outbox: delivery %d of %s (%s) failed, retry in %.0f s: %s", *what)
             return False
         message.status = OutboxStatus.DELIVERED
         message.delivered_at = timezone.now()
         message.save(update_fields=["attempts", "status", "delivered_at"])
-    logger.info(
-        "outbox: delivered %s (%s), attempt %d", message.key, message.handler, message.attempts
-    )
+    sent = (message.key, message.handler, message.attempts)
+    logger.info("outbox: delivered %s (%s), attempt %d", *sent)
     return True
 
 
@@ -167,10 +132,8 @@ def _handler_path(handler: Callable[..., object] | str) -> str:
     try:
         found = import_string(path)
     except ImportError as exc:
-        raise ValueError(
-            f"send_after_commit: handler {path!r} cannot be imported by its path ({exc}); "
-            "use a module-level function"
-        ) from exc
+        why = f"{exc}; use a module-level function"
+        raise ValueError(f"send_after_commit: handler {path!r} cannot be imported ({why})") from exc
     if not callable(found) or (not isinstance(handler, str) and found is not handler):
         raise ValueError(f"send_after_commit: {path!r} does not name the handler function")
     return path

@@ -1,9 +1,9 @@
 """The kinds of value a ``JOBLOCK`` key can take, and the rules between keys.
 
-:mod:`django_joblock.conf` declares every key with one of these rules. A rule says why a value
-is refused (:meth:`problem`, "" when it is fine), how the settings reference describes what it
-allows (:meth:`allowed`) and how a valid value is stored (:meth:`clean`). :class:`Range` also
-checks the arguments standing in for a setting (``lock(ttl=)``...): finite and in range.
+:mod:`django_joblock.conf` declares every key with a rule: :meth:`~Rule.problem` says why a
+value is refused ("" if fine), :meth:`~Rule.allowed` how the settings reference describes what
+it allows, :meth:`~Rule.clean` how a valid value is stored. :class:`Range` also checks the
+arguments standing in for a setting (``lock(ttl=)``...): finite and in range.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class Range(Rule):
     unit: str = "seconds"
 
     def allowed(self) -> str:
-        """The range as the settings reference writes it (``0.01 to 604800 (7 days)``)."""
         return f"{'> ' if self.open_low else ''}{number(self.low)} to {number(self.high)}"
 
     def problem(self, value: object) -> str:
@@ -60,8 +59,7 @@ class Range(Rule):
             return f"must be a finite {kind}, got {value!r}"
         if value < self.low or (self.open_low and value == self.low) or value > self.high:
             low = f"{'>' if self.open_low else '>='} {self.low:g}"
-            unit = f" {self.unit}" if self.unit else ""
-            return f"must be {low} and <= {self.high:g}{unit}, got {value!r}"
+            return f"must be {low} and <= {self.high:g} {self.unit}".rstrip() + f", got {value!r}"
         return ""
 
     def check(self, what: str, value: object) -> float:
@@ -120,18 +118,11 @@ class Count(Rule):
 class Choice(Rule):
     values: tuple[str, ...]
 
-    def allowed(self) -> str:
-        return " or ".join(f'`"{v}"`' for v in self.values)
-
     def problem(self, value: object) -> str:
         return "" if value in self.values else f"must be one of {self.values}, got {value!r}"
 
 
-@dataclass(frozen=True)
 class Flag(Rule):
-    def allowed(self) -> str:
-        return "`True` or `False`"
-
     def problem(self, value: object) -> str:
         return "" if isinstance(value, bool) else f"must be True or False, got {value!r}"
 
@@ -170,9 +161,6 @@ class Mapping(Rule):
     def defaults(self) -> dict[str, float]:
         return {name: sub.default for name, sub in self.keys.items()}
 
-    def allowed(self) -> str:
-        return "a dict, see below"
-
     def problem(self, value: object) -> str:
         return "" if isinstance(value, dict) else f"must be a dict, got {value!r}"
 
@@ -197,45 +185,21 @@ def between_keys(merged: dict[str, Any]) -> list[Problem]:
     needed = window + baseline + 60  # the spike also reads the bucket between the two
     beat_is = f"JOBLOCK['HEARTBEAT_INTERVAL'] ({beat}s)"
     keep_is = f"JOBLOCK['IDEMPOTENCY_TTL'] ({keep}s) is shorter than"
+    # fmt: off
     findings = [
-        (
-            "E004",
-            beat is not None and beat >= ttl,
-            f"{beat_is} must be shorter than LOCK_TTL ({ttl}s), or the lock expires between "
-            "renewals.",
-        ),
-        (
-            "W001",
-            beat is not None and ttl / 2 < beat < ttl,
-            f"{beat_is} is more than half of LOCK_TTL ({ttl}s): one slow renewal loses the "
-            "lock. Use TTL/3.",
-        ),
-        (
-            "W003",
-            keep < wait,
-            f"{keep_is} REQUEUE_MAX_WAIT ({wait}s): a requeued duplicate could outlive the "
-            "record that blocks it.",
-        ),
-        (
-            "W005",
-            keep < lease,
-            f"{keep_is} IDEMPOTENCY_LEASE ({lease}s): a record would expire while its claim "
-            "may still be running.",
-        ),
-        (
-            "W013",
-            baseline <= window,
-            f"JOBLOCK['ALERTS']['BASELINE'] ({baseline:g}s) is not longer than "
-            f"JOBLOCK['ALERTS']['WINDOW'] ({window:g}s): the contention_spike alert compares "
-            "the window with a longer period before it, and never fires.",
-        ),
-        (
-            "W014",
-            needed > kept,
-            f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the alerts read back "
-            f"(ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + one 60 s bucket = "
-            f"{needed:g}s): the older metrics are gone, so the alerts see less than their "
-            "window and contention_spike compares with a cut-short baseline.",
-        ),
+        ("E004", beat is not None and beat >= ttl, f"{beat_is} must be shorter than LOCK_TTL "
+         f"({ttl}s), or the lock expires between renewals."),
+        ("W001", beat is not None and ttl / 2 < beat < ttl, f"{beat_is} is more than half of "
+         f"LOCK_TTL ({ttl}s): one slow renewal loses the lock. Use TTL/3."),
+        ("W003", keep < wait, f"{keep_is} REQUEUE_MAX_WAIT ({wait}s): a requeued duplicate "
+         "could outlive the record that blocks it."),
+        ("W005", keep < lease, f"{keep_is} IDEMPOTENCY_LEASE ({lease}s): a record would expire "
+         "while its claim may still run."),
+        ("W013", baseline <= window, f"JOBLOCK['ALERTS']['BASELINE'] ({baseline:g}s) is not "
+         f"longer than WINDOW ({window:g}s): the contention_spike alert never fires."),
+        ("W014", needed > kept, f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the "
+         f"alerts read back (ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + 60 s = "
+         f"{needed:g}s): they would see less than their window."),
     ]
+    # fmt: on
     return [Problem(id_, message) for id_, bad, message in findings if bad]

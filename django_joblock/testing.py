@@ -1,10 +1,7 @@
-"""Helpers for the test suites of projects that use ``@locked_job`` (see docs/testing.md):
-:func:`run_jobs` runs queued jobs *in the test process* with the real flow and RQ's real
-requeues, and :func:`no_locks_held` / :func:`assert_no_locks_held` fail a test that leaves a
-lock held by this process. They need a real Redis (the django-redis cache's) and database
-writes that commit (``TransactionTestCase`` or ``@pytest.mark.django_db(transaction=True)``),
-as the job's transaction, idempotency record and outcome commit as in production.
-"""
+"""Test helpers for projects using ``@locked_job`` (docs/testing.md): :func:`run_jobs` runs
+queued jobs *in the test process* with the real flow and RQ's real requeues, and
+:func:`no_locks_held` / :func:`assert_no_locks_held` fail a test that leaves a lock held. They
+need a real Redis and writes that commit (``TransactionTestCase``, ``transaction=True``)."""
 
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ MAX_ROUNDS = 100
 
 
 class InProcessWorker(SimpleWorker):
-    """RQ's in-process worker, leaving Django's database connections alone (closing them, as
-    ``JoblockSimpleWorker`` does, would close the test case's own). ``seen`` is called with
-    every job it runs, including jobs RQ promoted from admission during the round."""
+    """RQ's in-process worker, leaving the test case's database connections open; ``seen`` is
+    called with every job it runs, including those RQ promoted from admission."""
 
     seen: Any = None
 
@@ -50,10 +46,8 @@ class Run:
 
     def outcomes(self) -> dict[str, str | None]:
         """Job id -> ``job.meta["joblock"]["outcome"]`` (ran, replayed, requeued, ...)."""
-        return {
-            job.id: job.get_meta(refresh=True).get("joblock", {}).get("outcome")
-            for job in self.jobs
-        }
+        meta = {job.id: job.get_meta(refresh=True) for job in self.jobs}
+        return {job_id: each.get("joblock", {}).get("outcome") for job_id, each in meta.items()}
 
     @property
     def pending(self) -> list[Job]:
@@ -67,12 +61,11 @@ def _fast_forward(queue: Any) -> int:
     registry = queue.scheduled_job_registry
     moved = 0
     for job_id in registry.get_job_ids():
+        registry.remove(job_id)
         try:
             job = Job.fetch(job_id, connection=queue.connection, serializer=queue.serializer)
         except Exception:  # noqa: BLE001 - deleted meanwhile: nothing to run
-            registry.remove(job_id)
             continue
-        registry.remove(job)
         queue.enqueue_job(job)
         moved += 1
     return moved
@@ -80,10 +73,9 @@ def _fast_forward(queue: Any) -> int:
 
 def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUNDS) -> Run:
     """Run every job waiting on ``queues`` (names or ``rq.Queue``; default ``"default"``) here,
-    in rounds: an in-process RQ worker drains the queues in burst mode, then, with
-    ``fast_forward``, what RQ scheduled meanwhile (requeues, ``Retry`` intervals,
-    ``enqueue_in``) goes back onto its queue at once. Stops when nothing is left, or after
-    ``max_rounds`` (a job requeued for ever: ``Run.pending`` lists it)."""
+    in rounds: an in-process worker drains them (burst), then, with ``fast_forward``, what RQ
+    scheduled meanwhile (requeues, ``Retry``, ``enqueue_in``) goes back onto its queue. Stops
+    when nothing is left, or after ``max_rounds`` (``Run.pending`` lists what still waits)."""
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"run_jobs(): max_rounds must be an int >= 1, got {max_rounds!r}.")
     resolved = [get_queue(queue) for queue in (queues or ("default",))]
@@ -114,8 +106,7 @@ def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUN
 
 def assert_no_locks_held() -> None:
     """Raise ``AssertionError`` naming every lock this process holds right now."""
-    held = renewer().held_locks()
-    if held:
+    if held := renewer().held_locks():
         names = ", ".join(sorted(f"{lock.resource} (owner {lock.owner})" for lock in held))
         raise AssertionError(f"{len(held)} lock(s) left held: {names}")
 

@@ -1,20 +1,9 @@
-"""RQ workers that keep Django's database connections safe across jobs, run RQ's maintenance on
-time, and ride out a Redis outage between jobs.
-
-A forked work horse must not reuse the parent's database connections: ``JoblockWorker`` closes
-them before each fork. ``JoblockSimpleWorker`` (no fork) drops connections unusable or past
-``CONN_MAX_AGE`` around each job, as Django does around each request.
-
-RQ's maintenance frees the admission slot of a job whose worker died and retries its jobs; an
-idle RQ worker runs it only between blocking dequeues of up to ``worker_ttl - 15`` s (405).
-These workers default ``maintenance_interval`` to ``MAINTENANCE_INTERVAL`` (60 s; RQ: 600 s)
-and never block in a dequeue for longer.
-
-RQ waits out a Redis outage only inside its dequeue loop; the same error in the heartbeat, the
-suspension check, the maintenance or the state written before the dequeue makes it quit. Those
-steps only refresh the worker's bookkeeping, so these workers log a warning and go on to the
-dequeue, which waits with backoff. A job whose *own* bookkeeping fails is left to RQ's
-maintenance and its ``Retry``, as for a dead worker.
+"""RQ workers (docs/jobs.md, "Workers and database connections") that keep Django's database
+connections safe (``JoblockWorker`` closes them before each fork, ``JoblockSimpleWorker`` drops
+stale ones around each job), run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s (an idle
+worker never blocks longer in a dequeue), and ride out a Redis outage between jobs: where RQ
+quits (heartbeat, suspension check, maintenance, state before the dequeue), these log a warning
+and go on to the dequeue, which waits with backoff.
 """
 
 from __future__ import annotations
@@ -55,16 +44,11 @@ class _Loop:
         try:
             yield
         except redis.exceptions.ConnectionError as exc:
-            logger.warning(
-                "worker %s: Redis unavailable in its %s (%s); waiting for it in the next dequeue",
-                self.name,
-                step,
-                exc,
-            )
+            message = "worker %s: Redis unavailable in its %s (%s); the next dequeue waits for it"
+            logger.warning(message, self.name, step, exc)
 
     def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
-        # RQ's own loop inside catches connection errors; one that escapes came from the
-        # state written before that loop.
+        # RQ's loop inside waits out connection errors: one escaping came from the state before.
         wait = 1.0
         while True:
             with self._outage(f"dequeue (retrying in {wait:g} s)"):
@@ -73,11 +57,9 @@ class _Loop:
             wait = min(wait * self.exponential_backoff_factor, self.max_connection_wait_time)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        if pipeline is not None:  # queued on the caller's pipeline: nothing is sent here
+        # On the caller's pipeline nothing is sent here: no outage to ride out.
+        with self._outage("heartbeat") if pipeline is None else contextlib.nullcontext():
             super().heartbeat(timeout, pipeline)  # type: ignore[misc]
-            return
-        with self._outage("heartbeat"):
-            super().heartbeat(timeout)  # type: ignore[misc]
 
     def check_for_suspension(self, burst: bool) -> None:
         with self._outage("suspension check"):

@@ -7,27 +7,13 @@
             Refund.objects.create(...)       # the business write ...
             claim.succeed({"refund": 42})    # ... and the marker, in the same transaction
 
-Protocol, with no read-then-write window:
-
-1. ``INSERT ... ON CONFLICT DO NOTHING``: the first claimer of a key owns it (one statement,
-   :mod:`.store`). Otherwise the row is read, on PostgreSQL in that same statement:
-   ``succeeded`` is replayed (``claim.done``, signal ``duplicate_blocked``); another fingerprint
-   raises :class:`IdempotencyKeyMismatch`; ``running`` with a live lease raises
-   :class:`IdempotencyInProgress`, unless claimed under an older fence of the lock held now
-   (that claimer lost the lock: its claim is dead). ``failed`` or an expired lease (its owner
-   died) is taken over by a compare-and-set ``UPDATE`` on the token, status and attempts read
-   (``attempts`` + 1); losing that race reads again.
-2. ``claim.succeed(result)``: one ``UPDATE ... WHERE token = <this claim's> AND status =
-   'running'`` in the caller's transaction, so the marker rolls back with the business write.
-   A lease taken over meanwhile raises :class:`IdempotencyClaimLost` and writes nothing.
-3. Leaving the block with an exception marks the record ``failed`` (only while this claim owns
-   it): the next claim runs again. Leaving without ``succeed()`` records a success with result
-   ``None``; a ``succeed()`` that was rolled back is recorded as failed.
-
-A replay returns results as ``DjangoJSONEncoder`` stored them (strings for ``Decimal``,
-``datetime``, ``UUID``...). Leases and expiry use this server's clock (keep it NTP-synced): a
-record expires ``IDEMPOTENCY_TTL`` after its claim, takeover or success, but ``joblock_purge``
-never deletes a running claim whose lease is live. Needs SQLite >= 3.35 (``RETURNING``).
+The first claimer of a key owns it (insert-or-read, :mod:`.store`). A success is replayed
+(``claim.done``); another fingerprint raises :class:`IdempotencyKeyMismatch`, a live lease
+:class:`IdempotencyInProgress` (unless claimed under an older fence of the lock held now); a
+``failed`` or expired claim is taken over by a compare-and-set. ``succeed()`` writes in the
+caller's transaction, only while this claim owns the record (else :class:`IdempotencyClaimLost`);
+an exception leaves it ``failed``; no ``succeed()`` succeeds with ``None``. The protocol, leases
+and replays: docs/idempotency.md. Needs SQLite >= 3.35 (``RETURNING``).
 """
 
 from __future__ import annotations
@@ -52,7 +38,7 @@ from ..exceptions import (
 from ..locks.info import job_context
 from ..locks.lock import Lock, current_lock
 from ..signals import duplicate_blocked
-from . import store
+from . import inputs, store
 from .guard import refused
 from .inputs import check_result, fingerprint_of, key_family, validate_key, validate_scope
 
@@ -74,31 +60,22 @@ class Claim:
     using: str
     done: bool = False
     result: Any = None
-    # A claim inside a job's transaction on PostgreSQL: the row to insert with the result at
-    # the end (record_id is 0 until then); see .one_commit.
+    # PostgreSQL, in a job's transaction: the row to insert at the end (record_id 0 until then).
     pending: dict[str, Any] | None = field(default=None, repr=False)
     _succeed_called: bool = field(default=False, repr=False)
     _committed: bool = field(default=False, repr=False)
 
     def succeed(self, result: Any = None) -> None:
-        """Record success with ``result`` (JSON) in the current transaction (step 2).
+        """Record success with ``result`` (JSON) in the current transaction.
         :class:`IdempotencyError` on a replayed claim or a result that is not JSON."""
         if self.done:
-            raise IdempotencyError(
-                f"Key {self.key!r} was already done; nothing to record.",
-                key=self.key,
-                scope=self.scope,
-            )
+            why = "was already done; nothing to record."
+            raise inputs.error_for(IdempotencyError, self.key, self.scope, why)
         check_result(result, key=self.key, scope=self.scope)
         expires_at = store.expiry(timezone.now())
-        updated = self._finish(RecordStatus.SUCCEEDED, result=result, expires_at=expires_at)
-        if updated != 1:
-            raise IdempotencyClaimLost(
-                f"Idempotency key {self.key!r} (scope {self.scope!r}): this claim's lease was "
-                "taken over by another claim; its success was not recorded.",
-                key=self.key,
-                scope=self.scope,
-            )
+        if self._finish(RecordStatus.SUCCEEDED, result=result, expires_at=expires_at) != 1:
+            why = "was taken over by another claim; this success was not recorded."
+            raise inputs.error_for(IdempotencyClaimLost, self.key, self.scope, why)
         self._succeed_called = True
         self.result = result
         transaction.on_commit(lambda: setattr(self, "_committed", True), using=self.using)
@@ -106,23 +83,13 @@ class Claim:
     def _finish(self, status: RecordStatus, error: str = "", **fields: Any) -> int:
         """Finish this claim's record now, only while this claim still owns it."""
         now = timezone.now()
-        return int(
-            store.record_model()
-            .objects.using(self.using)
-            .filter(pk=self.record_id, token=self.token, status=RecordStatus.RUNNING)
-            .update(
-                status=status,
-                error=error[:10_000],
-                finished_at=now,
-                updated_at=now,
-                lease_expires_at=None,
-                **fields,
-            )
-        )
+        mine = store.record_model().objects.using(self.using)
+        mine = mine.filter(pk=self.record_id, token=self.token, status=RecordStatus.RUNNING)
+        ended = {"finished_at": now, "updated_at": now, "lease_expires_at": None}
+        return int(mine.update(status=status, error=error[:10_000], **ended, **fields))
 
     def end(self, exc: BaseException | None) -> None:
-        """Leave the claim's block (step 3 of the module docs). A recorded success, or one that
-        commits with an enclosing transaction, stays."""
+        """Leave the block: a success recorded, or committing with an enclosing one, stays."""
         if self.done:
             return
         if exc is not None:
@@ -150,10 +117,7 @@ class Idempotent:
         lease: float | None = None,
         using: str | None = None,
     ) -> None:
-        validate_key(key)
-        validate_scope(scope)
-        self.key = key
-        self.scope = scope
+        self.key, self.scope = validate_key(key), validate_scope(scope)
         self.fingerprint = "" if fingerprint is None else fingerprint_of(fingerprint)
         if lease is not None:
             lease = conf.LEASE_RANGE.check("idempotent(): lease", lease)
@@ -178,18 +142,16 @@ def idempotent(
     lease: float | None = None,
     using: str | None = None,
 ) -> Idempotent:
-    """``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:`` (see
-    :class:`Idempotent`)."""
+    """``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:``; see below."""
     return Idempotent(key, scope=scope, fingerprint=fingerprint, lease=lease, using=using)
 
 
 def claim(
     spec: Idempotent, *, guard: bool = False, finished: bool = False, under: Lock | None = None
 ) -> Claim:
-    """Claim ``spec.key`` race-free (the module docs' protocol). For a claim inside a job's
-    transaction (:mod:`.one_commit`): ``guard`` takes the key's guard, and ``under`` a held lock
-    its resource guard (:mod:`.guard`), in the same statement; ``finished`` writes the row as it
-    will be committed (``succeeded``, no lease), since nobody sees it before the commit."""
+    """Claim ``spec.key`` race-free. In a job's transaction (:mod:`.one_commit`) ``guard`` takes
+    the key's guard and ``under``'s resource guard in the same statement, and ``finished`` writes
+    the row as it will commit (``succeeded``, no lease): nobody sees it before the commit."""
     model = store.record_model()
     token = secrets.token_hex(16)
     status = RecordStatus.SUCCEEDED if finished else RecordStatus.RUNNING
@@ -199,18 +161,12 @@ def claim(
     job_id, job_func, _worker = job_context()
 
     def claimed(now: datetime) -> dict[str, Any]:  # the columns a claim (or takeover) sets
-        return {
-            "status": status,
-            "token": token,
-            "error": "",
-            "fence": fence,
-            "lock_resource": resource,
-            "rq_job_id": job_id,
-            "updated_at": now,
-            "finished_at": now if finished else None,
-            "lease_expires_at": None if finished else now + timedelta(seconds=spec.lease),
-            "expires_at": store.expiry(now),  # a takeover too lives a full TTL from now
-        }
+        lease = None if finished else now + timedelta(seconds=spec.lease)
+        owner = {"status": status, "token": token, "error": "", "rq_job_id": job_id}
+        held_by = {"fence": fence, "lock_resource": resource, "lease_expires_at": lease}
+        times = {"updated_at": now, "finished_at": now if finished else None}
+        # A takeover too lives a full TTL from now.
+        return {**owner, **held_by, **times, "expires_at": store.expiry(now)}
 
     def made(record_id: int, attempts: int, fingerprint: str, **extra: Any) -> Claim:
         return Claim(
@@ -238,13 +194,9 @@ def claim(
         if found != store.EXISTING or row is None:
             continue  # purged, or committed just too late for that statement: ask again
         if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
-            raise IdempotencyKeyMismatch(
-                f"Idempotency key {spec.key!r} (scope {spec.scope!r}) was used with other "
-                f"arguments (fingerprint {row['fingerprint'][:12]}..., now "
-                f"{spec.fingerprint[:12]}...).",
-                key=spec.key,
-                scope=spec.scope,
-            )
+            why = f"was used with other arguments (fingerprint {row['fingerprint'][:12]}..., "
+            why += f"now {spec.fingerprint[:12]}...)."
+            raise inputs.error_for(IdempotencyKeyMismatch, spec.key, spec.scope, why)
         if row["status"] == RecordStatus.SUCCEEDED:
             done = made(
                 row["id"], row["attempts"], row["fingerprint"], done=True, result=row["result"]
@@ -254,40 +206,21 @@ def claim(
             return done
         now = timezone.now()
         lease_until: datetime | None = row["lease_expires_at"]
-        # Claimed under an older holding of the lock we hold now: that holder has lost the lock
-        # (we have it, with a larger fence), so its claim is dead whatever its lease says. This
-        # is what lets a retry run right after a SIGKILLed work horse.
-        superseded = (
-            fence is not None
-            and row["fence"] is not None
-            and row["lock_resource"] == resource
-            and row["fence"] < fence
-        )
-        if (
-            row["status"] == RecordStatus.RUNNING
-            and lease_until is not None
-            and lease_until > now
-            and not superseded
-        ):
-            raise IdempotencyInProgress(
-                f"Idempotency key {spec.key!r} (scope {spec.scope!r}) is being processed by "
-                f"another claim (attempt {row['attempts']}, lease for another "
-                f"{(lease_until - now).total_seconds():.1f}s).",
-                key=spec.key,
-                scope=spec.scope,
-            )
+        # Claimed under an older holding of the lock we hold now: that holder has lost the lock,
+        # so its claim is dead whatever its lease says (a retry runs right after a SIGKILL).
+        superseded = fence is not None and row["lock_resource"] == resource
+        superseded = superseded and row["fence"] is not None and row["fence"] < fence
+        if row["status"] == RecordStatus.RUNNING and lease_until is not None:
+            if lease_until > now and not superseded:
+                left = (lease_until - now).total_seconds()
+                why = f"is being processed by another claim (attempt {row['attempts']}, "
+                why += f"lease {left:.1f}s more)."
+                raise inputs.error_for(IdempotencyInProgress, spec.key, spec.scope, why)
         fingerprint = spec.fingerprint or row["fingerprint"]
+        # Compare-and-set: only if nobody took it over since the read.
         as_read = {name: row[name] for name in ("id", "token", "status", "attempts")}
-        taken = (
-            model.objects.using(spec.using)
-            .filter(**as_read)  # compare-and-set: only if nobody took it over since the read
-            .update(attempts=F("attempts") + 1, fingerprint=fingerprint, **claimed(now))
-        )
-        if taken == 1:
+        again = model.objects.using(spec.using).filter(**as_read)
+        if again.update(attempts=F("attempts") + 1, fingerprint=fingerprint, **claimed(now)) == 1:
             return made(row["id"], row["attempts"] + 1, fingerprint)
-    raise IdempotencyInProgress(
-        f"Idempotency key {spec.key!r} (scope {spec.scope!r}) changed hands "
-        f"{_TAKEOVER_TRIES} times while claiming; another claim is active.",
-        key=spec.key,
-        scope=spec.scope,
-    )
+    why = f"changed hands {_TAKEOVER_TRIES} times while claiming; another claim is active."
+    raise inputs.error_for(IdempotencyInProgress, spec.key, spec.scope, why)

@@ -1,21 +1,13 @@
-"""The resource's transaction guard (PostgreSQL): a run that holds a lock does not read the
-resource's rows while the resource's previous holder is still inside its transaction.
+"""The resource's transaction guard (PostgreSQL): a lock holder does not read the resource's rows
+while its previous holder, which lost the lock before its commit, is still in its transaction
+(reads do not wait for row locks: a write computed from them would be a lost update).
 
-Why: a holder that lost its lock before its commit commits late, and PostgreSQL's reads do not
-wait for row locks, so the next holder could compute a write from rows read before that commit;
-its newer fence is accepted, and the update is lost. So under a held lock ``@locked_job``'s
-transaction (on the records' database) first takes a transaction-scoped advisory lock named
-after the lock's Redis key, never waiting (``pg_try_advisory_xact_lock`` of a 64-bit hash; a
-collision only makes an unrelated resource look busy). The commit or rollback frees it, and
-the Redis lock is released only after that. It is taken in the claim statement of a job with
-an idempotency key (:mod:`.store`, no extra round trip), or right before a lock-only job's
-first query (:func:`before_first_query`).
-
-A run that finds it taken has run nothing: :class:`ResourceInTransaction` (a
-``LockNotAcquired``), and its ``on_conflict`` applies. Assumes READ COMMITTED. Not guarded:
-SQLite (its write lock serialises the transactions), other databases, other databases than the
-records', ``atomic=False`` jobs and ``lock()`` blocks. The whole story, inline calls inside an
-enclosing transaction included: docs/jobs.md.
+Under a held lock, ``@locked_job``'s transaction on the records' database first takes an advisory
+lock named after the lock's Redis key, never waiting: in the claim statement (:mod:`.store`) or
+before a lock-only job's first query (:func:`before_first_query`). A run that finds it taken ran
+nothing (:class:`ResourceInTransaction`, ``on_conflict`` applies). Assumes READ COMMITTED; not
+on SQLite (its write lock serialises), other databases, ``atomic=False`` jobs or ``lock()``
+blocks. The whole story: docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -30,8 +22,8 @@ from django.db import connections
 from ..exceptions import ResourceInTransaction
 from ..locks.lock import Lock
 
-# One 64-bit advisory lock per name, scoped to the transaction; shared with the idempotency
-# key's guard (.store), whose names start differently.
+# A 64-bit advisory lock per name and transaction (a hash collision only makes an unrelated
+# name look busy); the idempotency key's guard (.store) uses it too, with other names.
 GUARD_SQL = "pg_try_advisory_xact_lock(hashtextextended(%s, 0))"
 _RETRY_EVERY = 0.05  # seconds between two tries of a run that waits
 
@@ -48,14 +40,9 @@ def guarded(using: str) -> bool:
 
 def refused(held: Lock) -> ResourceInTransaction:
     """The error of a run that found ``held``'s guard taken."""
-    return ResourceInTransaction(
-        "The resource's previous holder is still inside its database transaction (its lock "
-        "was lost, or it ran inline inside an enclosing transaction that has not ended); this "
-        "run ran nothing",
-        resource=held.resource,
-        key=held.key,
-        owner=held.owner,
-    )
+    message = "The resource's previous holder is still inside its database transaction (it "
+    message += "lost its lock, or ran inline in a transaction not ended yet); this run ran nothing"
+    return ResourceInTransaction(message, resource=held.resource, key=held.key, owner=held.owner)
 
 
 def try_name(using: str, name: str) -> bool:
@@ -69,9 +56,8 @@ def try_name(using: str, name: str) -> bool:
 
 
 def take(using: str, held: Lock, *, wait: float = 0.0) -> None:
-    """Take ``held``'s guard in the current transaction on ``using``, trying for up to
-    ``wait`` seconds; :class:`ResourceInTransaction` when it stays taken. Off PostgreSQL,
-    nothing."""
+    """Take ``held``'s guard in the current transaction on ``using``, trying for up to ``wait``
+    seconds; :class:`ResourceInTransaction` when it stays taken. Off PostgreSQL, nothing."""
     deadline = time.monotonic() + wait
     while not try_name(using, name_for(held.key)):
         if time.monotonic() >= deadline:
@@ -81,10 +67,9 @@ def take(using: str, held: Lock, *, wait: float = 0.0) -> None:
 
 @contextlib.contextmanager
 def before_first_query(using: str, held: Lock | None, *, wait: float = 0.0) -> Iterator[None]:
-    """Take ``held``'s guard (:func:`take`) right before the first query sent on ``using``
-    inside the block (PostgreSQL, with a lock). A refusal raises :class:`ResourceInTransaction`
-    from that query, every later one, and the block's end: a body that swallows it still cannot
-    read or commit."""
+    """Take ``held``'s guard (:func:`take`) right before the block's first query on ``using``
+    (PostgreSQL, with a lock). A refusal raises :class:`ResourceInTransaction` from that query,
+    every later one and the block's end: a body that swallows it still cannot read or commit."""
     if held is None or not guarded(using):
         yield
         return

@@ -1,16 +1,15 @@
-"""What an idempotency claim accepts: keys, scopes, fingerprints and results.
-
-Bad keys and scopes are a ``ValueError`` naming them, raised by ``idempotent()`` and, for
-``@locked_job``, at enqueue time. Results are checked with the encoder the record stores them
-with, so a result that passes can always be saved.
+"""What an idempotency claim accepts: keys, scopes, fingerprints and results. Bad keys and
+scopes are a ``ValueError`` naming them (``idempotent()``; ``@locked_job`` at enqueue); results
+are checked with the encoder the record stores them with (docs/idempotency.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from django.core.serializers.json import DjangoJSONEncoder
 
@@ -21,12 +20,12 @@ MAX_SCOPE_LENGTH = 100
 _FAMILY_RE = re.compile(r"[A-Za-z0-9_.@/-]{1,64}\Z")
 # Nesting followed by _canonical; deeper (or a cycle) is represented by its type and repr.
 _MAX_DEPTH = 32
+_Error = TypeVar("_Error", bound=IdempotencyError)
 
 
 def key_family(key: str) -> str:
-    """The metrics family of a key: its part before the first ``:`` when that part is 1-64 of
-    ``A-Z a-z 0-9 _ . @ / -`` (``refund:R-1`` -> ``refund``), else ``"other"``: bounded on
-    purpose, so that ``invoice-42`` never becomes a metric series of its own."""
+    """The metrics family of a key, bounded: its part before the first ``:`` when that is 1-64
+    of ``A-Z a-z 0-9 _ . @ / -`` (``refund:R-1`` -> ``refund``), else ``"other"``."""
     prefix, colon, _rest = key.partition(":")
     return prefix if colon and _FAMILY_RE.match(prefix) else "other"
 
@@ -38,25 +37,26 @@ def validate_key(key: object, *, what: str = "idempotent()") -> str:
 
 
 def validate_scope(scope: object, *, what: str = "idempotent()") -> str:
-    """``scope`` if it is a ``str`` of at most ``MAX_SCOPE_LENGTH`` characters without NUL,
-    else ``ValueError`` naming it."""
+    """``scope`` if it is a ``str`` of at most ``MAX_SCOPE_LENGTH`` characters without NUL."""
     return _validate(scope, what, "scope", 0, MAX_SCOPE_LENGTH)
 
 
 def _validate(value: object, what: str, name: str, low: int, high: int) -> str:
+    prefix = f"{what}: idempotency {name}"
     if not isinstance(value, str):
-        raise ValueError(
-            f"{what}: idempotency {name} must be a str, got {type(value).__name__}: {value!r}."
-        )
+        raise ValueError(f"{prefix} must be a str, got {type(value).__name__}: {value!r}.")
     if not low <= len(value) <= high:
         shown = value if len(value) <= 80 else value[:77] + "..."
         size = f"{low} to {high}" if low else f"at most {high}"
-        raise ValueError(
-            f"{what}: idempotency {name} must be {size} characters, got {len(value)}: {shown!r}."
-        )
+        raise ValueError(f"{prefix} must be {size} characters, got {len(value)}: {shown!r}.")
     if "\x00" in value:
-        raise ValueError(f"{what}: idempotency {name} {value!r} contains a NUL character.")
+        raise ValueError(f"{prefix} {value!r} contains a NUL character.")
     return value
+
+
+def error_for(kind: type[_Error], key: str, scope: str, why: str) -> _Error:
+    """``kind`` with a message naming ``key`` and ``scope``, then ``why``."""
+    return kind(f"Idempotency key {key!r} (scope {scope!r}) {why}", key=key, scope=scope)
 
 
 def check_result(result: Any, *, key: str, scope: str) -> None:
@@ -65,19 +65,14 @@ def check_result(result: Any, *, key: str, scope: str) -> None:
     try:
         json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise IdempotencyError(
-            f"Result for idempotency key {key!r} cannot be stored as JSON "
-            f"(DjangoJSONEncoder, no NaN or infinity): {exc}",
-            key=key,
-            scope=scope,
-        ) from exc
+        why = f"has a result that cannot be stored as JSON (no NaN or infinity either): {exc}"
+        raise error_for(IdempotencyError, key, scope, why) from exc
 
 
 def fingerprint_of(value: Any) -> str:
     """sha256 of the canonical JSON of ``value`` (sorted keys, no spaces). What JSON cannot
-    encode as it is (sets, bytes, unsortable keys, objects) goes through :func:`_canonical`, so
-    that a value has one fingerprint in every process (a set's order and a default ``repr``
-    vary per process, and would make a replay in another worker a mismatch)."""
+    encode (sets, bytes, unsortable keys, objects) goes through :func:`_canonical`: one
+    fingerprint in every process, where a set's order or a default ``repr`` would vary."""
     try:
         canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), cls=DjangoJSONEncoder)
     except (TypeError, ValueError):
@@ -109,10 +104,8 @@ def _canonical(value: Any, depth: int) -> Any:
         return {"__set__": sorted(_dumps(_canonical(item, depth)) for item in value)}
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"__bytes__": bytes(value).hex()}
-    try:  # Decimal, datetime, UUID, lazy strings...: as the records store them
+    with contextlib.suppress(TypeError, ValueError):  # Decimal, datetime, UUID...: as stored
         return json.loads(json.dumps(value, cls=DjangoJSONEncoder))
-    except (TypeError, ValueError):
-        pass
     meta = getattr(value, "_meta", None)
     if meta is not None and hasattr(meta, "label") and hasattr(value, "pk"):
         return {"__model__": meta.label, "pk": _canonical(value.pk, depth)}

@@ -1,9 +1,7 @@
-"""One commit per job: the idempotency claim inside the job's own transaction.
-
-Under a held lock, ``@locked_job`` claims the key with :func:`claim_in_transaction` as the first
-statement of the job's transaction, runs the body, records the result and commits once
-(:mod:`django_joblock.jobs.runner`). A run that raised leaves a ``failed`` record through
-:func:`record_failure` after its rollback. The claim protocol itself is :func:`.claims.claim`'s.
+"""One commit per job: under a held lock, ``@locked_job`` claims the key with
+:func:`claim_in_transaction` as the first statement of the job's transaction and records the
+result with :func:`record_result` before its one commit; a run that raised leaves a ``failed``
+record with :func:`record_failure` after its rollback (docs/idempotency.md).
 """
 
 from __future__ import annotations
@@ -20,50 +18,39 @@ from ..exceptions import IdempotencyClaimLost, IdempotencyError, IdempotencyInPr
 from ..locks.info import job_context
 from ..locks.lock import Lock
 from .claims import Claim, Idempotent, claim
-from .inputs import check_result
+from .inputs import check_result, error_for
 from .store import expiry, in_progress_on_busy, insert, record_model, try_guard
 
 logger = logging.getLogger("django_joblock")
 
 
 def claim_in_transaction(spec: Idempotent, held: Lock | None = None) -> Claim:
-    """Claim ``spec.key`` as the first statement of the caller's transaction, already as it
-    will be committed (``succeeded``): it commits or rolls back with the effect and the result
-    (:func:`record_result`), so a crash leaves no claim to lease out. A concurrent run of the
-    key raises :class:`IdempotencyInProgress` without waiting long (:mod:`.store`); with
-    ``held``, the same statement takes its resource guard (:mod:`.guard`). Raises
-    :class:`IdempotencyError` outside a transaction on ``spec.using``."""
+    """Claim ``spec.key`` in the caller's transaction (:class:`IdempotencyError` outside one),
+    already as it will commit (``succeeded``), with the effect: a crash leaves no claim. A
+    concurrent run of the key raises :class:`IdempotencyInProgress` without waiting long; with
+    ``held``, the same statement takes its resource guard (:mod:`.guard`)."""
     if not connections[spec.using].in_atomic_block:
-        raise IdempotencyError(
-            "claim_in_transaction() must run inside transaction.atomic()",
-            key=spec.key,
-            scope=spec.scope,
-        )
+        why = "can be claimed in a transaction only inside transaction.atomic()."
+        raise error_for(IdempotencyError, spec.key, spec.scope, why)
     with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):
         return claim(spec, guard=True, finished=True, under=held)
 
 
 def record_result(held: Claim, result: Any) -> None:
-    """Store the job's ``result`` in the record of :func:`claim_in_transaction`, in the same
-    transaction: one statement at most. :class:`IdempotencyError` for a result that is not JSON
-    (the job then fails and its transaction rolls back)."""
+    """Store the job's ``result`` in its claim's record, in the same transaction (one statement
+    at most); :class:`IdempotencyError` for a result that is not JSON (the job then fails)."""
     check_result(result, key=held.key, scope=held.scope)
     held.result = result
     if held.pending is not None:
-        # PostgreSQL: the row was not inserted at the claim (its guard kept other runs out);
-        # insert it now, with the result. Someone unguarded committed the key meanwhile
-        # (an idempotent() block of the same scope): the unique key decides against us.
+        # PostgreSQL: inserted now, with the result (the guard kept other runs out). An
+        # unguarded idempotent() block that committed the key meanwhile wins on the unique key.
         now = timezone.now()
         values = {**held.pending, "result": result, "updated_at": now, "finished_at": now}
         values["expires_at"] = expiry(now)
         record_id = insert(record_model(), held.using, values)
         if record_id is None:
-            raise IdempotencyClaimLost(
-                f"Idempotency key {held.key!r} (scope {held.scope!r}) was recorded by another "
-                "run meanwhile; this run's effect is rolled back.",
-                key=held.key,
-                scope=held.scope,
-            )
+            why = "was recorded by another run meanwhile; this run's effect is rolled back."
+            raise error_for(IdempotencyClaimLost, held.key, held.scope, why)
         held.record_id, held.pending = record_id, None
     elif result is not None:
         mine = record_model().objects.using(held.using).filter(pk=held.record_id, token=held.token)
@@ -71,9 +58,8 @@ def record_result(held: Claim, result: Any) -> None:
 
 
 def record_failure(spec: Idempotent, error: str) -> None:
-    """After a one-commit run raised and rolled back (its claim too), leave a ``failed`` record
-    with the error, as a separate claim does: best effort, in its own short transaction, never
-    over a record another run has claimed or finished meanwhile, never waiting for one."""
+    """After a one-commit run raised and rolled back (its claim too), leave a ``failed`` record:
+    best effort, in a short transaction, never over another run's record, never waiting."""
     model = record_model()
     now = timezone.now()
     error = error[:10_000]
@@ -86,10 +72,8 @@ def record_failure(spec: Idempotent, error: str) -> None:
                 if not try_guard(spec.using, spec.scope, spec.key):
                     return  # another run is claiming the key: the record is its now
                 if insert(model, spec.using, values) is None:
-                    model.objects.using(spec.using).filter(
-                        scope=spec.scope, key=spec.key, status=RecordStatus.FAILED
-                    ).update(
-                        error=error, attempts=F("attempts") + 1, updated_at=now, finished_at=now
-                    )
+                    again = {"attempts": F("attempts") + 1, "updated_at": now, "finished_at": now}
+                    failed = model.objects.using(spec.using).filter(scope=spec.scope, key=spec.key)
+                    failed.filter(status=RecordStatus.FAILED).update(error=error, **again)
     except (DatabaseError, IdempotencyInProgress):
         logger.warning("could not record the failure of key %r", spec.key, exc_info=True)

@@ -1,18 +1,12 @@
 """The idempotency record's SQL: insert-or-read, and the key's guard.
 
-:func:`insert_or_read` is ``INSERT ... ON CONFLICT (scope, key) DO NOTHING`` and, when the key
-exists, a read of its row: on PostgreSQL one statement (a data-modifying CTE ``UNION ALL`` the
-read), so a first claim and a replay are each one query; on SQLite two (``INSERT ...
-RETURNING``, then a ``SELECT``); elsewhere a savepoint and ``IntegrityError``.
-
-``guard=True`` (a claim inside a job's transaction; docs/jobs.md): a second transaction on the
-key must not wait for the first's uncommitted row (possible after a lock loss). On PostgreSQL
-one read-only statement takes a transaction-scoped advisory lock on the key without waiting
-(taken: "in progress" at once) and reads the row; without a row the caller inserts it at its
-commit, with the result, one statement fewer than an insert now and an update later. The unique
-key stays the arbiter. With ``lock_key`` the statement also takes the lock's resource guard
-(:mod:`.guard`). On SQLite a writer waits for the write lock instead, at most the busy timeout,
-which :func:`in_progress_on_busy` turns into :class:`IdempotencyInProgress`.
+:func:`insert_or_read`: ``INSERT ... ON CONFLICT (scope, key) DO NOTHING``, then a read of an
+existing row; one statement on PostgreSQL (a first claim and a replay are one query each), two on
+SQLite, a savepoint elsewhere. With ``guard=True`` (inside a job's transaction) a second
+transaction on the key never waits for the first's uncommitted row: on PostgreSQL one read-only
+statement takes the key's advisory lock (and with ``lock_key`` the resource's, :mod:`.guard`)
+without waiting and reads the row, inserted at the commit (the unique key decides); on SQLite
+:func:`in_progress_on_busy` turns the busy timeout into :class:`IdempotencyInProgress`.
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ from django.db import IntegrityError, OperationalError, connections, transaction
 from .. import conf
 from ..exceptions import IdempotencyInProgress
 from .guard import GUARD_SQL, name_for, try_name
+from .inputs import error_for
 
 # The columns read back, in the order of the statements' select lists.
 _ROW = "id status fingerprint token attempts lease_expires_at result fence lock_resource"
@@ -36,6 +31,8 @@ ROW_FIELDS = tuple(_ROW.split())
 # guard=True on PostgreSQL, no row (insert it at the end); the lock's resource guard taken.
 INSERTED, EXISTING, NOTHING = "inserted", "existing", "nothing"
 GUARDED, ABSENT, RESOURCE_GUARDED = "guarded", "absent", "resource guarded"
+Row = dict[str, Any]  # column values by field name
+Found = tuple[str, int | None, Row | None]  # what, a new row's id, an existing row
 
 
 def record_model() -> Any:
@@ -51,13 +48,8 @@ def expiry(now: datetime) -> datetime:
 
 
 def insert_or_read(
-    model: Any,
-    using: str,
-    values: dict[str, Any],
-    *,
-    guard: bool = False,
-    lock_key: str | None = None,
-) -> tuple[str, int | None, dict[str, Any] | None]:
+    model: Any, using: str, values: Row, *, guard: bool = False, lock_key: str | None = None
+) -> Found:
     """Insert the row unless (scope, key) exists (see the module docs): ``(INSERTED, id,
     None)``, ``(EXISTING, None, row)``, or ``(what, None, None)`` for the other answers."""
     connection = connections[using]
@@ -69,11 +61,11 @@ def insert_or_read(
     if inserted is not None:
         return INSERTED, inserted, None
     row = model.objects.using(using).filter(scope=values["scope"], key=values["key"])
-    found: dict[str, Any] | None = row.values(*ROW_FIELDS).first()
+    found: Row | None = row.values(*ROW_FIELDS).first()
     return (EXISTING, None, found) if found is not None else (NOTHING, None, None)
 
 
-def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
+def insert(model: Any, using: str, values: Row) -> int | None:
     """Insert the row unless (scope, key) exists; its id, or None on conflict. Columns missing
     from ``values`` take the model's defaults, as with ``create()``."""
     connection = connections[using]
@@ -91,8 +83,7 @@ def insert(model: Any, using: str, values: dict[str, Any]) -> int | None:
 
 
 def try_guard(using: str, scope: str, key: str) -> bool:
-    """Take the key's transaction-scoped guard on PostgreSQL without waiting (True elsewhere).
-    Must run inside a transaction."""
+    """Take the key's guard in the current transaction, never waiting (True off PostgreSQL)."""
     return try_name(using, _guard_name(scope, key))
 
 
@@ -104,15 +95,12 @@ def _table(model: Any, connection: Any) -> str:
     return str(connection.ops.quote_name(model._meta.db_table))
 
 
-def _column(model: Any, connection: Any, name: str) -> str:
-    return str(connection.ops.quote_name(model._meta.get_field(name).column))
-
-
 def _columns(model: Any, connection: Any, names: Any, prefix: str = "") -> str:
-    return ", ".join(prefix + _column(model, connection, name) for name in names)
+    quote = connection.ops.quote_name
+    return ", ".join(prefix + quote(model._meta.get_field(name).column) for name in names)
 
 
-def _insert_sql(model: Any, connection: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
+def _insert_sql(model: Any, connection: Any, values: Row) -> tuple[str, list[Any]]:
     """``INSERT ... ON CONFLICT (scope, key) DO NOTHING RETURNING id`` of ``values``, and its
     parameters."""
     meta = model._meta
@@ -123,32 +111,30 @@ def _insert_sql(model: Any, connection: Any, values: dict[str, Any]) -> tuple[st
         f"INSERT INTO {_table(model, connection)} ({_columns(model, connection, values)}) "
         f"VALUES ({', '.join(['%s'] * len(params))}) "
         f"ON CONFLICT ({_columns(model, connection, ('scope', 'key'))}) DO NOTHING "
-        f"RETURNING {_column(model, connection, 'id')}"
+        f"RETURNING {_columns(model, connection, ['id'])}"
     )
     return sql, params
 
 
 def _by_key(model: Any, connection: Any, prefix: str = "") -> str:
-    scope, key = (prefix + _column(model, connection, name) for name in ("scope", "key"))
-    return f"{scope} = %s AND {key} = %s"
+    both = (_columns(model, connection, [name], prefix) for name in ("scope", "key"))
+    return " AND ".join(f"{column} = %s" for column in both)
 
 
-def _read(model: Any, connection: Any, fields: Any) -> dict[str, Any]:
+def _read(model: Any, connection: Any, fields: Any) -> Row:
     row = dict(zip(ROW_FIELDS, fields, strict=True))
     row["result"] = model._meta.get_field("result").from_db_value(row["result"], None, connection)
     return row
 
 
-def _insert_or_read_postgresql(
-    model: Any, connection: Any, values: dict[str, Any]
-) -> tuple[str, int | None, dict[str, Any] | None]:
+def _insert_or_read_postgresql(model: Any, connection: Any, values: Row) -> Found:
     # One statement. The CTE's INSERT and the read of the table share one snapshot: after an
     # insert the read sees nothing (only the CTE's row comes back, marked 1); on a conflict
     # with a row committed before the statement began, only the existing row (2).
     insert, params = _insert_sql(model, connection, values)
-    nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
+    pk, nulls = _columns(model, connection, ["id"]), ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
     sql = (
-        f"WITH ins AS ({insert}) SELECT 1, {_column(model, connection, 'id')}, {nulls} FROM ins "
+        f"WITH ins AS ({insert}) SELECT 1, {pk}, {nulls} FROM ins "
         f"UNION ALL SELECT 2, {_columns(model, connection, ROW_FIELDS)} "
         f"FROM {_table(model, connection)} WHERE {_by_key(model, connection)}"
     )
@@ -163,8 +149,8 @@ def _insert_or_read_postgresql(
 
 
 def _guard_and_read_postgresql(
-    model: Any, connection: Any, values: dict[str, Any], lock_key: str | None
-) -> tuple[str, int | None, dict[str, Any] | None]:
+    model: Any, connection: Any, values: Row, lock_key: str | None
+) -> Found:
     # One read-only statement: the guards (never waiting) and the row if there is one; a
     # replay is this one query.
     resource = GUARD_SQL if lock_key is not None else "TRUE"
@@ -188,13 +174,8 @@ def _guard_and_read_postgresql(
 
 
 def in_progress(scope: str, key: str, why: str) -> IdempotencyInProgress:
-    return IdempotencyInProgress(
-        f"Idempotency key {key!r} (scope {scope!r}) is being claimed by another transaction "
-        f"({why}; a run whose lock was lost may still be inside its transaction); treated as "
-        "in progress.",
-        key=key,
-        scope=scope,
-    )
+    why = f"is being claimed by another transaction ({why}; maybe a run that lost its lock)."
+    return error_for(IdempotencyInProgress, key, scope, why)
 
 
 @contextlib.contextmanager

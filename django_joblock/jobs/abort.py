@@ -1,12 +1,8 @@
-"""Interrupt the running job when its lock is lost (``JOBLOCK["ON_LOCK_LOST"] = "abort"``).
-
-The renewal thread notices the loss while the job runs in the main thread, perhaps blocked in
-a socket read or ``time.sleep``: ``SIGUSR2`` (unused by RQ), sent there with ``pthread_kill``,
-interrupts it and the handler raises :class:`LockLost`, so the job's transaction rolls back and
-it fails visibly. The previous handler is restored after each job; a signal sent to a job that
-ended meanwhile is drained first, so it never reaches the default action (process exit).
-Outside the main thread no signal is used: the lock is only flagged lost, and fenced writes
-still refuse stale data.
+"""Interrupt the running job when its lock is lost (``ON_LOCK_LOST = "abort"``; docs/jobs.md):
+the renewal thread sends ``SIGUSR2`` (unused by RQ) to the main thread, whose handler raises
+:class:`LockLost` even in a blocking call, so the transaction rolls back and the job fails. The
+previous handler is restored after each job, a late signal drained first (never the default
+action: exit). Outside the main thread the lock is only flagged; fences still refuse writes.
 """
 
 from __future__ import annotations
@@ -32,17 +28,12 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     armed = _armed
     held = armed.lock if armed is not None else None
     if armed is not None and held is not None and armed.reason:
-        raise LockLost(
-            f"Job aborted: its lock was lost ({armed.reason})",
-            resource=held.resource,
-            key=held.key,
-            owner=held.owner,
-        )
+        message = f"Job aborted: its lock was lost ({armed.reason})"
+        raise LockLost(message, resource=held.resource, key=held.key, owner=held.owner)
 
 
 class Abort:
-    """Context manager arming the abort around the job body; :meth:`lost` is the lock's
-    ``on_lost`` hook, which then calls ``then(lock, reason)`` (the job's own ``on_lost``)."""
+    """Arms the abort around the job body; :meth:`lost` is the lock's ``on_lost`` hook."""
 
     def __init__(self, then: Callable[[Lock, str], Any] | None = None) -> None:
         self.then = then
@@ -63,11 +54,10 @@ class Abort:
         return self
 
     def lost(self, lock: Lock, reason: str) -> None:
-        """Interrupt the main thread if still armed, then call ``then``."""
+        """Interrupt the main thread if still armed, then call ``then`` (the job's ``on_lost``)."""
         self.lock = lock
         self.reason = reason or "lost"
-        # Noticed by the job's own thread (ensure_held), it raises LockLost itself: a signal
-        # to ourselves could land in the middle of the rollback that follows.
+        # Noticed by the job's own thread (ensure_held), it raises LockLost: no signal mid-rollback.
         ident = self._main_ident
         if self.active and ident is not None and threading.get_ident() != ident:
             with _guard:
@@ -101,8 +91,7 @@ class Abort:
 
 
 def _reset_after_fork() -> None:
-    # A forked child inherits the handler but not the parent's armed job (nor its guard,
-    # which the parent's renewal thread may have held at the moment of the fork).
+    # A forked child has neither the parent's armed job nor its guard (maybe held at the fork).
     global _armed, _guard
     _armed = None
     _guard = threading.Lock()

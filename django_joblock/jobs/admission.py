@@ -1,18 +1,13 @@
-"""Admission: a job whose resource is busy waits parked in RQ, not in a requeue loop (§4.8).
-
-On rq >= 3.0 a ``@locked_job`` with a lock is enqueued with RQ's own ``RateLimit(key=<its lock
-key>, concurrency=1)``: RQ keeps at most one job per resource queued or running (across the
-queues of that Redis connection) and parks the others (``rate_limited``) without using a worker
-or their retry budget. When the admitted job ends (or is scheduled for a retry) RQ frees its
-slot and pushes the oldest parked job; a killed work horse frees it at once, a dead worker at
-RQ's next maintenance (docs/jobs.md). Parked jobs get ids that sort by enqueue time, so RQ's
-tie-break keeps them FIFO within a second. Admission decides only *when* a job starts; the
-lock stays the safety, and a job finding it busy anyway requeues (:mod:`.requeue`). Where
-admission does not apply, ``job.meta["joblock"]["admission"]`` says why (:class:`Admission`).
+"""Admission (§4.8; docs/jobs.md): a job whose resource is busy waits parked in RQ, not in a
+requeue loop. On rq >= 3.0 a job with a lock is enqueued with RQ's ``RateLimit(key=<its lock
+key>, concurrency=1)``: RQ parks the others, using no worker nor retry budget, until the slot
+frees (a killed horse's at once, a dead worker's at RQ's next maintenance); time-sorted job ids
+keep them FIFO. Admission decides only *when* a job starts; the lock stays the safety.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import secrets
@@ -26,10 +21,8 @@ from .. import conf
 from ..locks.keys import LockKeys
 
 RateLimit: Any = None
-try:  # rq >= 3.0
+with contextlib.suppress(ImportError):  # rq 2.x has none: requeue only
     RateLimit = importlib.import_module("rq.rate_limit").RateLimit
-except ImportError:  # rq 2.x: requeue only
-    pass
 
 PARKED = "rate_limited"  # RQ's JobStatus.RATE_LIMITED (rq >= 3.0)
 
@@ -55,23 +48,19 @@ def supported() -> bool:
 def plan(queue: Any, resource: str, enabled: bool, options: dict[str, Any]) -> Admission:
     """Decide how a job on ``resource`` waits; if parked, add ``rate_limit`` (and, without a
     ``job_id``, a time-sorted one) to ``options``, the enqueue call's merged RQ options."""
-    if not queue.is_async:
-        return Admission.SYNC
-    if not enabled:
-        return Admission.OFF
-    if not supported():
-        return Admission.REQUEUE_ONLY
-    if options.get("rate_limit") is not None:
-        return Admission.CALLER_RATE_LIMIT
-    if options.get("unique"):
-        return Admission.RQ_UNIQUE
-    if options.get("pipeline") is not None:
-        return Admission.PIPELINE
-    if (
-        queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
-        or queue.redis_queue_namespace_prefix != Queue.redis_queue_namespace_prefix
+    own_prefix = queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
+    own_prefix |= queue.redis_queue_namespace_prefix != Queue.redis_queue_namespace_prefix
+    for refused, why in (
+        (not queue.is_async, Admission.SYNC),
+        (not enabled, Admission.OFF),
+        (not supported(), Admission.REQUEUE_ONLY),
+        (options.get("rate_limit") is not None, Admission.CALLER_RATE_LIMIT),
+        (bool(options.get("unique")), Admission.RQ_UNIQUE),
+        (options.get("pipeline") is not None, Admission.PIPELINE),
+        (own_prefix, Admission.KEY_PREFIX),
     ):
-        return Admission.KEY_PREFIX
+        if refused:
+            return why
     key = LockKeys(conf.get().KEY_PREFIX, resource).lock  # joblock:{order:1}:lock
     options["rate_limit"] = RateLimit(key=key, concurrency=1)
     options.setdefault("job_id", f"{time.time_ns():016x}{secrets.token_hex(8)}")

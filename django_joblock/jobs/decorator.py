@@ -1,17 +1,8 @@
-"""``@locked_job``: RQ jobs that run the safe flow (lock, heartbeat, idempotency, run, record).
-
-    @locked_job("default", lock="order:{order_id}", idempotency_key="refund:{refund_id}",
-                ttl=60, on_conflict="requeue")
-    def refund_order(order_id: int, refund_id: str, amount: str) -> dict: ...
-
-    refund_order.delay(order_id=1, refund_id="R-1", amount="10.00")   # -> rq.job.Job
-    refund_order.enqueue(kwargs={...}, job_timeout=600)               # per-call RQ options
-    refund_order(order_id=1, refund_id="R-1", amount="10.00")         # inline, same protections
-
-Mistakes fail in the caller, not in a worker: template fields are checked against the
-function's parameters at decoration; resource, key, scope, queue name and RQ options at enqueue,
-where a per-call ``job_timeout`` is also checked like system checks W002 / W006 (a finding is
-logged as a warning with the check id; the call goes ahead).
+"""``@locked_job``: RQ jobs that run the safe flow of :mod:`.runner` (docs/jobs.md); a
+decorated function is called inline or ``.delay(...)``-ed / ``.enqueue(args, kwargs, **rq)``-ed
+onto its queue. Mistakes fail in the caller, never in a worker: template fields at decoration;
+resource, key, scope, queue and RQ options at enqueue, where a per-call ``job_timeout`` is also
+checked like W002 / W006 (a finding is logged as a warning with its id; the call goes ahead).
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ class LockedJob(Protocol[P, R_co]):
         """Enqueue with per-call RQ options (``job_timeout``, ``retry``, ``job_id``...)."""
 
 
-# Every decorated job, by dotted name: for the system checks and the dashboard.
-registry: dict[str, JobSpec[Any, Any]] = {}
+registry: dict[str, JobSpec[Any, Any]] = {}  # every decorated job, by dotted name
 
 
 def registered_jobs() -> list[JobSpec[Any, Any]]:
@@ -78,60 +68,39 @@ def locked_job(
     dedupe: bool = False,
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
-    """Decorate an RQ job function with the safe flow (:mod:`.runner`).
-
-    ``queue``: a name (from ``RQ_QUEUES`` with django-rq) or an ``rq.Queue``. ``lock`` and
-    ``idempotency_key``: ``str.format`` templates over the bound arguments (defaults applied),
-    callables taking them as keywords, or None. ``ttl`` (s): default ``LOCK_TTL``.
-    ``on_conflict``: ``"requeue"`` (failing after ``max_wait`` / ``REQUEUE_MAX_WAIT``),
-    ``"skip"`` or ``"fail"`` (:mod:`.requeue`). ``on_lost(lock, reason)``: called on a loss.
-    ``atomic=False``: for lock-only jobs that manage their own transactions or work long
-    outside the database; their writes are not rolled back on a loss, so fence them.
-    ``admission=False``: requeue with backoff instead of waiting parked (:mod:`.admission`).
-    ``dedupe=True``: ``.delay()`` of a logical job still live returns it (:mod:`.dedupe`). Other
-    keywords (``job_timeout``, ``retry``...) go to ``Queue.enqueue``.
-    """
+    """Decorate an RQ job function with the safe flow (:mod:`.runner`; every argument: the
+    table in docs/jobs.md). ``lock`` / ``idempotency_key``: ``str.format`` templates over the
+    bound arguments, callables taking them as keywords, or None; ``ttl`` / ``max_wait`` in
+    seconds; ``on_conflict``: :class:`OnConflict`. Other keywords go to RQ's ``enqueue``."""
     if callable(queue):
         raise TypeError(
             "@locked_job takes the queue first, then keywords: @locked_job('default', "
             f"lock='order:{{order_id}}'); got the function {getattr(queue, '__qualname__', '')!r}"
         )
-    if on_conflict not in CONFLICT_POLICIES:
-        raise ValueError(
-            f"@locked_job: on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
-        )
-    if ttl is not None:
-        conf.TTL_RANGE.check("@locked_job: ttl", ttl)
-    if max_wait is not None:
-        conf.MAX_WAIT_RANGE.check("@locked_job: max_wait", max_wait)
-    if lock is None and idempotency_key is None:
-        raise ValueError("@locked_job needs a lock resource, an idempotency_key, or both")
-    if "unique" in rq_options:
-        raise ValueError(
-            "@locked_job: unique= was renamed dedupe= (return the live job of the same "
-            "idempotency key); RQ's own unique= (refuse a duplicate job id) is a per-call "
-            "option: .enqueue(..., unique=True)"
-        )
     flags = {"heartbeat": heartbeat, "atomic": atomic, "admission": admission, "dedupe": dedupe}
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise ValueError(f"@locked_job: {name} must be True or False, got {flag!r}")
-    if on_lost is not None and not callable(on_lost):
-        raise ValueError(f"@locked_job: on_lost must be a callable(lock, reason), got {on_lost!r}")
-    if not atomic and idempotency_key is not None:
-        raise ValueError(
-            "@locked_job: atomic=False is only for jobs without an idempotency_key (the "
-            "record of success commits in the same transaction as the effect)"
-        )
-    if dedupe and idempotency_key is None:
-        raise ValueError(
-            "@locked_job: dedupe=True needs an idempotency_key (the RQ job id is derived from it)"
-        )
-    if dedupe and "job_id" in rq_options:
-        raise ValueError(
-            "@locked_job: dedupe=True derives the RQ job id from the idempotency key; do not "
-            f"pass job_id={rq_options['job_id']!r} too"
-        )
+    why = ""  # the first refusal, in this order
+    if on_conflict not in CONFLICT_POLICIES:
+        why = f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
+    elif ttl is not None and (problem := conf.TTL_RANGE.problem(ttl)):
+        why = f"ttl {problem}."
+    elif max_wait is not None and (problem := conf.MAX_WAIT_RANGE.problem(max_wait)):
+        why = f"max_wait {problem}."
+    elif lock is None and idempotency_key is None:
+        why = "needs a lock resource, an idempotency_key, or both"
+    elif "unique" in rq_options:
+        why = "unique= was renamed dedupe= (RQ's own unique= is per call: .enqueue(unique=True))"
+    elif bad := next((name for name, flag in flags.items() if not isinstance(flag, bool)), ""):
+        why = f"{bad} must be True or False, got {flags[bad]!r}"
+    elif on_lost is not None and not callable(on_lost):
+        why = f"on_lost must be a callable(lock, reason), got {on_lost!r}"
+    elif not atomic and idempotency_key is not None:
+        why = "atomic=False is only for jobs without an idempotency_key (recorded with the effect)"
+    elif dedupe and idempotency_key is None:
+        why = "dedupe=True needs an idempotency_key (the RQ job id is derived from it)"
+    elif dedupe and "job_id" in rq_options:
+        why = f"dedupe=True derives the RQ job id; do not pass job_id={rq_options['job_id']!r} too"
+    if why:
+        raise ValueError(f"@locked_job: {why}")
 
     def decorate(func: Callable[P, R]) -> LockedJob[P, R]:
         check_rq_options(rq_options, f"@locked_job {func.__qualname__}")
@@ -168,9 +137,7 @@ def locked_job(
             return enqueue(args, kwargs)
 
         locked = cast(Any, wrapper)
-        locked.delay = delay
-        locked.enqueue = enqueue
-        locked.spec = spec
+        locked.delay, locked.enqueue, locked.spec = delay, enqueue, spec
         registry[spec.name] = spec
         return cast(LockedJob[P, R], locked)
 
@@ -195,13 +162,8 @@ def _enqueue(
     options["meta"] = {**options.get("meta", {}), "joblock": state}
     if "job_timeout" in per_call:  # the system check saw only the decoration's options
         for finding in timeout_findings(spec, job_timeout(per_call["job_timeout"], queue)):
-            logger.warning(
-                "[django_joblock.%s] %s %s",
-                finding.id,
-                finding.message,
-                finding.hint,
-                extra={"outcome": "enqueued", "reason": f"django_joblock.{finding.id}"},
-            )
+            extra = {"outcome": "enqueued", "reason": f"django_joblock.{finding.id}"}
+            logger.warning("[django_joblock.%s] %s %s", *finding, extra=extra)
 
     def put() -> Any:
         # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
@@ -212,10 +174,7 @@ def _enqueue(
     assert key is not None
     if "job_id" in per_call:
         raise ValueError(
-            f"{spec.name}: dedupe=True derives the RQ job id from the idempotency key; do not "
-            f"pass job_id={per_call['job_id']!r}"
+            f"{spec.name}: dedupe=True derives the RQ job id; got job_id={per_call['job_id']!r}"
         )
-    options["job_id"] = dedupe_mod.job_id_for(spec.scope, key)
-    return dedupe_mod.enqueue_once(
-        queue, options["job_id"], put, family=key_family(key), func=spec.name
-    )
+    options["job_id"] = job_id = dedupe_mod.job_id_for(spec.scope, key)
+    return dedupe_mod.enqueue_once(queue, job_id, put, family=key_family(key), func=spec.name)

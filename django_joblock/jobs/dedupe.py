@@ -1,13 +1,8 @@
-"""Duplicates stopped at enqueue: ``@locked_job(..., dedupe=True)`` (DESIGN §4.10).
-
-A deduplicated job's RQ id is ``joblock-<40 hex of sha256>`` of its dotted name and idempotency
-key. ``.delay()`` of a logical job whose RQ job is *live* (queued, scheduled, deferred, parked,
-started) returns that job (``blocked_at_enqueue``); one that ended, or that RQ expired, is
-enqueued again under the same id, and its idempotency record replays (or reruns a failure).
-Check-and-enqueue is atomic per id through a short guard key on the queue's connection (``SET
-NX PX``, compare-and-delete; at most ``GUARD_TTL`` if its holder died): three more round trips
-per such enqueue, none at run time. A job whose worker died stays ``started`` until RQ's
-maintenance notices (docs/jobs.md); until then duplicates return it.
+"""Duplicates stopped at enqueue, ``@locked_job(..., dedupe=True)`` (§4.10; docs/jobs.md): the
+RQ id is ``joblock-<40 hex of sha256>`` of the dotted name and idempotency key, and ``.delay()``
+of a logical job whose RQ job is *live* returns it; one that ended (or expired) is enqueued again
+and its record replays. Check-and-enqueue is atomic per id through a guard key on the queue's
+connection (compare-and-delete; ``GUARD_TTL``): three more round trips, none at run time.
 """
 
 from __future__ import annotations
@@ -57,9 +52,7 @@ def _status(queue: Any, job_id: str) -> str | None:
 def enqueue_once(
     queue: Any, job_id: str, enqueue: Callable[[], Any], *, family: str, func: str
 ) -> Any:
-    """``enqueue()`` unless job ``job_id`` is live on ``queue``; then return that job.
-    :class:`~django_joblock.exceptions.JoblockError` if another enqueuer kept the guard for
-    twice ``GUARD_TTL``."""
+    """``enqueue()`` unless job ``job_id`` is live on ``queue``: then that job (module docs)."""
     client = queue.connection
     guard = f"{conf.get().KEY_PREFIX}:enqueue:{job_id}"
     token = secrets.token_hex(8)
@@ -88,9 +81,8 @@ def enqueue_once(
 
 
 def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
-    """Job ``job_id`` ended and runs again under its id. RQ's enqueue rewrites its hash field
-    by field and keeps the expiry its end gave it (``result_ttl``, ``failure_ttl``): without
-    ``PERSIST`` the new job would vanish while it waits. Its old registry entry goes too."""
+    """Job ``job_id`` ended and runs again under its id: drop its old registry entry, and
+    ``PERSIST`` it, as RQ's enqueue keeps the expiry its end gave it (``result_ttl``...)."""
     if status == JobStatus.FAILED:
         queue.failed_job_registry.remove(job_id)
     elif status == JobStatus.FINISHED:
@@ -105,11 +97,7 @@ def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
 def _blocked(job: Any, family: str, func: str) -> Any:
     metrics.count("blocked_at_enqueue", family, func)
     metrics.flush_now()  # an enqueuing web process may never flush otherwise
-    logger.info(
-        "duplicate .delay() of %s blocked at enqueue: job %s is %s",
-        func,
-        job.id,
-        job.get_status(refresh=False),
-        extra={"job_id": job.id, "outcome": "blocked_at_enqueue", "reason": "live job"},
-    )
+    fields = {"job_id": job.id, "outcome": "blocked_at_enqueue", "reason": "live job"}
+    message = "duplicate .delay() of %s blocked at enqueue: job %s is %s"
+    logger.info(message, func, job.id, job.get_status(refresh=False), extra=fields)
     return job

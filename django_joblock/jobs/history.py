@@ -1,15 +1,13 @@
-"""The recent runs of each family: who held a resource, who waited, how each delivery ended.
-
-Every run of a ``@locked_job`` by an RQ worker appends one :class:`Delivery` when it ends; the
-doctor ("did the queue really deliver it twice?") and the dashboard's timeline read them. A
-Redis LIST per family, ``P:runs:<family>`` (the resource's family, else the idempotency key's),
-on the *queue's* connection, written in the job's outcome round trip (:mod:`.outcomes`),
-trimmed to the last :data:`KEPT` entries, expiring :data:`TTL` seconds after the last write.
-Losing it loses history, never correctness: the idempotency record stops a second effect.
+"""The recent runs of each family (its resource's, else its idempotency key's), for the doctor
+and the dashboard's timeline: a Redis LIST ``P:runs:<family>`` on the *queue's* connection gets
+one :class:`Delivery` per worker run in its outcome round trip (:mod:`.outcomes`), keeps the
+last :data:`KEPT` and expires :data:`TTL` s after its last write. Losing it loses history,
+never correctness (the idempotency record stops a second effect).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -53,10 +51,8 @@ class Delivery:
             found = cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
         except (ValueError, TypeError, KeyError):
             return None
-        times = (found.started, found.took)
-        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
-            return None
-        return found
+        valid = all(type(t) in (int, float) for t in (found.started, found.took))  # not bool
+        return found if valid else None
 
 
 def family_of(resource: str, key: str) -> str:
@@ -109,23 +105,17 @@ def add_calls(run: Delivery) -> list[list[Any]]:
 
 def read(clients: list[Any], name: str, *, since: float = 0.0) -> list[Delivery]:
     """Family ``name``'s runs that ended after ``since`` (Unix s), from every client (one per
-    queue server and database), by start. A Redis that does not answer, and an entry of an
-    unexpected shape, are left out: history is an aid, not state."""
-    found = []
+    queue server and database), by start; a silent Redis and an odd entry are left out."""
+    raw: list[Any] = []
     for each in clients:
-        try:
-            raw = each.lrange(_list_key(name), 0, -1)
-        except REDIS_ERRORS:
-            continue
-        found += [
-            run for run in map(Delivery.decode, raw) if run and run.started + run.took >= since
-        ]
+        with contextlib.suppress(*REDIS_ERRORS):
+            raw += each.lrange(_list_key(name), 0, -1)
+    found = [run for run in map(Delivery.decode, raw) if run and run.started + run.took >= since]
     return sorted(found, key=lambda run: (run.started, run.job_id))
 
 
 def of_key(clients: list[Any], scope: str, key: str, resource: str = "") -> list[Delivery]:
-    """The runs of idempotency ``key`` of the job named ``scope`` (kept under its resource's
-    family, if known)."""
+    """The runs of idempotency ``key`` of the job ``scope`` (under ``resource``'s family)."""
     runs = read(clients, family_of(resource, key))
     return [run for run in runs if run.key == key and run.func == scope]
 

@@ -1,11 +1,8 @@
-"""How one run of a ``@locked_job`` ends (:func:`finish`): ``job.meta["joblock"]`` gets its
-``outcome`` (a :class:`JobOutcome`), a ``reason`` unless it ran or replayed, and ``waited``
-(seconds from enqueue to the start of the run that took the lock; keep hosts' clocks synced, a
-negative difference counts as 0). RQ never saves ``meta`` when a job ends, so it is written
-after the job's commit, with the run's :mod:`.history` entry, in one round trip; a failed write
-is logged, never a job failure. Each run logs **one** line on ``django_joblock`` (INFO; DEBUG
-inline): ``job <id> <outcome>: <function> resource=<r> key=<k>``, with the holder when busy, a
-requeue's delay and the reason.
+"""How one run of a ``@locked_job`` ends (:func:`finish`; docs/jobs.md, "Outcomes"): its
+:class:`JobOutcome`, ``reason`` and ``waited`` go to ``job.meta["joblock"]``, written after the
+job's commit with its :mod:`.history` entry in one round trip (RQ never saves ``meta`` at the
+end; a failed write is logged, never a job failure), and it logs **one** line on
+``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``.
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ from typing import Any
 
 from .. import conf, metrics
 from ..backend import REDIS_ERRORS, raise_refused, send
-from ..idempotency.inputs import key_family
-from ..locks.keys import family
 from ..logs import logger
 from . import history
 from .spec import JobSpec
@@ -43,8 +38,7 @@ RAISED = frozenset({JobOutcome.FAILED, JobOutcome.ABORTED, JobOutcome.GAVE_UP})
 
 @dataclass
 class Run:
-    """One run of a job. ``job``: the RQ job (None inline); ``worker``: an RQ worker runs it,
-    so it can be requeued (False on a synchronous queue, which runs it inline at enqueue)."""
+    """One run of a job: ``job`` is None inline; ``worker``: it can requeue (no sync queue)."""
 
     spec: JobSpec[Any, Any]
     resource: str | None
@@ -58,11 +52,10 @@ class Run:
     @property
     def family(self) -> str:
         """The metrics family: the resource's, else the idempotency key's (bounded)."""
-        return family(self.resource) if self.resource is not None else key_family(self.key or "")
+        return history.family_of(self.resource or "", self.key or "")
 
     def note_duration(self) -> None:
-        """Count ``near_timeout`` for a worker's run that took ``ALERTS["TIMEOUT_RATIO"]`` of
-        its RQ ``job_timeout`` or more (or that RQ's timeout killed: it unwinds through here)."""
+        """Count ``near_timeout`` for a run near its RQ timeout (or killed by it: unwinds here)."""
         timeout = getattr(self.job, "timeout", None)
         if not self.worker or not isinstance(timeout, (int, float)) or timeout <= 0:
             return
@@ -79,8 +72,7 @@ class Run:
 
 
 def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
-    """Record ``outcome`` and log the run's line (module docs); a worker's run that raised
-    counts ``failed_runs``, and ``rq_retries`` when RQ retries it."""
+    """Record ``outcome`` and log the run's line; count a worker's ``failed_runs``."""
     _log(run, outcome, extra)
     job = run.job
     if job is None:
@@ -104,44 +96,25 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     try:
         raise_refused(send(job.connection, calls))
     except REDIS_ERRORS:
-        logger.warning(
-            "could not record outcome %s of job %s",
-            outcome.value,
-            job.id,
-            exc_info=True,
-            extra={"job_id": job.id, "outcome": outcome.value},
-        )
+        fields = {"job_id": job.id, "outcome": outcome.value}
+        message = "could not record outcome %s of job %s"
+        logger.warning(message, outcome.value, job.id, exc_info=True, extra=fields)
 
 
 def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:
     level = logging.INFO if run.job is not None else logging.DEBUG
     if not logger.isEnabledFor(level):
         return
-    job_id = getattr(run.job, "id", None)
-    parts = [f"resource={run.resource or '-'}", f"key={run.key or '-'}"]
+    job_id, reason = getattr(run.job, "id", None), extra.get("reason", "")
+    parts = [run.spec.name, f"resource={run.resource or '-'}", f"key={run.key or '-'}"]
     if run.holder:
         parts.append(f"holder={run.holder}")
     if outcome is JobOutcome.REQUEUED:
         parts.append(f"in {extra.get('delays', [0])[-1]}s (requeue {extra.get('requeues')})")
     if run.waited is not None and outcome in (JobOutcome.RAN, JobOutcome.REPLAYED):
         parts.append(f"waited {run.waited:.3f}s")
-    reason = extra.get("reason", "")
     if reason:
         parts.append(f"reason: {reason}")
-    logger.log(
-        level,
-        "job %s %s: %s %s",
-        job_id or "(inline)",
-        outcome.value,
-        run.spec.name,
-        " ".join(parts),
-        extra={
-            "job_id": job_id,
-            "resource": run.resource,
-            "idempotency_key": run.key,
-            "outcome": outcome.value,
-            "reason": reason,
-            "holder": run.holder,
-            "waited": run.waited,
-        },
-    )
+    fields = dict(job_id=job_id, resource=run.resource, idempotency_key=run.key, reason=reason)
+    fields.update(outcome=outcome.value, holder=run.holder, waited=run.waited)
+    logger.log(level, "job %s %s: %s", job_id or "(inline)", outcome, " ".join(parts), extra=fields)

@@ -1,10 +1,7 @@
-"""Which RQ queue a name means. With django-rq installed a name must be in
-``settings.RQ_QUEUES`` (``django_rq.get_queue``, its connection and on-commit mode respected);
-an unknown one raises :class:`~django_joblock.exceptions.JoblockConfigError` listing the known
-ones, instead of silently using another Redis. Without django-rq a name is an ``rq.Queue`` on
-the connection of ``JOBLOCK["REDIS_ALIAS"]``. RQ's state lives on the *queue's* connection,
-which may differ from the locks'.
-"""
+"""Which RQ queue a name means: with django-rq, a name in ``settings.RQ_QUEUES`` (an unknown
+one raises :class:`~django_joblock.exceptions.JoblockConfigError`, never silently another
+Redis); without it, an ``rq.Queue`` on ``JOBLOCK["REDIS_ALIAS"]``'s connection. RQ's state lives
+on the *queue's* connection, which may differ from the locks'."""
 
 from __future__ import annotations
 
@@ -27,9 +24,7 @@ def configured_names() -> list[str]:
 
 
 def get_queue(queue: Any) -> Queue:
-    """``queue`` as an ``rq.Queue``: a Queue as is, a name resolved (``ValueError`` for
-    something else, :class:`~django_joblock.exceptions.JoblockConfigError` for a name
-    django-rq does not know)."""
+    """``queue`` (an ``rq.Queue`` or a name, resolved) as an ``rq.Queue`` (module docs)."""
     if isinstance(queue, Queue):
         return queue
     if not isinstance(queue, str) or not queue:
@@ -38,11 +33,8 @@ def get_queue(queue: Any) -> Queue:
         return Queue(queue, connection=cache_connection(conf.get().REDIS_ALIAS))
     known = configured_names()
     if queue not in known:
-        raise JoblockConfigError(
-            f"Queue {queue!r} is not in settings.RQ_QUEUES (known: {', '.join(known) or 'none'}). "
-            "django-rq is installed, so django-joblock takes its queues from RQ_QUEUES; add "
-            "the queue there or use one of the known names."
-        )
+        names = ", ".join(known) or "none"
+        raise JoblockConfigError(f"Queue {queue!r} is not in settings.RQ_QUEUES (known: {names})")
     import django_rq  # type: ignore[import-not-found,unused-ignore]
 
     found: Queue = django_rq.get_queue(queue)
@@ -58,11 +50,5 @@ def server_of(client: Any) -> tuple[Any, ...]:
     Sentinel-managed pool is named by its service (its host changes with each failover)."""
     pool = getattr(client, "connection_pool", None)
     kwargs = getattr(pool, "connection_kwargs", {}) or {}
-    return (
-        getattr(pool, "service_name", None),
-        kwargs.get("host"),
-        kwargs.get("port"),
-        kwargs.get("path"),
-        kwargs.get("db", 0),
-        kwargs.get("username"),
-    )
+    where = (kwargs.get("host"), kwargs.get("port"), kwargs.get("path"), kwargs.get("db", 0))
+    return (getattr(pool, "service_name", None), *where, kwargs.get("username"))

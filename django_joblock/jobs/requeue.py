@@ -1,24 +1,15 @@
-"""Contention: what a job does when its lock, a live claim of its key, or its resource's
-transaction guard is busy. With admission (:mod:`.admission`) this happens only when the holder
-is outside it (a ``lock()`` caller, another Redis's queue, ``admission=False``, rq 2.x, an
-orphaned horse). ``on_conflict`` decides:
-
-- ``"requeue"``: return ``rq.Retry(interval=[delay])``: RQ's scheduler runs the *same job id*
-  again (``job.id`` tracking and dependents keep working; ``retries_left`` is untouched, as
-  contention is no failure) after whole seconds of exponential backoff with full jitter
-  (``REQUEUE_BACKOFF``), at least the remaining TTL of a holder that stopped renewing. The job
-  gives its admission slot up and rejoins the line at the back. After ``max_wait`` (default
-  ``REQUEUE_MAX_WAIT``) s it raises :class:`LockContentionTimeout` and ends *failed*, visibly.
-  A lock Redis that does not answer the acquire is treated alike (:func:`unavailable`).
-- ``"skip"``: finish without running (outcome ``skipped``).
-- ``"fail"``: raise :class:`LockNotAcquired` (or the claim's or guard's exception).
-
-A run that cannot be requeued (inline, or a synchronous queue) has already waited up to
-``ACQUIRE_WAIT`` and raises :class:`LockNotAcquired` for ``"requeue"`` too.
+"""Contention (docs/jobs.md, "Conflicts"): what a job does when its lock, a live claim of its
+key or its resource's transaction guard is busy. ``"requeue"`` returns ``rq.Retry`` for the
+*same job id* after whole seconds of jittered backoff (at least the remaining TTL of a holder
+that stopped renewing; no retry budget spent), also when the lock's Redis does not answer, and
+after ``max_wait`` raises :class:`LockContentionTimeout`: the job fails, visibly. ``"skip"``
+finishes without running; ``"fail"``, and ``"requeue"`` in a run that cannot requeue (inline,
+a synchronous queue), raise :class:`LockNotAcquired` (or the claim's or guard's exception).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
@@ -59,10 +50,8 @@ def conflict(
         what = str(in_progress)
     else:
         assert held is not None
-        try:
+        with contextlib.suppress(LockBackendUnavailable):  # gone since the acquire: no info
             info = lock_info(held.resource, using=held.alias)
-        except LockBackendUnavailable:
-            pass  # the acquire just answered; if Redis went away now, RQ retries anyway
         if info is not None:  # for the log line and the reason
             job = f" job={info.job_id}" if info.job_id else ""
             run.holder = f"{info.host}:{info.pid} owner={info.owner}{job} "
@@ -70,8 +59,7 @@ def conflict(
         what = f"lock {held.resource!r} is busy"
         twin = in_flight(run, info)
         if twin is not None:
-            # The queue delivered this work twice and the first delivery still runs: it waits
-            # as any contended job does, then its key replays the first one's result.
+            # Delivered twice, the first still running: wait as contended, then replay its result.
             metrics.count("duplicates_in_flight", run.family, spec.name)
             what = f"a duplicate in flight: key {run.key!r} is running as job {twin}"
     if spec.on_conflict is OnConflict.SKIP:
@@ -94,16 +82,14 @@ def conflict(
 
 
 def unavailable(run: Run, held: Lock, exc: LockBackendUnavailable) -> Ending:
-    """The lock's Redis did not answer a worker's ``"requeue"`` job: requeue it as if busy.
-    Failing it would fail a whole parked backlog within seconds of a short outage (each failed
-    job frees its admission slot and RQ promotes the next at once)."""
+    """The lock's Redis did not answer a worker's ``"requeue"`` job: requeue it as if busy
+    (failing it would free its slot, and RQ would promote and fail the next parked job)."""
     return _requeue(run, held, f"the lock's Redis did not answer ({exc})", None)
 
 
 def in_flight(run: Run, info: LockInfo | None) -> str | None:
-    """The holder's RQ job id when it runs this run's very idempotency key (a second delivery
-    still running), else None; a holder not an RQ job of this function, or unreadable, is
-    never called a duplicate."""
+    """The holder's RQ job id when it runs this very idempotency key (a second delivery still
+    running), else None; a holder that is no RQ job of this function, or unreadable, is not."""
     job = run.job
     if info is None or not info.job_id or run.key is None or job is None:
         return None
@@ -140,12 +126,10 @@ def _requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> E
     waited = now - first
     if waited >= limit:
         metrics.count("given_up", run.family, spec.name)
-        raise LockContentionTimeout(
-            f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
-            f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s",
-            resource=held.resource if held is not None else None,
-            key=held.key if held is not None else None,
-        )
+        message = f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
+        message += f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s"
+        resource, key = (held.resource, held.key) if held is not None else (None, None)
+        raise LockContentionTimeout(message, resource=resource, key=key)
     seconds = delay_for(attempt, info, limit - waited)
     delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
     metrics.count("requeued", run.family, spec.name)

@@ -1,27 +1,12 @@
-"""The flow of one ``@locked_job`` run (in the work horse or inline):
-
-1. acquire the lock on the *resource* (not the job id); the renewal thread heartbeats it;
-2. claim the idempotency key: if an earlier run succeeded, return its stored result;
-3. run the function in ``transaction.atomic()`` and record success in that same transaction;
-   ``ensure_held()`` before the commit rolls all back if the lock is gone (a loss after it is
-   what the fence and the record's unique key are for);
-4. return (RQ acknowledges the job) and release the lock if still ours.
-
-**One commit per job** (§4.9): under a lock, claim, effect and success record commit once, on
-the idempotency records' database, so a crash leaves no claim behind. Of two runs of one key
-(only after a lock loss) at most one commits; the other is "in progress" (at once on
-PostgreSQL, after the busy timeout on SQLite). A run that raised leaves a ``failed`` record.
-Without a lock the claim commits first on its own, so two concurrent duplicates never both run
-non-database side effects. Lock-only jobs are atomic too unless ``atomic=False``. A locked
-run takes the resource's transaction guard (:mod:`django_joblock.idempotency.guard`; a
-lock-only body that never queries sends nothing), so it never reads rows a previous holder that
-lost the lock is still writing: a taken guard raises :class:`ResourceInTransaction`, then
-``on_conflict`` applies.
-
-Inline or on a synchronous queue (no worker would run a requeue) the lock and the guard are
-waited for up to ``ACQUIRE_WAIT`` and ``"requeue"`` raises :class:`LockNotAcquired`: such a job
-never "finishes" without running. A lock an operator released raises ``LockLost`` saying so,
-with the audit id (:mod:`django_joblock.locks.notes`).
+"""The flow of one ``@locked_job`` run, in the work horse or inline (docs/jobs.md, "The flow"):
+acquire the lock on the *resource* (heartbeated), claim the idempotency key (an earlier success
+replays), run the function, ``ensure_held()`` and record the success in one transaction, then
+release the lock if still ours. Under a lock, claim, effect and record **commit once**, so a
+crash leaves no claim behind and of two runs of one key (after a lock loss) at most one
+commits; without a lock the claim commits first, so duplicates never both run. A locked run
+first takes the resource's transaction guard (:mod:`django_joblock.idempotency.guard`): it never
+reads rows a holder that lost the lock still writes. Inline or on a synchronous queue, lock and
+guard are waited for up to ``ACQUIRE_WAIT``. An operator's release is named in ``LockLost``.
 """
 
 from __future__ import annotations
@@ -118,12 +103,8 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
             note = _operator_note(held)
             if note is None:
                 raise
-            raise LockLost(
-                f"Job aborted: its lock was {note.describe()}",
-                resource=held.resource,
-                key=held.key,
-                owner=held.owner,
-            ) from exc
+            message = f"Job aborted: its lock was {note.describe()}"
+            raise LockLost(message, resource=held.resource, key=held.key, owner=held.owner) from exc
     except (IdempotencyInProgress, ResourceInTransaction) as exc:
         return conflict(state, held, exc)
     finally:
@@ -131,17 +112,12 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
         try:
             held.release()
         except LockBackendUnavailable:
-            logger.warning(
-                "could not release %s after the job; it expires after its TTL",
-                held.key,
-                exc_info=True,
-            )
+            logger.warning("could not release %s: it expires by its TTL", held.key, exc_info=True)
 
 
 def _operator_note(held: Lock) -> notes.OperatorRelease | None:
     """Did an operator release this holding? One GET, repeated for up to ``_AUDIT_ID_WAIT`` s
-    while the note lacks its audit id (written right after the release; on SQLite, after this
-    job's transaction)."""
+    while the note lacks its audit id (written after the release; on SQLite, after our commit)."""
     try:
         found = client(held.alias, _NOTE_TIMEOUT)
         note = notes.read(found, held.keys.released, held.owner)
@@ -211,14 +187,10 @@ def _one_commit(state: Run, claim_spec: Idempotent, call: Callable[[], Any], hel
         raise  # after a loss the key is someone else's too: leave its record alone
     except BaseException as exc:
         if isinstance(exc, DatabaseError) and not claimed and "locked" in str(exc):
-            # SQLite: another transaction kept the write lock past the busy timeout before
-            # this run could claim (BEGIN IMMEDIATE waits for it).
-            raise IdempotencyInProgress(
-                f"Idempotency key {claim_spec.key!r}: the database stayed locked by another "
-                f"transaction ({exc}); treated as in progress.",
-                key=claim_spec.key,
-                scope=claim_spec.scope,
-            ) from exc
+            # SQLite: another transaction kept the write lock past the busy timeout.
+            why = f"Idempotency key {claim_spec.key!r}: the database stayed locked by another "
+            why += f"transaction ({exc}); treated as in progress."
+            raise IdempotencyInProgress(why, key=claim_spec.key, scope=claim_spec.scope) from exc
         if claimed:
             record_failure(claim_spec, f"{type(exc).__name__}: {exc}")
         raise

@@ -1,8 +1,10 @@
-"""What ``@locked_job`` knows about one function: :class:`JobSpec`, its templates, its RQ
-options and timeouts; shared by the enqueue side, the work horse side and the system checks."""
+"""What ``@locked_job`` knows about one function (:class:`JobSpec`): its templates, RQ options
+and timeouts, shared by the enqueue side, the work horse and the system checks. A bad argument
+raises ``ValueError`` / ``TypeError`` naming it and what is allowed (docs/jobs.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
@@ -10,7 +12,7 @@ import math
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import rq
 from rq.exceptions import TimeoutFormatError
@@ -65,8 +67,7 @@ class JobSpec(Generic[P, R]):
         return inspect.signature(self.func)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name, defaults applied (TypeError if they do not
-        fit the function)."""
+        """The call's arguments by name, defaults applied (``TypeError`` if they do not fit)."""
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -98,7 +99,6 @@ class JobSpec(Generic[P, R]):
         return None if value is None else validate_resource(value)
 
     def key(self, arguments: dict[str, Any]) -> str | None:
-        """The idempotency key for these arguments, validated (``ValueError`` naming it)."""
         value = self.render(self.idempotency_key, arguments, "idempotency key")
         return None if value is None else validate_key(value, what=f"@locked_job {self.name}")
 
@@ -109,15 +109,12 @@ class JobSpec(Generic[P, R]):
 
 
 def check_template(func: Callable[..., Any], template: Template, what: str) -> None:
-    """``TypeError`` / ``ValueError`` naming a template field that is not a parameter of
-    ``func`` (unless it takes ``**kwargs``: then checked at enqueue)."""
+    """Refuse a template field ``func`` does not take (with ``**kwargs``: checked at enqueue)."""
     if template is None or callable(template):
         return
     where = f"@locked_job {func.__qualname__}"
     if not isinstance(template, str):
-        raise TypeError(
-            f"{where}: {what} must be a str template, a callable or None, got {template!r}"
-        )
+        raise TypeError(f"{where}: {what} must be a str, a callable or None, got {template!r}")
     params = inspect.signature(func).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
@@ -128,23 +125,16 @@ def check_template(func: Callable[..., Any], template: Template, what: str) -> N
                 continue
             root = name.split(".", 1)[0].split("[", 1)[0]
             if not root or root.isdigit():
-                raise ValueError(
-                    f"positional field {{{name}}} in {template!r}; use parameter names"
-                )
+                raise ValueError(f"positional field {{{name}}} in {template!r}; use names")
             fields.add(root)
     except ValueError as exc:
         raise ValueError(f"{where}: bad {what}: {exc}") from exc
-    unknown = fields - set(params)
-    if unknown:
-        raise ValueError(
-            f"{where}: {what} {template!r} uses "
-            f"{', '.join(sorted(unknown))}, which {func.__qualname__}() does not take "
-            f"(parameters: {', '.join(params) or 'none'})"
-        )
+    if unknown := ", ".join(sorted(fields - set(params))):
+        known = ", ".join(params) or "none"
+        raise ValueError(f"{where}: {what} {template!r} uses {unknown}; parameters: {known}")
 
 
-@dataclass(frozen=True)
-class TimeoutFinding:
+class TimeoutFinding(NamedTuple):
     """A W002 / W006 finding about one job and one RQ job timeout."""
 
     id: str
@@ -154,53 +144,39 @@ class TimeoutFinding:
 
 @functools.cache
 def rq_option_names() -> frozenset[str]:
-    """The options of the installed rq's ``Queue.enqueue``: ``enqueue_call``'s parameters
-    (``enqueue`` spells ``timeout`` as ``job_timeout``)."""
+    """The options of the installed rq's ``Queue.enqueue`` (``enqueue_call``'s, as spelt there)."""
     names = set(inspect.signature(Queue.enqueue_call).parameters)
     return frozenset((names - {"self", "func", "args", "kwargs", "timeout"}) | {"job_timeout"})
 
 
 def check_rq_options(options: dict[str, Any], what: str) -> None:
-    """``ValueError`` naming an option RQ does not know, or a ``job_timeout`` RQ cannot use.
-
-    Called with ``args=`` / ``kwargs=`` (as ``@locked_job`` calls it), RQ's ``enqueue`` drops
-    every other keyword silently: a typo such as ``job_timout=`` would leave the default in
-    force. A bad ``job_timeout`` would surface only at enqueue, and below 1 s RQ cannot
-    enforce it.
-    """
+    """``ValueError`` naming an option RQ does not know (given ``args=`` / ``kwargs=``, RQ drops
+    it silently: ``job_timout=`` would keep the default), or a ``job_timeout`` it cannot use."""
     unknown = sorted(set(options) - rq_option_names())
     if unknown:
         verb = "is not an option" if len(unknown) == 1 else "are not options"
         raise ValueError(
             f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
-            f"{', '.join(sorted(rq_option_names()))}), and RQ would drop it without a word. "
-            "The job's own arguments go in .delay(...) or .enqueue(args=(...), kwargs={...})."
+            f"{', '.join(sorted(rq_option_names()))}); the job's own arguments go in "
+            ".delay(...) or .enqueue(args=(...), kwargs={...})."
         )
     value = options.get("job_timeout")
     if value is None:
         return
-    seconds: int | None = None
-    problem = ""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        problem = f"a {type(value).__name__}"
-    elif isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        problem = "not a whole number of seconds"
-    else:
-        try:
+    seconds = None
+    whole = isinstance(value, float) and value.is_integer()  # not NaN, not infinite
+    if whole or (isinstance(value, (int, str)) and not isinstance(value, bool)):
+        with contextlib.suppress(TimeoutFormatError, ValueError, OverflowError):
             seconds = parse_timeout(value)
-        except (TimeoutFormatError, ValueError, OverflowError) as exc:
-            problem = str(exc) or type(exc).__name__
     if seconds is None or (seconds != -1 and seconds < 1):
         raise ValueError(
-            f"{what}: job_timeout must be whole seconds of at least 1 (an int, or a str such "
-            f"as '90', '10m', '2h', '1d'), or -1 for none; got {value!r}"
-            + (f" ({problem})" if problem else "")
+            f"{what}: job_timeout must be whole seconds of at least 1 (an int, or a str such as "
+            f"'90', '10m', '2h'), or -1 for none; got {value!r}"
         )
 
 
 def job_timeout(value: Any, queue: Any) -> float:
-    """RQ's timeout (s) for ``job_timeout=value`` on ``queue`` (``None``: the queue's default,
-    ``-1``: ``math.inf``), parsed as RQ parses it."""
+    """RQ's timeout (s) for ``job_timeout=value`` on ``queue`` (None: its default; -1: inf)."""
     seconds = parse_timeout(value)
     if seconds is None:  # the queue's default, as RQ gives it to a job it creates (unsaved)
         seconds = parse_timeout(queue.create_job(len).timeout) or 180
@@ -211,27 +187,17 @@ def timeout_findings(spec: JobSpec[Any, Any], timeout: float) -> list[TimeoutFin
     """W002 and W006 for ``spec`` running under an RQ job timeout of ``timeout`` seconds."""
     current = conf.get()
     shown = "none (-1)" if math.isinf(timeout) else f"{timeout:g}s"
-    found = []
     ttl = spec.ttl if spec.ttl is not None else current.LOCK_TTL
-    if spec.lock is not None and not spec.heartbeat and ttl < timeout:
-        found.append(
-            TimeoutFinding(
-                "W002",
-                f"{spec.name}: lock TTL {ttl:g}s is shorter than its RQ job timeout {shown} with "
-                "heartbeat off: a slow run loses its lock to a second worker.",
-                "Turn heartbeat on, or make ttl longer than job_timeout.",
-            )
-        )
     lease = current.IDEMPOTENCY_LEASE
+    found = []
+    if spec.lock is not None and not spec.heartbeat and ttl < timeout:
+        message = f"TTL {ttl:g}s < job_timeout {shown} and no heartbeat: a slow run loses its lock"
+        found.append(("W002", message, "Turn heartbeat on, or make ttl longer than job_timeout."))
     if spec.lock is None and spec.idempotency_key is not None and timeout > lease:
-        found.append(
-            TimeoutFinding(
-                "W006",
-                f"{spec.name}: RQ job timeout {shown} is longer than IDEMPOTENCY_LEASE "
-                f"{lease:g}s and the job has no lock: a duplicate delivered after the lease "
-                "takes the claim over and runs while the first run still works.",
-                "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower job_timeout, "
-                "or give the job a lock.",
-            )
+        message = (
+            f"RQ job timeout {shown} > IDEMPOTENCY_LEASE {lease:g}s and no lock: a duplicate "
+            "delivered after the lease takes the claim over and runs beside the first run."
         )
-    return found
+        hint = "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower it, or add a lock."
+        found.append(("W006", message, hint))
+    return [TimeoutFinding(id, f"{spec.name}: {message}", hint) for id, message, hint in found]

@@ -116,7 +116,9 @@ class Lock(Holding):
         if not self.held:
             self._declare_lost("validity deadline passed")
             released = self.state is LockState.RELEASED
-            reason = self.lost_reason or ("already released" if released else "deadline passed")
+            reason = self.lost_reason or (
+                "already released" if released else "validity deadline passed"
+            )
             raise self._lost_error(f"Lock is no longer held: {reason}")
 
     def owned(self) -> bool:

@@ -1,42 +1,29 @@
 """Waiting for a busy lock: a line of tickets in arrival order, handed the lock on release.
 
-A blocking acquire (``lock(..., wait=S)``) takes the lock if it is free and nobody waits;
-otherwise it takes a *ticket* (the WAIT script of :mod:`.scripts`) and sleeps in ``BLPOP`` (on a
-connection of :func:`~django_joblock.backend.blocking_client`) on its own wake list until it is
-its turn:
+A waiting acquire takes the lock if it is free and nobody waits; otherwise it takes a *ticket*
+(the WAIT script) and blocks in ``BLPOP`` on its own wake list (a connection of
+:func:`~django_joblock.backend.blocking_client`):
 
-- **Arrival order.** The lock goes to the oldest live ticket. While tickets are in line a free
-  lock is theirs: a newcomer, even with ``wait=0``, is refused and joins the end of the line.
-  A waiter's wait is therefore bounded by the work of those ahead of it.
-- **Handed over, not polled for.** The release script gives the lock straight to the first
-  live ticket (written with that waiter's token and details, with a fresh fence) and pushes
-  "fence, next ticket" to that waiter's wake list: the waiter wakes holding the lock, with no
-  round trip of its own, and a release wakes exactly one waiter. A release names the wake list
-  in its KEYS, so the releaser must know who is first: the ticket behind it when it got the
-  lock (returned by WAIT and by the hand-over). When someone else is first by then, the release
-  script changes nothing and says who, and the release runs again with that waiter's list
-  (:func:`release`); an uncontended release stays one round trip.
-- **Every block is bounded**: by the remaining wait; by a quarter of ``WAITER_TTL`` (at most
-  one second), after which the waiter refreshes its ticket; and, for the first in line,
-  by the holder's remaining TTL. A holder that dies (no release, so no hand-over) frees the
-  lock after its TTL and the first in line takes it then.
-- **A waiter never blocks the line for long.** One that gives up (its wait ran out, an
-  exception, an interrupt) leaves the line at once. One that dies (SIGKILL) or stops longer than
-  ``WAITER_TTL`` stops refreshing its ticket, which is dropped once expired, so it delays the line
-  by at most ``WAITER_TTL``. If the lock was handed to it meanwhile, it was handed over with a
-  TTL of at most ``WAITER_TTL`` (``hand_ttl``), so the same bound holds; a waiter that is alive
-  renews it to its full TTL (the renewal thread, soon after; without heartbeat, before
-  ``acquire()`` returns).
+- **Arrival order.** While tickets are in line a free lock is theirs: a newcomer, even with
+  ``wait=0``, is refused and joins the end. A wait is bounded by the work ahead of it.
+- **Handed over, not polled for.** The release script gives the lock to the first live ticket
+  (its token and details, a fresh fence) and pushes "fence next-ticket" to its wake list: the
+  waiter wakes holding the lock, and a release wakes exactly one waiter. The releaser names
+  that wake list in KEYS, so it must know who is first (the ticket behind it when it got the
+  lock); if someone else is first by then, the script changes nothing and says who, and
+  :func:`release` asks again. An uncontended release stays one round trip.
+- **Every block is bounded**: by the remaining wait, by a quarter of ``WAITER_TTL`` (at most
+  a second; then the ticket is refreshed) and, first in line, by the holder's remaining TTL (a
+  dead holder hands nothing over; its lock expires and the first in line takes it).
+- **A waiter never blocks the line for long.** One that gives up or is interrupted leaves at
+  once; one that dies or stops past ``WAITER_TTL`` stops refreshing its ticket, which then
+  drops out. A lock handed to it meanwhile has a TTL of at most ``WAITER_TTL`` until renewed.
 
-The validity of a lock handed over counts, conservatively, from the send time of the waiter's
-last WAIT call: WAIT empties the wake list, so whatever is popped after it was pushed by a
-hand-over that ran after it.
-
-Failure modes: Redis unavailable raises (redis-py's errors, mapped by the caller). The ticket
-then stays until it expires, and the same ``Lock`` calling ``acquire()`` again keeps its place
-(its ticket is its owner hash, stable until it acquires) or finds the lock already handed to
-it. A wake-up cannot be lost to a releaser that dies: the hand-over is done by the release
-script itself, atomically with the release.
+A handed-over lock's validity counts from the send time of the waiter's last WAIT, which
+empties the wake list: whatever is popped later was pushed by a hand-over after it. Redis
+errors propagate; the ticket stays until it expires, and the same ``Lock`` acquiring again
+keeps its place (its ticket is its owner hash). A releaser that dies cannot lose a wake-up:
+the hand-over is part of the release script.
 """
 
 from __future__ import annotations

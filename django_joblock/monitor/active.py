@@ -1,13 +1,12 @@
-"""The active locks and the queues' schedulers, as the pages, commands and alerts show them.
-
-Active locks are read from the active-lock index (:mod:`django_joblock.locks.index`, which
-prunes expired entries while reading) and the lock hashes (:mod:`django_joblock.locks.info`);
-an entry whose lock hash is gone or another owner's is dropped from the index here. No
-``KEYS``, no whole-keyspace ``SCAN``.
+"""The active locks, and the queues of the ``@locked_job`` functions, as pages, commands and
+alerts show them. Locks are read from the active-lock index (:mod:`~django_joblock.locks.index`)
+and the lock hashes; an entry whose hash is gone or another owner's is dropped from the index
+here. No ``KEYS``, no ``SCAN``: the cost is bounded by what is shown.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,6 +20,8 @@ from ..jobs.queues import get_queue, queue_name
 from ..jobs.spec import OnConflict
 from ..locks import index
 from ..locks.info import Holder, read_many
+
+logger = logging.getLogger("django_joblock")
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,8 @@ class ActiveLock(Holder):
 def active_locks(
     family: str | None = None, limit: int = 500, total: int | None = None
 ) -> list[ActiveLock]:
-    """Locks held right now, longest-held first.
-
-    Reads at most ``limit`` index entries per family (the soonest to expire) and, with
-    ``total``, about ``total`` overall shared between the families: the cost is bounded by
-    what is shown, never by how many locks exist.
-    """
+    """Locks held right now, longest-held first: at most ``limit`` index entries per family (the
+    soonest to expire) and, with ``total``, about ``total`` shared between the families."""
     names = [family] if family else index.families()
     if total is not None and names:
         limit = max(1, min(limit, -(-total // len(names))))
@@ -76,20 +73,26 @@ def active_locks(
     return sorted(found, key=lambda row: -row.held_for)
 
 
+def queue_of(spec: Any, *, log: bool = False) -> Any:
+    """The queue of a ``@locked_job``'s spec, or None (logged with ``log``) if its name does not
+    resolve: system check E006 reports it, and one bad name cannot break a page."""
+    try:
+        return get_queue(spec.queue)
+    except (JoblockConfigError, ValueError) as exc:
+        if log:
+            logger.warning("queue of %s cannot be resolved: %s", spec.name, exc)
+        return None
+
+
 def requeueing_queues() -> dict[str, Any]:
-    """Name -> queue of every asynchronous queue a requeueing ``@locked_job`` uses (a queue
-    whose name cannot be resolved is left out: system check E006 reports it)."""
+    """Name -> queue of every resolvable asynchronous queue a requeueing ``@locked_job`` uses
+    (a synchronous queue runs its jobs inline: they never requeue)."""
     found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
-        if spec.on_conflict is not OnConflict.REQUEUE or name in found:
-            continue
-        try:
-            queue = get_queue(spec.queue)
-        except (JoblockConfigError, ValueError):
-            continue
-        if queue.is_async:  # a synchronous queue runs its jobs inline: they never requeue
-            found[name] = queue
+        if spec.on_conflict is OnConflict.REQUEUE and name not in found:
+            if (queue := queue_of(spec)) is not None and queue.is_async:
+                found[name] = queue
     return found
 
 
@@ -97,8 +100,3 @@ def has_scheduler(queue: Any, client: Any = None) -> bool:
     """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, read on the queue's
     connection or on ``client``, a client of the same server.)"""
     return bool((client or queue.connection).exists(RQScheduler.get_locking_key(queue.name)))
-
-
-def queues_without_scheduler() -> list[str]:
-    """Queues of requeueing ``@locked_job`` functions that no RQ scheduler serves."""
-    return [name for name, queue in requeueing_queues().items() if not has_scheduler(queue)]

@@ -1,19 +1,7 @@
-"""Alerts from the ``JOBLOCK["ALERTS"]`` thresholds, over the last ``WINDOW`` seconds:
-
-- ``contention``: a family's busy acquires / acquire attempts is at least ``CONTENTION_RATIO``;
-- ``contention_spike``: a family's contention is ``CONTENTION_SPIKE`` times its own over the
-  ``BASELINE`` seconds before (and at least ``MIN_SPIKE``);
-- ``renew_failures``, ``acquire_errors`` (Redis unavailable), ``locks_lost``, ``given_up`` (on
-  a busy lock), ``near_timeout`` (runs that took ``TIMEOUT_RATIO`` or more of their RQ
-  ``job_timeout``): at least as many as the threshold of the same name in capitals;
-- ``long_wait``: a family's p99 wait from enqueue to start is ``LONG_WAIT`` seconds or more
-  (to one histogram bucket);
-- ``long_hold``: a lock held ``HOLD_FACTOR`` times its family's usual (p95) hold time, and
-  longer than ``MIN_HOLD`` seconds;
-- ``active_growth``: active locks grew without ever falling for ``ACTIVE_GROWTH`` seconds;
-- ``no_scheduler``: a queue whose jobs requeue with delays has no RQ scheduler.
-
-A ratio needs ``MIN_ATTEMPTS`` attempts (in each period, for a spike).
+"""Alerts from the ``JOBLOCK["ALERTS"]`` thresholds over the last ``WINDOW`` seconds:
+contention (absolute, and a spike against the family's own ``BASELINE``), counted events, long
+waits, long holds, active-lock growth and queues without a scheduler. A ratio needs
+``MIN_ATTEMPTS`` attempts; docs/observability.md ("Alerts") gives each rule and default.
 """
 
 from __future__ import annotations
@@ -59,24 +47,44 @@ class Alert:
 
 
 def evaluate(now: float | None = None) -> list[Alert]:
-    """Every alert firing now. Records an active-lock sample as a side effect (the history the
-    growth alert needs is built by whoever evaluates: the command, the dashboard, the
-    Prometheus scrape)."""
+    """Every alert firing now. Records an active-lock sample as a side effect: whoever evaluates
+    (the command, the dashboard, a Prometheus scrape) builds the history growth needs."""
     now = time.time() if now is None else now
     limits = conf.get().ALERTS
-    window = limits["WINDOW"]
+    window, period = limits["WINDOW"], limits["BASELINE"]
     recent = metrics.window(window, now=now)
+    # A spike compares a family with its own contention over the minutes before the window's
+    # oldest bucket (read once, none twice): a static ratio cannot tell a family that is always
+    # busy from one that just became so.
+    earlier = metrics.Series()
+    if period > window:
+        earlier = metrics.window(period, now=now - window - metrics.BUCKET_SECONDS)
     last = f"in the last {window:g}s"
     families = sorted(recent.families())
     fired: list[Alert] = []
+    spikes: list[Alert] = []
+    waits: list[Alert] = []
     for family in families:
-        attempts = recent.total("acquire_attempts", family)
-        busy = recent.total("contended", family)
-        if attempts >= MIN_ATTEMPTS and busy / attempts >= limits["CONTENTION_RATIO"]:
+        attempts, busy = recent.total("acquire_attempts", family), recent.total("contended", family)
+        before = earlier.total("acquire_attempts", family)
+        ratio = busy / attempts if attempts >= MIN_ATTEMPTS else 0.0
+        if ratio and ratio >= limits["CONTENTION_RATIO"]:
             message = f"{busy} of {attempts} acquires of {family!r} found the lock busy {last}"
-            ratio = limits["CONTENTION_RATIO"]
-            fired.append(Alert("contention", family, message, busy / attempts, ratio))
-    fired += _spikes(recent, limits, now)
+            fired.append(Alert("contention", family, message, ratio, limits["CONTENTION_RATIO"]))
+        if ratio and before >= MIN_ATTEMPTS:
+            baseline = earlier.total("contended", family) / before
+            threshold = limits["CONTENTION_SPIKE"] * baseline
+            if ratio >= MIN_SPIKE and ratio >= threshold:
+                message = (
+                    f"{ratio:.0%} of the acquires of {family!r} found the lock busy in the last "
+                    f"{window:g}s, against {baseline:.0%} over the {period:g}s before"
+                )
+                spikes.append(Alert("contention_spike", family, message, ratio, threshold))
+        p99 = metrics.percentile(recent.merged_histogram("start_wait_seconds", family), 0.99)
+        if p99 is not None and p99 >= limits["LONG_WAIT"]:
+            message = f"jobs of {family!r} waited up to {p99:g}s (p99) from enqueue to start {last}"
+            waits.append(Alert("long_wait", family, message, p99, limits["LONG_WAIT"]))
+    fired += spikes
     for name, metric, what, per_family in _COUNTED:
         count, limit = recent.total(metric), limits[name.upper()]
         if count >= limit:
@@ -85,42 +93,13 @@ def evaluate(now: float | None = None) -> list[Alert]:
                 counts = ((family, recent.total(metric, family)) for family in families)
                 message += f" ({', '.join(f'{family} {n}' for family, n in counts if n)})"
             fired.append(Alert(name, "", message, count, limit))
-    for family in families:
-        p99 = metrics.percentile(recent.merged_histogram("start_wait_seconds", family), 0.99)
-        if p99 is not None and p99 >= limits["LONG_WAIT"]:
-            message = f"jobs of {family!r} waited up to {p99:g}s (p99) from enqueue to start {last}"
-            fired.append(Alert("long_wait", family, message, p99, limits["LONG_WAIT"]))
+    fired += waits
     fired += _long_holds(limits["HOLD_FACTOR"])
     fired += _growth(limits["ACTIVE_GROWTH"], now)
-    for queue in active.queues_without_scheduler():
-        message = f"no RQ scheduler for queue {queue!r}, whose jobs requeue on contention"
-        fired.append(Alert("no_scheduler", "", message, 1, 0))
-    return fired
-
-
-def _spikes(recent: metrics.Series, limits: dict[str, float], now: float) -> list[Alert]:
-    """Families whose contention is far above their own over the BASELINE before: a static
-    ratio cannot tell a family that is always busy from one that just became so."""
-    window, baseline_period = limits["WINDOW"], limits["BASELINE"]
-    if baseline_period <= window:
-        return []
-    # The minutes before the window's oldest bucket: read once, none of them twice.
-    earlier = metrics.window(baseline_period, now=now - window - metrics.BUCKET_SECONDS)
-    fired = []
-    for family in sorted(recent.families()):
-        attempts = recent.total("acquire_attempts", family)
-        before = earlier.total("acquire_attempts", family)
-        if attempts < MIN_ATTEMPTS or before < MIN_ATTEMPTS:
-            continue
-        ratio = recent.total("contended", family) / attempts
-        baseline = earlier.total("contended", family) / before
-        if ratio >= MIN_SPIKE and ratio >= limits["CONTENTION_SPIKE"] * baseline:
-            message = (
-                f"{ratio:.0%} of the acquires of {family!r} found the lock busy in the last "
-                f"{window:g}s, against {baseline:.0%} over the {baseline_period:g}s before"
-            )
-            threshold = limits["CONTENTION_SPIKE"] * baseline
-            fired.append(Alert("contention_spike", family, message, ratio, threshold))
+    for name, queue in active.requeueing_queues().items():
+        if not active.has_scheduler(queue):
+            message = f"no RQ scheduler for queue {name!r}, whose jobs requeue on contention"
+            fired.append(Alert("no_scheduler", "", message, 1, 0))
     return fired
 
 
@@ -153,10 +132,10 @@ def _long_holds(factor: float) -> list[Alert]:
 def _growth(period: float, now: float) -> list[Alert]:
     metrics.record_active_sample(sum(index.active_counts().values()), now=now)
     samples = metrics.active_samples(now - period)
-    if len(samples) < 3 or samples[-1][0] - samples[0][0] < period * 0.9:
-        return []
     counts = [count for _at, count in samples]
-    if counts[-1] <= counts[0] or any(b < a for a, b in itertools.pairwise(counts)):
+    if len(samples) < 3 or samples[-1][0] - samples[0][0] < period * 0.9 or counts[-1] <= counts[0]:
+        return []
+    if any(b < a for a, b in itertools.pairwise(counts)):
         return []
     message = f"active locks grew from {counts[0]} to {counts[-1]} over {period:g}s without falling"
     return [Alert("active_growth", "", message, counts[-1], counts[0])]

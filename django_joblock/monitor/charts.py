@@ -1,16 +1,7 @@
-"""Chart geometry for the "Job locks" page: inline SVG drawn server-side (no JavaScript).
-
-Three kinds, all with axes, tick labels and axis titles:
-
-- :func:`bar_chart`: one horizontal bar per label (a family), the value axis underneath;
-- :func:`minute_chart`: one column per minute, a time axis with clock labels in the current
-  Django time zone, a count axis on the left;
-- :func:`timeline_chart`: one row per resource over the last minutes, each run a bar from its
-  start to its release (coloured by outcome), its wait from enqueue a thin line under the row,
-  and a run that found the resource busy a mark.
-
-A chart whose values are all zero has no bars: the page says "no data" instead of drawing a
-flat line that looks broken. Numbers are SVG user units; the template only places them.
+"""Inline SVG charts for the "Job locks" page, drawn server-side (no JavaScript), with axes,
+tick labels and axis titles: bars per family, columns per minute, and a timeline of the runs
+per resource. A chart of zeros has no bars (the page says "no data" instead of a flat line).
+Numbers are SVG user units; the template only places them.
 """
 
 from __future__ import annotations
@@ -40,7 +31,6 @@ BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})
 @dataclass
 class Bar:
     label: str
-    value: float
     text: str  # shown next to the bar and in its tooltip
     x: float = 0.0
     y: float = 0.0
@@ -59,14 +49,6 @@ class Tick:
 
 
 @dataclass
-class Line:
-    x1: float
-    y1: float
-    x2: float
-    y2: float
-
-
-@dataclass
 class Chart:
     title: str
     kind: str  # "bars", "minutes" or "timeline"
@@ -75,7 +57,7 @@ class Chart:
     height: int = 0
     note: str = ""
     empty: str = "no data"
-    axes: list[Line] = field(default_factory=list)
+    axes: list[tuple[float, float, float, float]] = field(default_factory=list)  # x1 y1 x2 y2
     ticks: list[Tick] = field(default_factory=list)
     summary: str = ""
 
@@ -95,7 +77,7 @@ def _framed(
     """``chart`` with its ticks, its vertical axis at ``left`` from ``top`` and its horizontal
     one at ``bottom`` to ``right`` (``frame``), and room for two rows of labels under it."""
     left, top, bottom, right = frame
-    chart.axes = [Line(left, top, left, bottom), Line(left, bottom, right, bottom)]
+    chart.axes = [(left, top, left, bottom), (left, bottom, right, bottom)]
     chart.height, chart.ticks, chart.summary = int(bottom + 38), ticks, summary
     return chart
 
@@ -125,9 +107,7 @@ def bar_chart(
     bars = []
     for row, (label, value, text) in enumerate(shown):
         width = round(max(1.0, BAR_SPAN * value / top), 1)
-        bars.append(
-            Bar(label, value, text, LABEL_WIDTH, PLOT_TOP + row * BAR_ROW, width, BAR_ROW - 6)
-        )
+        bars.append(Bar(label, text, LABEL_WIDTH, PLOT_TOP + row * BAR_ROW, width, BAR_ROW - 6))
     bottom = PLOT_TOP + len(shown) * BAR_ROW
     ticks = [
         Tick(LABEL_WIDTH, bottom + 14, "0"),
@@ -143,9 +123,8 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
     """One column per minute of ``[(minute_start_unix, count)]`` (oldest first)."""
     total, minutes = sum(value for _start, value in series), len(series)
     if not total:
-        return Chart(
-            title, "minutes", [], note=note, empty=f"no data in the last {minutes} minutes"
-        )
+        empty = f"no data in the last {minutes} minutes"
+        return Chart(title, "minutes", [], note=note, empty=empty)
     peak = max(value for _start, value in series)
     plot_width = WIDTH - PLOT_LEFT - 8
     step = plot_width / max(1, minutes)
@@ -160,7 +139,7 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
         label = at.strftime("%H:%M")
         height = round(PLOT_HEIGHT * value / peak, 1)
         x = round(PLOT_LEFT + index * step, 1)
-        bars.append(Bar(label, value, f"{value}", x, bottom - height, max(1.0, step - 1), height))
+        bars.append(Bar(label, f"{value}", x, bottom - height, max(1.0, step - 1), height))
         left = minutes - 1 - index  # minutes after this one
         if not left:  # right-aligned to the plot's end, so the SVG never clips it
             ticks.append(Tick(round(x + step, 1), bottom + 14, label, "end"))
@@ -178,10 +157,8 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
 def timeline_chart(
     title: str, spans: list[Any], *, now: float, minutes: int, rows: int, note: str = ""
 ) -> Chart:
-    """Rows of resources (the ``rows`` most recently active; newest first) over the last
-    ``minutes`` before ``now`` (Unix seconds), from :class:`~django_joblock.jobs.history.Delivery`
-    -like objects (``resource``, ``job_id``, ``func``, ``started``, ``took``, ``waited``,
-    ``outcome``)."""
+    """The ``rows`` most recently active resources (newest first) over the ``minutes`` before
+    ``now`` (Unix seconds), from :class:`~django_joblock.jobs.history.Delivery`-like spans."""
     start = now - minutes * 60
     shown = [span for span in spans if span.started + span.took >= start]
     if not shown:
@@ -210,17 +187,18 @@ def timeline_chart(
             waited = f"job {span.job_id} waited {span.waited:g}s"
             # Under the row's bars: a wait overlaps a holder.
             line = (x_wait, y + TIMELINE_ROW - 4, max(1.0, x0 - x_wait), 2)
-            bars.append(Bar(span.resource, span.waited, waited, *line, css="jl-tl-wait"))
+            bars.append(Bar(span.resource, waited, *line, css="jl-tl-wait"))
         if span.outcome in BUSY_OUTCOMES:
             mark = (x0 - 1, y + 3, 3, TIMELINE_ROW - 8)
-            bars.append(Bar(span.resource, 0, what, *mark, css="jl-tl-busy"))
+            bars.append(Bar(span.resource, what, *mark, css="jl-tl-busy"))
         else:
             run = (x0, y + 1, max(2.0, x_of(span.started + span.took) - x0), TIMELINE_ROW - 6)
-            bars.append(Bar(span.resource, span.took, what, *run, css=f"jl-tl-{span.outcome}"))
+            bars.append(Bar(span.resource, what, *run, css=f"jl-tl-{span.outcome}"))
     bottom = PLOT_TOP + len(names) * TIMELINE_ROW
+    short = [name if len(name) <= 20 else name[:19] + "…" for name in names]
     ticks = [
-        Tick(TIMELINE_LABEL - 6, PLOT_TOP + index * TIMELINE_ROW + 12, _short(name), "end")
-        for index, name in enumerate(names)
+        Tick(TIMELINE_LABEL - 6, PLOT_TOP + index * TIMELINE_ROW + 12, name, "end")
+        for index, name in enumerate(short)
     ]
     for minute in range(minutes + 1):
         if minute % max(1, minutes // 5) == 0 or minute == minutes:
@@ -238,7 +216,3 @@ def timeline_chart(
     )
     chart = Chart(title, "timeline", bars, width=TIMELINE_WIDTH, note=note)
     return _framed(chart, frame, ticks, summary)
-
-
-def _short(name: str, limit: int = 20) -> str:
-    return name if len(name) <= limit else name[: limit - 1] + "…"

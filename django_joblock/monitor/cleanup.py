@@ -1,14 +1,8 @@
-"""Removing what django-joblock wrote to Redis, for an uninstall (``joblock_purge --redis``).
-
-Every key the app writes is under ``JOBLOCK["KEY_PREFIX"] + ":"``. Most expire, but the
-active-lock index, the families set and the metric totals do not, so an uninstall would leave
-them forever. A run's history (the family's timeline, the key's deliveries) is on its queue's
-Redis, maybe another database or server than the locks': the purge walks the lock Redis and
-that of every known queue, each server and database once.
-
-The one place that walks the keyspace (``SCAN MATCH <prefix>:*``, never ``KEYS``): an
-operator's one-off command, and the only way to find the locks and fences nobody indexes any
-more. Keys outside the prefix (RQ's, the Django cache's) are never touched.
+"""Removing what django-joblock wrote to Redis, for an uninstall (``joblock_purge --redis``):
+every key under ``JOBLOCK["KEY_PREFIX"] + ":"`` (the index, families and metric totals never
+expire), on the lock Redis and every known queue's, each server and database once. The one
+keyspace walk of the package (``SCAN MATCH``, never ``KEYS``), an operator's one-off; keys
+outside the prefix (RQ's, the Django cache's) are never touched.
 """
 
 from __future__ import annotations
@@ -53,20 +47,14 @@ def held_locks() -> int:
 
 
 def purge_redis(*, dry_run: bool = False, client: Any = None) -> Purge:
-    """Find (and unless ``dry_run``, ``UNLINK``, ``BATCH`` keys at a time) every key under the
-    app's prefix: on ``client`` only, or by default on the lock Redis and on the Redis of every
-    known queue."""
+    """Find (and unless ``dry_run``, ``UNLINK``, ``BATCH`` at a time) every key under the app's
+    prefix: on ``client`` only, or by default on the lock Redis and every known queue's."""
     prefix = conf.get().KEY_PREFIX
-    if client is not None:
-        clients = [client]
-    else:
-        locks = connection(conf.get().REDIS_ALIAS)
-        found = {server_of(locks): locks}
-        for each in queue_connections():
-            found.setdefault(server_of(each), each)
-        clients = list(found.values())
+    clients: dict[Any, Any] = {None: client} if client is not None else {}
+    for each in [] if clients else [connection(conf.get().REDIS_ALIAS), *queue_connections()]:
+        clients.setdefault(server_of(each), each)  # each server and database once
     result = Purge()
-    for each in clients:
+    for each in clients.values():
         batch: list[str] = []
         for raw in each.scan_iter(match=f"{prefix}:*", count=1000):
             key = text(raw)

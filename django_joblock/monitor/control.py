@@ -1,12 +1,8 @@
-"""Operator actions on locks: audited force release and reaping of dead holders.
-
-Never a blind ``DEL``: the owner's own compare-and-delete, against the token of the owner the
-operator was shown (a lock that changed hands is refused). Every attempt leaves an append-only
-:class:`~django_joblock.models.LockAudit` row, and a release a short-lived note
-(:mod:`~django_joblock.locks.notes`) so the holder reports "released by an operator", not
-"expired". On the locks' own client (short timeouts, no retries): a Redis that does not answer
-gives :class:`~django_joblock.exceptions.LockBackendUnavailable` within seconds, audited with
-whether the release may have happened.
+"""Operator actions on locks: audited force release and reaping of dead holders. Never a blind
+``DEL``: the owner's own compare-and-delete against the owner the operator was shown. Every
+attempt leaves an append-only ``LockAudit`` row, a release a note so the holder reports
+"released by an operator". A Redis that does not answer fails within seconds (short timeouts,
+no retries), audited with whether the release may have happened. See docs/admin.md.
 """
 
 from __future__ import annotations
@@ -19,16 +15,12 @@ from .. import conf, metrics
 from ..backend import REDIS_ERRORS, client, unavailable
 from ..choices import AuditAction
 from ..locks import index, notes, waiting
-from ..locks.info import LockHash, LockInfo, lock_info
+from ..locks.info import LockHash, lock_info
 from ..locks.keys import LockKeys, is_owner_hash, owner_hash, validate_resource
 from ..locks.scripts import Outcome
+from ..models import LockAudit
 from .active import active_locks
 from .health import DEAD, lock_health
-
-
-def operator_client() -> Any:
-    """The locks' client of ``REDIS_ALIAS`` (short timeouts, no retries)."""
-    return client(conf.get().REDIS_ALIAS)
 
 
 @dataclass
@@ -38,10 +30,9 @@ class ReleaseResult:
     audit: Any
 
 
-def holder(resource: str) -> LockInfo | None:
-    """The current holder of ``resource``'s lock, or None (one read on the operator client).
-    Raises :class:`LockBackendUnavailable` when Redis does not answer."""
-    return lock_info(resource)
+#: The current holder of a resource's lock, or None (one read on the locks' client; raises
+#: ``LockBackendUnavailable`` when Redis does not answer).
+holder = lock_info
 
 
 def force_release(
@@ -56,14 +47,10 @@ def force_release(
     renewed_ms: int | None = None,
 ) -> ReleaseResult:
     """Release ``resource``'s lock if still held by ``owner`` (the token's 12-character hash,
-    as pages and logs show it) or ``token``; with neither, by whoever holds it now. With
-    ``renewed_ms`` (the last renewal seen when its holder was judged dead), a lock renewed
-    since is refused: its holder is alive.
-
-    Raises ``ValueError`` for an empty reason, a bad resource, an ``owner`` that is not such a
-    hash, or both ``owner`` and ``token``; :class:`LockBackendUnavailable` when Redis does not
-    answer (after auditing the attempt).
-    """
+    as pages and logs show it) or ``token``, else by whoever holds it; with ``renewed_ms`` (the
+    last renewal seen when its holder was judged dead), a lock renewed since is refused. Raises
+    ``ValueError`` for an empty reason, a bad resource or owner, or both ``owner`` and ``token``;
+    :class:`LockBackendUnavailable` when Redis does not answer (after auditing the attempt)."""
     resource = validate_resource(resource)
     reason = (reason or "").strip()
     if not reason:
@@ -71,11 +58,9 @@ def force_release(
     wanted = _wanted_owner(owner, token)
     actor = actor or (getattr(user, "get_username", lambda: "")() if user else "")
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
-    redis = operator_client()
+    redis = client(conf.get().REDIS_ALIAS)  # short timeouts, no retries
 
     def audit(found: LockHash | None, released: bool, outcome: str) -> Any:
-        from ..models import LockAudit
-
         return LockAudit.objects.create(
             action=action,
             resource=resource,
@@ -110,12 +95,8 @@ def force_release(
             error = unavailable(
                 exc, "release the lock", resource=resource, key=keys.lock, owner=found.owner
             )
-            audit(
-                found,
-                False,
-                "unknown: Redis did not answer the release, so the lock may or may not have "
-                f"been released ({exc})",
-            )
+            maybe = "unknown: Redis did not answer the release, so the lock may or may not have"
+            audit(found, False, f"{maybe} been released ({exc})")
             raise error from exc
         outcome = "released" if released else "refused: the lock changed owner or expired"
         if released:
@@ -123,9 +104,8 @@ def force_release(
             metrics.flush_now()
     row = audit(found, released, outcome)
     if released and note is not None:
-        noted = replace(note, audit=row.pk)
         with contextlib.suppress(*REDIS_ERRORS):  # else the note only lacks the audit id
-            redis.set(keys.released, noted.encode(), xx=True, keepttl=True)
+            redis.set(keys.released, replace(note, audit=row.pk).encode(), xx=True, keepttl=True)
     return ReleaseResult(released, outcome, row)
 
 
@@ -167,20 +147,18 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
     rows = active_locks(limit=10_000)
     health = lock_health(rows)
     done = []
-    for active in rows:
-        state = health.get(active.resource)
-        if state is None or state.state is not DEAD:
-            continue
-        if dry_run:
-            done.append((active.resource, f"would release (holder dead: {state.why})"))
-            continue
-        result = force_release(
-            active.resource,
-            owner=active.owner,
-            actor=actor,
-            action=AuditAction.REAP,
-            reason=f"holder dead: {state.why}",
-            renewed_ms=active.renewed_ms,
-        )
-        done.append((active.resource, result.outcome))
+    for row in rows:
+        state, why = health[row.resource].state, f"holder dead: {health[row.resource].why}"
+        if state is DEAD and dry_run:
+            done.append((row.resource, f"would release ({why})"))
+        elif state is DEAD:
+            result = force_release(
+                row.resource,
+                owner=row.owner,
+                actor=actor,
+                reason=why,
+                renewed_ms=row.renewed_ms,
+                action=AuditAction.REAP,
+            )
+            done.append((row.resource, result.outcome))
     return done

@@ -1,10 +1,7 @@
-"""Everything the "Job locks" admin page shows (the admin only renders it).
-
-Cost is bounded whatever the size: per-family ``ZCARD`` for counts, at most ``LOCK_ROWS``
-index entries read in detail, 60 metric buckets in one pipeline, an indexed query for stuck
-idempotency claims, RQ's started registries read without cleanup, and one family's history
-(at most ``history.KEPT`` entries per queue server). No ``SCAN``, no ``COUNT(*)`` over the
-idempotency table.
+"""Everything the "Job locks" admin page shows (the admin only renders it). The cost is bounded
+whatever the size: per-family ``ZCARD`` counts, at most ``LOCK_ROWS`` index entries read in
+detail, 60 metric buckets in one pipeline, indexed queries, RQ registries read without
+cleanup, one family's history. No ``SCAN``, no ``COUNT(*)``; see docs/admin.md.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from ..locks import index
 from ..locks.keys import family as family_of
 from . import active, alerts
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
-from .health import DEAD, HEALTHY, Health, lock_health, queue_connections, stuck_claims, stuck_jobs
+from .health import DEAD, Health, lock_health, queue_connections, stuck_claims, stuck_jobs
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
@@ -39,37 +36,26 @@ def build(
     claims: bool = True,
     timeline_of: str | None = None,
 ) -> dict[str, Any]:
-    """The dashboard's context: cards, charts, the timeline, active locks, stuck work, alerts.
-
-    The caller validates ``family`` (a family name), ``health_filter`` (a :class:`Health`
-    value) and ``timeline_of`` (a family, or a resource: it contains ``:``; by default the
-    family with the most contention in the last hour). ``claims=False`` leaves out the stuck
-    idempotency claims (for users who may not see idempotency records).
-    """
+    """The page's context, for a ``family``, ``health_filter`` and ``timeline_of`` (a family or
+    a resource; by default the busiest family) the caller validated; ``claims=False`` leaves out
+    stuck idempotency claims (for users who may not see them)."""
     started = time.perf_counter()
     hour = metrics.window(3600)
     counts = index.active_counts()
-    active_total = sum(counts.values())
-    attempts, contended = hour.total("acquire_attempts"), hour.total("contended")
+    active_total, total = sum(counts.values()), hour.total
+    attempts, contended = total("acquire_attempts"), total("contended")
     fams = sorted(set(counts) | hour.families())
-    contention = []
-    for fam in fams:
-        busy, tries = hour.total("contended", fam), hour.total("acquire_attempts", fam)
-        if tries:
-            share = busy / tries * 100
-            contention.append((fam, share, f"{share:.0f}% ({busy}/{tries})"))
+    tries = {fam: (total("contended", fam), total("acquire_attempts", fam)) for fam in fams}
+    contention = [(f, b / t * 100, f"{b / t:.0%} ({b}/{t})") for f, (b, t) in tries.items() if t]
     everywhere = hour.merged_histogram("start_wait_seconds")
-    wait_p50 = metrics.percentile(everywhere, 0.5)
-    wait_p99 = metrics.percentile(everywhere, 0.99)
+    wait_p50, wait_p99 = (metrics.percentile(everywhere, q) for q in (0.5, 0.99))
 
     def per_minute(title: str, metric: str, axis: str, note: str = "") -> Chart:
         return minute_chart(title, metrics.per_minute(metric, CHART_MINUTES), axis=axis, note=note)
 
     p99_axis = "seconds (p99 bucket bound)"
-    retried = f"{hour.total('rq_retries')} retried by RQ in the last hour"
-    held_now: list[tuple[str, float, str]] = [
-        (f, c, str(c)) for f, c in sorted(counts.items(), key=lambda fc: -fc[1])
-    ]
+    retried = f"{total('rq_retries')} retried by RQ in the last hour"
+    held_now = [(f, float(c), str(c)) for f, c in sorted(counts.items(), key=lambda fc: -fc[1])]
     charts = [
         bar_chart("Contention per family (last hour)", contention, axis=CONTENTION_AXIS),
         per_minute("Requeues for contention per minute", "requeued", "requeues"),
@@ -94,57 +80,51 @@ def build(
         ),
     ]
     locks = active.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
-    health = lock_health(locks)
-    dead_locks, rows = [], []
-    for held in locks:
-        state = health.get(held.resource)
-        row = {
+    health = lock_health(locks)  # one entry per lock
+    rows = [
+        {
             "lock": held,
-            "health": state.state.value if state is not None else HEALTHY.value,
-            "why": state.why if state is not None else "",
+            "health": health[held.resource].state.value,
+            "why": health[held.resource].why,
             "ttl_left": max(0.0, held.pttl_ms / 1000),
         }
-        # Every lock read, whatever the filter: a dead holder is stuck work.
-        if row["health"] == DEAD.value:
-            dead_locks.append(row)
-        if not health_filter or (state is not None and state.state.value == health_filter):
-            rows.append(row)
+        for held in locks
+    ]
     fired = alerts.evaluate()
     cards = [
         ("Active locks", active_total),
         ("Families (now or 1 h)", len(fams)),
         ("Contention (1 h)", f"{contended / attempts * 100:.0f}%" if attempts else "-"),
-        ("Requeues (1 h)", hour.total("requeued")),
-        ("Duplicates blocked (1 h)", hour.total("duplicates_blocked")),
-        ("Locks lost (1 h)", hour.total("lost")),
-        ("Renew failures (1 h)", hour.total("renew_failed")),
-        ("Jobs given up (1 h)", hour.total("given_up")),
-        (
-            "Failed runs / RQ retries (1 h)",
-            f"{hour.total('failed_runs')} / {hour.total('rq_retries')}",
-        ),
+        ("Requeues (1 h)", total("requeued")),
+        ("Duplicates blocked (1 h)", total("duplicates_blocked")),
+        ("Locks lost (1 h)", total("lost")),
+        ("Renew failures (1 h)", total("renew_failed")),
+        ("Jobs given up (1 h)", total("given_up")),
+        ("Failed runs / RQ retries (1 h)", f"{total('failed_runs')} / {total('rq_retries')}"),
         (
             "Wait to start p50 / p99 (1 h)",
             f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-",
         ),
     ]
     target = timeline_of or _busiest(hour, counts)
+    shown = [row for row in rows if not health_filter or row["health"] == health_filter]
     return {
         "cards": cards,
         "charts": charts,
         "timeline": _timeline(target) if target else None,
         "timeline_of": target,
         "job_types": job_types(hour),
-        "rows": rows,
+        "rows": shown,
         "families": sorted(set(counts) | ({family} if family else set())),
         "family": family or "",
         "health_filter": health_filter or "",
         "health_choices": [choice.value for choice in Health],
-        "shown": len(rows),
+        "shown": len(shown),
         "shown_of": counts.get(family, 0) if family else active_total,
         "shown_limit": LOCK_ROWS,
         "stuck_jobs": stuck_jobs(),
-        "dead_locks": dead_locks,
+        # Every lock read, whatever the filter: a dead holder is stuck work.
+        "dead_locks": [row for row in rows if row["health"] == DEAD.value],
         "stuck_claims": stuck_claims() if claims else [],
         "claims_shown": claims,
         "alerts": fired,
@@ -168,11 +148,8 @@ def _spread(hour: metrics.Series, metric: str, fams: list[str], low: int) -> lis
 def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
     """The family with the most contention in ``hour``, else the most active locks now."""
     contended = {fam: hour.total("contended", fam) for fam in hour.families()}
-    if any(contended.values()):
-        return max(sorted(contended), key=lambda fam: contended[fam])
-    if counts:
-        return max(sorted(counts), key=lambda fam: counts[fam])
-    return next(iter(sorted(hour.families())), "")
+    ranked = contended if any(contended.values()) else counts
+    return max(sorted(ranked), key=ranked.__getitem__, default="") or min(contended, default="")
 
 
 def _timeline(target: str) -> Chart:
@@ -203,13 +180,7 @@ def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
         attempts = counts["acquire_attempts"]
         wait = hour.histograms["start_wait_seconds"].get((fam, func))
         p99 = metrics.percentile(wait, 0.99) if wait else None
-        rows.append(
-            {
-                "func": func or "(lock() outside a job)",
-                "family": fam,
-                **counts,
-                "busy": f"{counts['contended'] / attempts * 100:.0f}%" if attempts else "-",
-                "wait_p99": f"≤ {p99:g}s" if p99 is not None else "-",
-            }
-        )
+        busy = f"{counts['contended'] / attempts * 100:.0f}%" if attempts else "-"
+        row = {"func": func or "(lock() outside a job)", "family": fam, **counts, "busy": busy}
+        rows.append({**row, "wait_p99": f"≤ {p99:g}s" if p99 is not None else "-"})
     return sorted(rows, key=lambda row: (-row["contended"], -row["requeued"], row["func"]))

@@ -1,10 +1,7 @@
-"""Prometheus export (``pip install django-joblock[prometheus]``).
-
-A custom collector that reads the all-time totals and the active-lock index from Redis at
-scrape time, so every process's events (short-lived work horses included) are in one place
-and no Prometheus client library state lives in the workers. Names follow Prometheus
-conventions: ``joblock_*``, counters end in ``_total``, durations in ``_seconds``. Labels are
-``family`` and ``function`` only: never a resource id, so cardinality stays bounded.
+"""Prometheus export (``pip install django-joblock[prometheus]``): a collector reading the
+all-time totals and the active-lock index from Redis at scrape time, so every process's events
+are in one place and workers keep no client state. Labels are ``family`` and ``function`` only
+(never a resource id), so cardinality stays bounded.
 """
 
 from __future__ import annotations
@@ -41,12 +38,10 @@ class JoblockCollector:
                 seconds = totals.sums_us[metric.name][(fam, func)] / 1_000_000
                 histogram.add_metric([fam, func], cumulative, seconds)
             yield histogram
-        active = GaugeMetricFamily(
-            "joblock_active_locks", "Locks held right now.", labels=["family"]
-        )
+        held = GaugeMetricFamily("joblock_active_locks", "Locks held right now.", labels=["family"])
         for fam, count in sorted(active_counts().items()):
-            active.add_metric([fam], count)
-        yield active
+            held.add_metric([fam], count)
+        yield held
 
 
 def exposition() -> bytes:

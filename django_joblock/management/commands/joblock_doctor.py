@@ -1,8 +1,7 @@
 """``manage.py joblock_doctor (--job ID | --key KEY [--scope S] | --resource R) [--json]``.
 
-The story of one RQ job, idempotency key or resource (deliveries, holder, operator releases)
-and the design article's debugging steps, each with its evidence and verdict (see
-:mod:`django_joblock.monitor.doctor`). Read-only.
+The story of one RQ job, idempotency key or resource, with the debugging steps' evidence and
+verdicts (:mod:`django_joblock.monitor.doctor`). Read-only.
 """
 
 from __future__ import annotations
@@ -33,13 +32,9 @@ class Command(BaseCommand):
         for name in ("job", "key", "resource"):
             if options[name] is not None and not options[name].strip():
                 raise CommandError(f"--{name} is empty: give the {name} to explain.")
+        job_id, key, resource = (options[name] or "" for name in ("job", "key", "resource"))
         try:
-            found = diagnose(
-                job_id=options["job"] or "",
-                key=options["key"] or "",
-                scope=options["scope"],
-                resource=options["resource"] or "",
-            )
+            found = diagnose(job_id=job_id, key=key, scope=options["scope"], resource=resource)
         except (NotFound, InvalidResource) as exc:
             raise CommandError(str(exc)) from exc
         except ValueError as exc:  # RQ refuses a job id it could never have made

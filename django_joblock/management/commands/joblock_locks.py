@@ -1,9 +1,7 @@
 """``manage.py joblock_locks [--family F] [--stuck] [--json] [--limit N]``: the active locks.
 
-``--json`` prints a list of objects with ``resource``, ``family``, ``owner`` (token hash),
-``fence``, ``host``, ``pid``, ``job_id``, ``job_func``, ``worker``, ``acquired_ms``,
-``renewed_ms``, ``renewals``, ``ttl_ms``, ``pttl_ms``, ``held_for`` (seconds), ``health``
-(``healthy`` / ``holder dead`` / ``not renewing`` / ``overdue``) and ``why`` (its evidence).
+``--json`` prints each lock's fields (``resource``, ``owner``, ``fence``, ``host``, ``pid``,
+``job_id``, ``held_for``...) with its ``health`` and ``why`` (the evidence).
 """
 
 from __future__ import annotations

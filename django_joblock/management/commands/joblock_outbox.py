@@ -1,9 +1,8 @@
 """``manage.py joblock_outbox [--limit N] [--every SECONDS] [--database ALIAS]``.
 
-Deliver the due outbox messages (:mod:`django_joblock.outbox`): those whose delivery after
-their commit failed, at their next backoff time, and those whose process died between the
-commit and the delivery. Once, or every ``--every`` seconds until stopped (from cron, or as a
-service beside the workers).
+Deliver the due outbox messages (:mod:`django_joblock.outbox`): those whose delivery failed, at
+their next backoff time, and those whose process died between the commit and the delivery.
+Once, or every ``--every`` seconds until stopped.
 """
 
 from __future__ import annotations
@@ -27,11 +26,7 @@ class Command(BaseCommand):
         add = parser.add_argument
         add("--limit", type=int, default=100, help="Messages per pass (default 100).")
         add("--every", type=float, help="Seconds between passes; run until stopped.")
-        add(
-            "--database",
-            choices=tuple(connections),
-            help="The database alias of the outbox (default: the router's choice).",
-        )
+        add("--database", choices=tuple(connections), help="Database alias (default: routed).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         limit, every = options["limit"], options["every"]

@@ -1,14 +1,12 @@
 """``manage.py joblock_purge [--dry-run] [--batch-size N] [--redis [--force]]``.
 
-Without ``--redis``: delete the idempotency records whose ``expires_at`` has passed, except a
-``running`` claim whose lease is still live (a duplicate could otherwise claim the key afresh
-and run beside it). Batches of primary keys, each its own short transaction (never one giant
-transaction or a long table lock), and the condition repeated in each ``DELETE``, so a record
-claimed between the read and the delete is kept.
+Without ``--redis``: delete expired idempotency records, except a ``running`` claim whose lease
+is live (a duplicate could claim the key afresh and run beside it). Batches of primary keys,
+each its own short transaction, the condition repeated in each ``DELETE`` (a record claimed
+between the read and the delete is kept).
 
-With ``--redis`` (uninstall): remove every key under ``JOBLOCK["KEY_PREFIX"]`` on the lock
-Redis and every known queue's Redis (:mod:`django_joblock.monitor.cleanup`); refused while
-locks are held unless ``--force``. ``--dry-run`` counts them by kind.
+With ``--redis`` (uninstall): remove every key under ``KEY_PREFIX`` on the lock and queue
+Redis (:mod:`django_joblock.monitor.cleanup`); refused while locks are held unless ``--force``.
 """
 
 from __future__ import annotations
@@ -40,17 +38,11 @@ class Command(BaseCommand):
         add = parser.add_argument
         add("--dry-run", action="store_true", help="Only count what would be deleted.")
         add("--batch-size", type=int, default=1000, help="Records per statement (default 1000).")
-        add(
-            "--database",
-            default="default",
-            choices=tuple(connections),
-            help="The database alias of the records (default: 'default').",
-        )
+        add("--database", default="default", choices=tuple(connections), help="Database alias.")
         add(
             "--redis",
             action="store_true",
-            help="Uninstall: remove every key django-joblock wrote to Redis (under KEY_PREFIX) "
-            "instead of idempotency records.",
+            help="Uninstall: remove the Redis keys under KEY_PREFIX.",
         )
         add("--force", action="store_true", help="With --redis: even while locks are held.")
 
@@ -81,8 +73,7 @@ class Command(BaseCommand):
             held = cleanup.held_locks()
             if held and not force and not dry_run:
                 raise CommandError(
-                    f"{held} lock(s) are held right now (manage.py joblock_locks lists them): "
-                    "stop the workers first, or pass --force to remove their keys anyway."
+                    f"{held} lock(s) are held right now: stop the workers first, or pass --force."
                 )
             found = cleanup.purge_redis(dry_run=dry_run)
         except REDIS_ERRORS as exc:

@@ -1,10 +1,8 @@
 """``manage.py joblock_reap [--dry-run]``: release locks whose holder is dead.
 
-A holder is dead when its lock has not been renewed for half its TTL *and* its RQ job is gone
-or no longer started, its RQ worker has vanished, or its process is gone on this host (see
-:mod:`django_joblock.monitor.health`). Live holders, orphaned work horses that still renew
-included, are left alone; a lock renewed after it was judged dead is refused. Each release is
-a compare-and-delete, audited with the evidence as its reason.
+Dead: not renewed for half its TTL *and* its RQ job, its worker or its process (on this host)
+is gone (:mod:`django_joblock.monitor.health`); a lock renewed meanwhile is refused. Each
+release is a compare-and-delete, audited with the evidence as its reason.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""``manage.py joblock_release RESOURCE --reason R [--owner H | --token T]``: audited force
-release.
+"""``manage.py joblock_release RESOURCE --reason R [--owner H | --token T]``: force release.
 
-``--owner`` names the holder by its 12-character owner hash (as ``joblock_locks`` and the
-dashboard show it), ``--token`` by the owner token itself; with neither, whoever holds the lock
-now. Always a compare-and-delete, written to the lock audit log. Exit status 1 when nothing
-was released; a Redis that does not answer is a ``CommandError`` saying whether the release
-may have happened.
+Only the holder named by its owner hash (``--owner``, as ``joblock_locks`` shows it) or its
+token; with neither, whoever holds it now. A compare-and-delete, audited; exit status 1 when
+nothing was released.
 """
 
 from __future__ import annotations
@@ -31,14 +28,10 @@ class Command(BaseCommand):
         add("--token", help="Only release if the holder with this owner token still holds it.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        actor = f"joblock_release ({getpass.getuser()})"
+        given = {name: options[name] for name in ("reason", "owner", "token")}
         try:
-            result = force_release(
-                options["resource"],
-                reason=options["reason"],
-                owner=options["owner"],
-                token=options["token"],
-                actor=f"joblock_release ({getpass.getuser()})",
-            )
+            result = force_release(options["resource"], actor=actor, **given)
         except (ValueError, LockBackendUnavailable) as exc:
             raise CommandError(str(exc)) from exc
         self.stdout.write(f"{options['resource']}: {result.outcome}")

@@ -1,17 +1,10 @@
 """``manage.py joblock_worker [queues] [--burst] [--with-scheduler] [--simple] [...]``.
 
-An RQ worker with Django set up, on the queues ``@locked_job`` uses (django-rq's ``RQ_QUEUES``
-when installed, else the ``REDIS_ALIAS`` connection). Run ``--with-scheduler`` on at least one
-worker per queue that requeues on contention: requeue delays are scheduled jobs. A queue name
-missing from ``RQ_QUEUES`` is an error (as in django-rq's ``rqworker``), and so are queues on
-different Redis connections (RQ reads them all through one): start one worker per connection.
-
-The options are those of django-rq's ``rqworker``, under its names; with django-rq,
-``rqworker --worker-class django_joblock.worker.JoblockWorker`` is the equivalent.
-
-The system checks run at start without database probes: a worker must start while a job holds
-a long transaction (on SQLite that holds the database lock Django's JSON-support probe waits
-for); ``manage.py check`` and ``migrate`` still probe the databases.
+An RQ worker on the queues ``@locked_job`` uses (django-rq's ``RQ_QUEUES`` when installed, else
+the ``REDIS_ALIAS`` connection), with django-rq ``rqworker``'s options; run
+``--with-scheduler`` on at least one worker per requeueing queue (requeue delays are scheduled
+jobs). Queues on different Redis connections need one worker each. The system checks run at
+start without database probes: a job's long transaction must not stop a worker from starting.
 """
 
 from __future__ import annotations
@@ -40,38 +33,19 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         add = parser.add_argument
-        add(
-            "queues",
-            nargs="*",
-            default=["default"],
-            help="Queue names by priority (default: default).",
-        )
+        add("queues", nargs="*", default=["default"], help="Queue names by priority.")
         add("--burst", action="store_true", help="Exit when the queues are empty.")
-        add(
-            "--with-scheduler",
-            action="store_true",
-            help="Also run RQ's scheduler (requeue delays).",
-        )
+        add("--with-scheduler", action="store_true", help="Also run RQ's scheduler.")
         add("--simple", action="store_true", help="Run jobs in this process (SimpleWorker).")
         add("--name", help="Worker name.")
         add("--max-jobs", type=int, help="Exit after this many jobs.")
-        add(
-            "--worker-class",
-            help="Dotted path of an RQ Worker class (default: django_joblock.worker."
-            "JoblockWorker, or JoblockSimpleWorker with --simple).",
-        )
+        add("--worker-class", help="Dotted path of an RQ Worker class (default: JoblockWorker).")
         add("--job-class", help="Dotted path of an RQ Job class.")
         add("--serializer", help="Dotted path of an RQ serializer (as enqueued).")
         add("--worker-ttl", type=int, help="Seconds the worker's heartbeat lives.")
         add("--max-idle-time", type=int, help="Exit after this many idle seconds.")
         add("--pid", help="Write the worker's pid to this file.")
-        add(
-            "--maintenance-interval",
-            type=int,
-            help="Seconds between RQ's registry clean-ups (default 60; RQ's own: 600): how soon "
-            "a dead worker's jobs are retried, its resource's next job starts and a dead "
-            "scheduler is replaced.",
-        )
+        add("--maintenance-interval", type=int, help="Seconds between RQ clean-ups (default 60).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -82,11 +56,8 @@ class Command(BaseCommand):
             name: server_of(q.connection) for name, q in zip(options["queues"], queues, strict=True)
         }
         if len(set(servers.values())) > 1:
-            raise CommandError(
-                "These queues live on different Redis connections and cannot share one "
-                f"worker: {', '.join(f'{n} -> {s}' for n, s in servers.items())}. Start one "
-                "worker per connection."
-            )
+            where = ", ".join(f"{n} -> {s}" for n, s in servers.items())
+            raise CommandError(f"Queues on different Redis connections need a worker each: {where}")
         for option in POSITIVE:
             if options[option] is not None and options[option] < 1:
                 name = option.replace("_", "-")
@@ -109,12 +80,8 @@ class Command(BaseCommand):
                     pid_file.write(str(os.getpid()))
             except OSError as exc:
                 raise CommandError(f"--pid {options['pid']!r}: cannot write the pid file: {exc}")
-        worker.work(
-            burst=options["burst"],
-            with_scheduler=options["with_scheduler"],
-            max_jobs=options["max_jobs"],
-            max_idle_time=options["max_idle_time"],
-        )
+        run = ("burst", "with_scheduler", "max_jobs", "max_idle_time")
+        worker.work(**{name: options[name] for name in run})
 
     def _worker_class(self, dotted: str | None, *, simple: bool) -> Any:
         if dotted is None:
@@ -126,14 +93,11 @@ class Command(BaseCommand):
         except ImportError as exc:
             raise CommandError(f"--worker-class {dotted!r} cannot be imported: {exc}") from exc
         if not isinstance(found, type) or not issubclass(found, BaseWorker):
-            raise CommandError(
-                f"--worker-class {dotted!r} is not an RQ worker class (rq.worker.BaseWorker)."
-            )
+            raise CommandError(f"--worker-class {dotted!r} is not an RQ worker class.")
         if not issubclass(found, (JoblockWorker, JoblockSimpleWorker)):
             # Allowed (it may close connections its own way), but said.
             sys.stderr.write(
                 f"Warning: {dotted} does not derive from django_joblock.worker.JoblockWorker: "
-                "database connections are not closed before each fork, so a work horse may "
-                "share its parent's connection.\n"
+                "database connections are not closed before each fork.\n"
             )
         return found
