@@ -32,7 +32,6 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -42,18 +41,17 @@ from .. import conf, metrics
 from ..backend import REDIS_ERRORS, client, send, unavailable
 from ..exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from ..logs import log_lock, logger
-from ..signals import lock_acquired, lock_contended, lock_lost, lock_released
+from ..signals import lock_acquired, lock_contended, lock_released
 from . import index, replicas, waiting
 from .current import current_lock, reset_current_lock, set_current_lock
 from .info import holder_details
 from .keys import LockKeys, validate_resource
 from .renewal import renewer
 from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, RENEW, Outcome, busy_pttl_ms
-from .state import Holding, LockState, drift
+from .state import Holding, LockState, OnLost, drift
 
 __all__ = ["Lock", "LockState", "current_lock", "lock", "reset_current_lock", "set_current_lock"]
 
-OnLost = Callable[["Lock", str], Any]
 _HOLDING = (LockState.HELD, LockState.SUSPECT)
 
 
@@ -146,30 +144,6 @@ class Lock(Holding):
         renewer().remove(self)
         if self.mark_lost(reason):
             self.announce_lost(reason)
-
-    def announce_lost(self, reason: str) -> None:
-        """Tell everyone this holding was lost (after :meth:`mark_lost`): metric, warning,
-        ``lock_lost`` signal, ``on_lost``. A receiver's or callback's exception is logged,
-        never raised: the renewal thread calls this and must keep renewing other locks."""
-        metrics.count("lost", self.family, self.job_func)
-        log_lock(logging.WARNING, "lost", self, f"lock lost: {reason}", reason=reason)
-        try:
-            lock_lost.send(sender=Lock, lock=self, reason=reason)
-        except Exception:  # noqa: BLE001 - a receiver's bug must not stop other renewals
-            logger.exception("lock_lost receiver failed for %s", self.key)
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self, reason)
-            except Exception:  # noqa: BLE001 - same: logged, never fatal to the thread
-                logger.exception("on_lost callback failed for %s", self.key)
-
-    def renewal_failed(self, exc: BaseException) -> None:
-        """A renewal could not be confirmed (it is retried soon): HELD -> SUSPECT, logged once
-        with the cause."""
-        if self.mark_suspect():
-            cause = f"{type(exc).__name__}: {exc}"
-            message = f"renewal failed ({cause}); retrying for {self.remaining():.2f}s"
-            log_lock(logging.WARNING, "renew_failed", self, message, reason=cause)
 
     # -- Redis ---------------------------------------------------------------------------
     def _client(self) -> Any:

@@ -28,18 +28,14 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import conf, metrics
 from ..backend import client, send
 from ..logs import logger
 from . import index
 from .scripts import RENEW, Outcome
-from .state import LockState
-
-if TYPE_CHECKING:  # the lock changes its own state; this thread only decides when
-    from .lock import Lock
-
+from .state import Holding, LockState  # a lock changes its own state; this thread decides when
 
 COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pipeline
 BATCH = 2000  # renewals per pipeline, so one reply never approaches the socket timeout
@@ -63,7 +59,7 @@ class RenewalStats:
 class Entry:
     """One holding of one lock, as the thread schedules it (its lock referred to weakly)."""
 
-    ref: weakref.ReferenceType[Lock]
+    ref: weakref.ReferenceType[Holding]
     lock_id: int  # id() of the lock: the registry key, valid while ``ref`` returns the lock
     key: str
     alias: str
@@ -73,7 +69,7 @@ class Entry:
     in_flight: bool = False
 
 
-_Work = tuple[Entry, "Lock"]
+_Work = tuple[Entry, Holding]
 
 
 class Renewer:
@@ -97,7 +93,7 @@ class Renewer:
         self._stats = RenewalStats()
 
     # -- registry -------------------------------------------------------------------------
-    def add(self, held: Lock, *, renew_within: float = math.inf) -> None:
+    def add(self, held: Holding, *, renew_within: float = math.inf) -> None:
         """Start keeping ``held`` (just acquired); renew it first within ``renew_within``
         seconds if that is sooner than its interval (a lock handed over by a release is valid
         for less than its TTL until renewed)."""
@@ -124,14 +120,14 @@ class Renewer:
             if when < self._wake_at:
                 self._cond.notify()
 
-    def remove(self, held: Lock) -> None:
+    def remove(self, held: Holding) -> None:
         """Stop keeping ``held``."""
         with self._cond:
             entry = self._entries.get(id(held))
             if entry is not None and entry.ref() is held:
                 del self._entries[entry.lock_id]
 
-    def held_locks(self) -> list[Lock]:
+    def held_locks(self) -> list[Holding]:
         """The locks this process holds (acquired, not yet released, lost or dropped)."""
         with self._cond:
             found = [entry.ref() for entry in self._entries.values()]
@@ -142,13 +138,13 @@ class Renewer:
             return replace(self._stats)
 
     # -- thread ---------------------------------------------------------------------------
-    def _schedule(self, entry: Entry, held: Lock) -> float:
+    def _schedule(self, entry: Entry, held: Holding) -> float:
         """Push ``entry`` at its next moment (caller holds the condition)."""
         when = min(self._give_up_at(entry, held), entry.renew_due)
         heapq.heappush(self._heap, (when, next(self._seq), entry))
         return when
 
-    def _give_up_at(self, entry: Entry, held: Lock) -> float:
+    def _give_up_at(self, entry: Entry, held: Holding) -> float:
         """When a lock must be declared lost at the latest: its local deadline, or, while its
         renewals fail, one socket timeout before it (a renewal sent later could not be
         confirmed in time)."""
@@ -204,14 +200,14 @@ class Renewer:
 
     def _gather(
         self, now: float
-    ) -> tuple[list[tuple[Lock, str]], dict[str, list[_Work]], list[str]]:
+    ) -> tuple[list[tuple[Holding, str]], dict[str, list[_Work]], list[str]]:
         """Pop what is due (caller holds the condition): (lost, work per alias, dropped keys).
 
         Everything due within a quarter interval of the first due lock joins one batch:
         renewing a little early is harmless (renew replaces the TTL) and turns a stream of
         deadlines into a few pipelines per interval. The batch is ordered by deadline.
         """
-        lost: list[tuple[Lock, str]] = []
+        lost: list[tuple[Holding, str]] = []
         work: dict[str, list[_Work]] = defaultdict(list)
         dropped: list[str] = []
         later: list[_Work] = []
@@ -268,7 +264,7 @@ class Renewer:
         self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
         self._wake_at = -math.inf  # awake: add() need not notify
 
-    def _lost_reason(self, entry: Entry, held: Lock, now: float) -> str:
+    def _lost_reason(self, entry: Entry, held: Holding, now: float) -> str:
         if now >= held.valid_until:
             if not held.heartbeat:
                 return "ttl expired (heartbeat off)"
@@ -292,7 +288,7 @@ class Renewer:
             replies = send(client(alias, self._timeouts[alias]), calls)
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             replies = [exc] * len(items)
-        lost: list[tuple[Lock, str]] = []
+        lost: list[tuple[Holding, str]] = []
         renewed: dict[tuple[str, str], int] = defaultdict(int)
         with self._cond:
             self._stats.round_trips += 1

@@ -10,13 +10,21 @@ process too: in a forked child the parent's lock is neither held nor lost, it is
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
+from .. import metrics
 from ..exceptions import LockLost
+from ..logs import log_lock, logger
+from ..signals import lock_lost
 from .keys import owner_hash
+
+OnLost = Callable[[Any, str], Any]  # on_lost(lock, reason)
 
 
 class LockState(enum.Enum):
@@ -39,7 +47,13 @@ class Holding:
 
     resource: str
     key: str
+    alias: str
+    family: str
     job_id: str
+    job_func: str
+    heartbeat: bool
+    heartbeat_interval: float
+    on_lost: OnLost | None
     ttl: float
     max_hold: float | None
     token: str
@@ -111,6 +125,30 @@ class Holding:
             self.state = LockState.LOST
             self.lost_reason = reason
             return True
+
+    def announce_lost(self, reason: str) -> None:
+        """Tell everyone this holding was lost (after :meth:`mark_lost`): metric, warning,
+        ``lock_lost`` signal, ``on_lost``. A receiver's or callback's exception is logged,
+        never raised: the renewal thread calls this and must keep renewing other locks."""
+        metrics.count("lost", self.family, self.job_func)
+        log_lock(logging.WARNING, "lost", self, f"lock lost: {reason}", reason=reason)
+        try:
+            lock_lost.send(sender=type(self), lock=self, reason=reason)
+        except Exception:  # noqa: BLE001 - a receiver's bug must not stop other renewals
+            logger.exception("lock_lost receiver failed for %s", self.key)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self, reason)
+            except Exception:  # noqa: BLE001 - same: logged, never fatal to the thread
+                logger.exception("on_lost callback failed for %s", self.key)
+
+    def renewal_failed(self, exc: BaseException) -> None:
+        """A renewal could not be confirmed (it is retried soon): HELD -> SUSPECT, logged once
+        with the cause."""
+        if self.mark_suspect():
+            cause = f"{type(exc).__name__}: {exc}"
+            message = f"renewal failed ({cause}); retrying for {self.remaining():.2f}s"
+            log_lock(logging.WARNING, "renew_failed", self, message, reason=cause)
 
     def mark_released(self) -> None:
         """Any state -> RELEASED (``lost_reason`` is kept: ``lost`` still says so)."""
