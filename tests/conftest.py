@@ -16,6 +16,24 @@ from tests import harness, workers
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# The fast tier (`./scripts/test -m "not slow"`) leaves out tests that start worker processes,
+# a redis-server of their own, a proxy, a browser or a wheel build (by their fixtures), and
+# the modules below, whose tests start processes themselves or sleep past lock TTLs.
+SLOW_FIXTURES = {"crew", "server", "proxy", "live_server", "built_wheel", "built_wheel_site"}
+SLOW_MODULES = {
+    "test_alerts_workers", "test_browser", "test_cluster", "test_demo", "test_docs",
+    "test_heartbeat", "test_lock_robustness_workers", "test_lock_waiting", "test_sentinel",
+    "test_tls", "test_topologies", "test_workers",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SLOW_FIXTURES or item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _worker_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Worker processes log under pytest's temporary directory, not into the repository."""
