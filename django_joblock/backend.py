@@ -293,6 +293,14 @@ def send(found: Any, calls: Sequence[Call]) -> list[Any]:
     its reply (the others still ran); a script the server had forgotten is loaded and run
     again on its own. A connection error raises (it is not known which commands ran).
     """
+    if len(calls) == 1:  # no pipeline: redis-py's costs more than the command itself
+        call = calls[0]
+        try:
+            if isinstance(call, tuple) and isinstance(call[0], Script):
+                return [call[0](found, call[1], call[2])]
+            return [found.execute_command(*call)]
+        except ResponseError as exc:
+            return [exc]
     pipe = found.pipeline(transaction=False)
     for call in calls:
         if isinstance(call, tuple) and isinstance(call[0], Script):

@@ -316,16 +316,28 @@ def test_wait_zero_and_uncontended_acquires_stay_one_round_trip(rconn, counted):
     counted.take()
     free = lock("trips:1", ttl=10, wait=60, using="counted")
     assert free.acquire()
-    # One round trip each: the script, and the holding's entry in the active-lock index.
+    # Ready to wait: the script, then the holding's entry in the active-lock index.
     assert counted.take() == ["EVALSHA", "ZADD", "SADD"], "uncontended, even when ready to wait"
+
+    def indexed(held: Any) -> Any:
+        return rconn.zscore("joblock:active:trips", f"{held.resource}#{held.owner}")
+
+    assert indexed(free) is not None
     assert free.release()
-    assert counted.take() == ["EVALSHA", "ZREM"], "a release with nobody waiting"
+    assert counted.take() == ["EVALSHA"], "a release with nobody waiting unindexes in its script"
+    assert indexed(free) is None
+    once = lock("trips:3", ttl=10, wait=0, using="counted")
+    assert once.acquire()
+    assert counted.take() == ["EVALSHA"], "one try: the script writes the index entry itself"
+    assert indexed(once) is not None
+    assert once.release()
+    counted.take()
     holder = lock("trips:2", ttl=10)  # on the default cache: not counted
     assert holder.acquire()
-    assert not lock("trips:2", ttl=10, wait=0, using="counted").acquire()
-    assert counted.take() == ["EVALSHA", "ZADD", "SADD", "ZREM"], (
-        "wait=0 on a busy lock: one try, and its index entry taken back"
-    )
+    busy = lock("trips:2", ttl=10, wait=0, using="counted")
+    assert not busy.acquire()
+    assert counted.take() == ["EVALSHA"], "wait=0 on a busy lock: one try, nothing indexed"
+    assert indexed(busy) is None and indexed(holder) is not None
     assert rconn.exists(_keys("trips:2").queue) == 0, "one try does not join the line"
     # Negative control: the counter does see what a waiting acquire sends.
     assert not lock("trips:2", ttl=10, wait=0.3, using="counted").acquire()

@@ -1,11 +1,11 @@
-"""The active-lock index and the families set: the one module that writes and reads them.
+"""The active-lock index and the families set: the one module that encodes and reads them.
 
 - ``P:active:<family>`` (ZSET): one member ``resource#owner`` per holding, scored by its
-  expiry (Unix ms). The acquire writes it in its own round trip (:func:`add_calls`), every
-  renewal refreshes its score, the release removes it (:func:`remove_call`). An acquire that
-  found the lock busy takes its speculative entry back. A holder that dies leaves its entry
-  until the score passes; readers prune expired entries and drop those whose lock hash is
-  gone or someone else's (:func:`drop`).
+  expiry (Unix ms). The ACQUIRE script writes it and RELEASE removes it (:func:`in_script`;
+  on Redis Cluster, in the same pipeline: :func:`add_calls`, :func:`remove_call`); every
+  renewal refreshes its score. A holder that dies leaves its entry until the score passes;
+  readers prune expired entries and drop those whose lock hash is gone or someone else's
+  (:func:`drop`).
 - ``P:families`` (SET): the families that have entries, added with every acquire and renewal
   (so it comes back after a ``FLUSHDB`` or a restart without persistence), pruned by
   :func:`active_counts` when a family has no entry left.
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import conf
-from ..backend import client, text
+from ..backend import client, is_cluster, text
 
 Entry = tuple[str, str, float]  # (resource, owner, ttl in seconds)
 
@@ -53,6 +53,23 @@ def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
     if scores:
         calls.append(["SADD", families_key(prefix), *scores])
     return calls
+
+
+def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[Any]]:
+    """The entry as extra KEYS and ARGV of the ACQUIRE script, which then writes it itself
+    (one command, not a pipeline: cheaper per lock); the first KEYS and ARGV[2] of them serve
+    RELEASE, to remove it. ``([], [])`` on Redis Cluster, where the index lives in other slots
+    than the lock: there :func:`add_calls` and :func:`remove_call` ride in a pipeline."""
+    if is_cluster(found):
+        return [], []
+    resource, owner, ttl = entry
+    family = resource.split(":", 1)[0]
+    score = int(time.time() * 1000 + ttl * 1000)
+    return [_index_key(prefix, family), families_key(prefix)], [
+        score,
+        member(resource, owner),
+        family,
+    ]
 
 
 def remove_call(prefix: str, resource: str, owner: str) -> list[Any]:

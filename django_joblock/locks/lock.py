@@ -38,7 +38,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, client, send, unavailable
+from ..backend import REDIS_ERRORS, Call, client, send, unavailable
 from ..exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from ..logs import log_lock, logger
 from ..signals import lock_acquired, lock_contended, lock_released
@@ -178,7 +178,7 @@ class Lock(Holding):
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
         found = self._client()
-        indexing = index.add_calls(self.keys.prefix, [(self.resource, self.owner, self.ttl)])
+        entry = (self.resource, self.owner, self.ttl)
         started = time.monotonic()
         try:
             if wait > 0:
@@ -188,16 +188,20 @@ class Lock(Holding):
                     found, self.alias, self.keys, self.owner, args, deadline, confirm=confirm
                 )
                 if turn.reply > 0:
-                    send(found, indexing)
+                    send(found, index.add_calls(self.keys.prefix, [entry]))
             else:
-                calls = [(ACQUIRE, waiting.lock_keys(self.keys), args), *indexing]
+                index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
+                script_keys = [*waiting.lock_keys(self.keys), *index_keys]
+                calls: list[Call] = [(ACQUIRE, script_keys, [*args, *index_args])]
+                if not index_keys:  # Redis Cluster: the index lives in other slots
+                    calls += index.add_calls(self.keys.prefix, [entry])
                 try:
                     reply = send(found, calls)[0]
                 except RedisConnectionError:  # lost mid-call: safe to send again (see above)
                     reply = send(found, calls)[0]
                 if isinstance(reply, Exception):
                     raise reply
-                if reply <= 0:  # busy: take the entry written with the try back
+                if reply <= 0 and not index_keys:  # busy: take the entry written back
                     found.execute_command(
                         *index.remove_call(self.keys.prefix, self.resource, self.owner)
                     )
@@ -285,20 +289,26 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        also: list[Any] = [index.remove_call(self.keys.prefix, self.resource, self.owner)]
+        found, retried = self._client(), False
+        entry = (self.resource, self.owner, self.ttl)
+        index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
+        unindex = (index_keys[:1], index_args[1:2])  # Cluster: ZREM in the pipeline instead
+        also = [] if index_keys else [index.remove_call(self.keys.prefix, *entry[:2])]
         # Metrics ride along: always inside a job (a work horse may exit right after).
         pending = metrics.take_for_flush(force=bool(self.job_id))
-        if pending:
-            also.append(metrics.flush_call(pending))
-        found, retried = self._client(), False
+        flush = [metrics.flush_call(pending)] if pending else []
         try:
             try:
-                code, _ = waiting.release(found, self.keys, self.token, self._next_ticket, also)
+                code = waiting.release(
+                    found, self.keys, self.token, self._next_ticket, also + flush, unindex
+                )
             except RedisConnectionError:  # lost mid-call: once more, without the metrics
                 retried = True  # (kept for the next flush: counted twice rather than lost)
                 if pending:
                     metrics.restore(pending)
-                code, _ = waiting.release(found, self.keys, self.token, self._next_ticket, also[:1])
+                code = waiting.release(
+                    found, self.keys, self.token, self._next_ticket, also, unindex
+                )
         except REDIS_ERRORS as exc:
             self.mark_released()
             if pending and not retried:

@@ -112,25 +112,34 @@ end
 ACQUIRE = Script(
     """
 -- Acquire a lock if it is free (one try).
--- KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] wait queue, KEYS[4] tickets
+-- KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] wait queue, KEYS[4] tickets; optional
+-- (one server, not Cluster): KEYS[5] active-lock index of the family, KEYS[6] families set
 -- ARGV[1] owner token, ARGV[2] ttl in ms (integer, 1..MAX), ARGV[3] fence counter ttl in ms,
--- ARGV[4] host, ARGV[5] pid, ARGV[6] RQ job id, ARGV[7] job function, ARGV[8] worker
--- Returns the fence (> 0) when acquired; when busy -1 - (holder's PTTL in ms), so <= -1 (-1
--- also when the lock is free but live tickets wait: a newcomer never goes before them); an
--- error, nothing written, for a bad ttl. Already ours (a retry whose first reply was lost):
--- the same fence, the TTL set afresh.
+-- ARGV[4] host, ARGV[5] pid, ARGV[6] RQ job id, ARGV[7] job function, ARGV[8] worker; with
+-- KEYS[5]: ARGV[9] index score (expiry, Unix ms), ARGV[10] index member, ARGV[11] family
+-- Returns the fence (> 0) when acquired (and indexed, given KEYS[5]); when busy -1 -
+-- (holder's PTTL in ms), so <= -1 (-1 also when the lock is free but live tickets wait: a
+-- newcomer never goes before them); an error, nothing written, for a bad ttl. Already ours
+-- (a retry whose first reply was lost): the same fence, the TTL set afresh.
 """
     + _CHECK_TTL
     + _NOW_MS
     + _GRANT
     + _FIRST_LIVE
     + """
+local function indexed(fence)
+  if KEYS[5] then
+    redis.call('ZADD', KEYS[5], ARGV[9], ARGV[10])
+    redis.call('SADD', KEYS[6], ARGV[11])
+  end
+  return fence
+end
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   local held = redis.call('HMGET', KEYS[1], 'token', 'fence')
   if held[1] == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ttl_ms)
-    return tonumber(held[2])
+    return indexed(tonumber(held[2]))
   end
   if pttl == -1 then
     -- A lock without expiry can only be left by a bug or a hand-made key: give it one.
@@ -143,7 +152,8 @@ local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[3]) == 1 and first_live(KEYS[3], KEYS[4], now_ms(t)) ~= nil then
   return -1
 end
-return grant(t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8])
+return indexed(grant(t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
+  ARGV[8]))
 """
 )
 
@@ -269,8 +279,10 @@ RELEASE = Script(
 -- Release a lock we own (compare-and-delete, never a blind DEL), or hand it over to the first
 -- live ticket in line.
 -- KEYS[1] lock hash; optional, in this order: KEYS[2] fence counter, KEYS[3] wait queue,
--- KEYS[4] tickets (without them the line is not looked at), KEYS[5] the wake list of ARGV[2]
--- ARGV[1] owner token, ARGV[2] the ticket the caller expects first in line ('' if none known)
+-- KEYS[4] tickets (without them the line is not looked at), KEYS[5] the wake list of ARGV[2],
+-- KEYS[6] (one server, not Cluster) the active-lock index of the family
+-- ARGV[1] owner token, ARGV[2] the ticket the caller expects first in line ('' if none known),
+-- with KEYS[6]: ARGV[3] this holding's index member, removed whatever the outcome
 -- Returns 1 released, 0 gone (expired/released), -1 held by another owner. With live tickets
 -- in line the lock (ours, or gone) goes to the first of them: written with its token,
 -- details and hand-over ttl, and "fence next-ticket" pushed to its wake list. That needs the
@@ -282,6 +294,7 @@ RELEASE = Script(
     + _FIRST_LIVE
     + _FLAG_WAITERS
     + f"""
+if KEYS[6] then redis.call('ZREM', KEYS[6], ARGV[3]) end
 local held = redis.call('HMGET', KEYS[1], 'token', 'waiters')
 local owner = held[1]
 if owner and owner ~= ARGV[1] then return -1 end

@@ -155,27 +155,35 @@ def wait_in_line(
 
 
 def release(
-    client: Any, keys: LockKeys, token: str, expected: str, also: list[Any]
-) -> tuple[Outcome, list[Any]]:
+    client: Any,
+    keys: LockKeys,
+    token: str,
+    expected: str,
+    also: list[Any],
+    unindex: tuple[list[str], list[Any]] = ([], []),
+) -> Outcome:
     """Release the lock held with ``token``, handing it to the first live ticket in line.
 
     ``expected`` is the ticket the holder believes first in line ("" if none known); ``also``
-    are commands (:func:`~django_joblock.backend.send` calls) sent in the first round trip.
-    Returns the outcome and the replies to ``also``. One round trip when nobody waits or
-    ``expected`` is right; one more each time the line changed under it.
+    are commands (:func:`~django_joblock.backend.send` calls) sent in the first round trip,
+    ``unindex`` the index key and member RELEASE removes itself (:func:`.index.in_script`).
+    One round trip when nobody waits or ``expected`` is right; one more each time the line
+    changed under it.
     """
-    answers: list[Any] = []
     for attempt in range(HAND_OVER_TRIES + 1):
-        if attempt < HAND_OVER_TRIES:
-            script_keys = lock_keys(keys) + ([keys.wake(expected)] if expected else [])
-        else:  # give up handing over: the first in line notices within a quarter WAITER_TTL
-            script_keys = [keys.lock]
-        reply, *replies = send(client, [(RELEASE, script_keys, [token, expected]), *also])
-        if attempt == 0:
-            answers, also = replies, []
+        args = [token, expected]
+        if attempt == HAND_OVER_TRIES:  # give up handing over: the first in line notices
+            script_keys = [keys.lock]  # within a quarter WAITER_TTL
+        else:  # (a wake list for "" is never pushed: no ticket is "")
+            script_keys = [*lock_keys(keys), keys.wake(expected)]
+            if attempt == 0 and unindex[0]:
+                script_keys += unindex[0]
+                args += unindex[1]
+        reply = send(client, [(RELEASE, script_keys, args), *also])[0]
+        also = []  # their replies are not looked at
         if isinstance(reply, Exception):
             raise reply
         if not isinstance(reply, (bytes, str)):
-            return Outcome(reply), answers
+            return Outcome(reply)
         expected = text(reply)
     raise AssertionError("unreachable: the last try does not look at the line")

@@ -132,7 +132,7 @@ def _release(
     redis.set(keys.released, encoded, px=notes.ttl_ms(ttl))
     # Entries are per owner: if the lock is gone or another's, this entry is stale anyway.
     unindex = index.remove_call(keys.prefix, keys.resource, owner_hash(token))
-    outcome, _ = waiting.release(redis, keys, token, "", [unindex])
+    outcome = waiting.release(redis, keys, token, "", [unindex])
     if outcome is Outcome.OK:
         return True
     if redis.get(keys.released) == encoded.encode():
