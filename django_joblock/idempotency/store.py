@@ -152,7 +152,9 @@ def _guard_and_read_postgresql(
     model: Any, connection: Any, values: Row, lock_key: str | None
 ) -> Found:
     # One read-only statement: the guards (never waiting) and the row if there is one; a
-    # replay is this one query.
+    # replay is this one query. The statement's snapshot is taken before its guards: a holder
+    # that committed the row in between let the guards go, and the row is not seen. So "no
+    # row" is read again, under the guards, by a second statement (a new snapshot).
     resource = GUARD_SQL if lock_key is not None else "TRUE"
     sql = (
         f"SELECT {resource}, {GUARD_SQL}, {_columns(model, connection, ROW_FIELDS, 't.')} "
@@ -169,7 +171,15 @@ def _guard_and_read_postgresql(
     if not ok:
         return GUARDED, None, None
     if rest[0] is None:
-        return ABSENT, None, None
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT {_columns(model, connection, ROW_FIELDS)} FROM "
+                f"{_table(model, connection)} WHERE {_by_key(model, connection)}",
+                [scope, key],
+            )
+            rest = cursor.fetchone()
+        if rest is None:
+            return ABSENT, None, None
     return EXISTING, None, _read(model, connection, rest)
 
 
