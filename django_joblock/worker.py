@@ -1,9 +1,11 @@
 """RQ workers (docs/jobs.md, "Workers and database connections") that keep Django's database
 connections safe (``JoblockWorker`` closes them before each fork, ``JoblockSimpleWorker`` drops
-stale ones around each job), run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s (an idle
-worker never blocks longer in a dequeue), and ride out a Redis outage between jobs: where RQ
-quits (heartbeat, suspension check, maintenance, state before the dequeue), these log a warning
-and go on to the dequeue, which waits with backoff.
+stale ones around each job), run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s, free the
+admission slot of a job whose lock ended without a release within a second while idle
+(:mod:`django_joblock.jobs.liveness`; an idle worker never blocks longer in a dequeue), and
+ride out a Redis outage between jobs: where RQ quits (heartbeat, suspension check,
+maintenance, state before the dequeue), these log a warning and go on to the dequeue, which
+waits with backoff.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import redis
 from django.db import close_old_connections, connections
 from rq import SimpleWorker, Worker
 
+from .backend import REDIS_ERRORS
+from .jobs import liveness
 from .logs import logger
 
 MAINTENANCE_INTERVAL = 60
@@ -27,6 +31,7 @@ class _Loop:
 
     maintenance_interval: int
     name: str
+    connection: Any
     exponential_backoff_factor: float
     max_connection_wait_time: float
 
@@ -36,8 +41,9 @@ class _Loop:
 
     @property
     def dequeue_timeout(self) -> int:
+        # Back in the loop every liveness interval: the heartbeat below sweeps.
         default: int = super().dequeue_timeout  # type: ignore[misc]
-        return max(1, min(default, int(self.maintenance_interval)))
+        return max(1, min(default, int(self.maintenance_interval), int(liveness.INTERVAL)))
 
     @contextlib.contextmanager
     def _outage(self, step: str) -> Iterator[None]:
@@ -57,9 +63,27 @@ class _Loop:
             wait = min(wait * self.exponential_backoff_factor, self.max_connection_wait_time)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        """RQ's heartbeat; called by RQ's dequeue loop (without a pipeline) once per dequeue
+        timeout, it also runs the liveness sweep when it is this worker's turn."""
         # On the caller's pipeline nothing is sent here: no outage to ride out.
         with self._outage("heartbeat") if pipeline is None else contextlib.nullcontext():
             super().heartbeat(timeout, pipeline)  # type: ignore[misc]
+        if pipeline is None:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """The liveness sweep (:func:`django_joblock.jobs.liveness.sweep`) on this worker's
+        Redis, if no worker swept within the interval. A failure is logged, never raised."""
+        try:
+            if liveness.claim_turn():
+                liveness.sweep(self.connection)
+        except REDIS_ERRORS as exc:
+            logger.warning(
+                "worker %s: liveness sweep failed (%s); next one in %gs",
+                self.name,
+                exc,
+                liveness.INTERVAL,
+            )
 
     def check_for_suspension(self, burst: bool) -> None:
         with self._outage("suspension check"):

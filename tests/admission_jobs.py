@@ -40,14 +40,17 @@ def _wait_for(flag: str, limit: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-@locked_job("default", lock="hot:{k}", ttl=2)
+HOT_TTL = 2  # the hot jobs' lock TTL (s)
+
+
+@locked_job("default", lock="hot:{k}", ttl=HOT_TTL)
 def hot(k: int, label: str, seconds: float) -> str:
     """A job on a hot resource (admission: the default)."""
     _log_interval(label, seconds)
     return label
 
 
-@locked_job("default", lock="hot:{k}", ttl=2, atomic=False)
+@locked_job("default", lock="hot:{k}", ttl=HOT_TTL, atomic=False)
 def hot_hold(k: int, label: str) -> str:
     """Holds the resource until ``test:go:<label>`` is set (or it is killed). No transaction:
     on SQLite an open one would hold every other job's writes back meanwhile."""

@@ -221,17 +221,17 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         _persistent(server, server.client(), False)
 
 
-def test_workers_wake_up_for_rq_maintenance_on_time(rconn):
-    """Idle workers block in their dequeue call for at most the maintenance interval (RQ's own
-    worker blocks for up to 405 s whatever the interval), so a slot left by a dead worker is
-    recovered within it."""
+def test_workers_wake_up_for_the_liveness_sweep_every_second(rconn):
+    """Idle workers block in their dequeue call for at most the liveness interval (RQ's own
+    worker blocks for up to 405 s whatever its maintenance interval), so a slot left by a dead
+    holder is freed within a second of its lock's expiry, and RQ's maintenance runs on time."""
+    from django_joblock.jobs import liveness
+
     queue = Queue("default", connection=rconn)
     for worker_class in (JoblockWorker, JoblockSimpleWorker):
         worker = worker_class([queue], connection=rconn)
         assert worker.maintenance_interval == 60
-        assert worker.dequeue_timeout == 60
-        short = worker_class([queue], connection=rconn, maintenance_interval=5)
-        assert short.dequeue_timeout == 5
+        assert worker.dequeue_timeout == liveness.INTERVAL == 1
     from rq import Worker
 
     assert Worker([queue], connection=rconn).dequeue_timeout == 405, "RQ's own default"

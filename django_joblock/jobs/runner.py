@@ -19,6 +19,8 @@ from typing import Any
 
 from django.db import DatabaseError, router, transaction
 from rq import get_current_job
+from rq.exceptions import NoSuchJobError
+from rq.job import JobStatus
 
 from .. import conf, metrics
 from ..backend import REDIS_ERRORS, client
@@ -33,6 +35,7 @@ from ..idempotency import guard
 from ..idempotency.claims import Idempotent, fingerprint_of, idempotent
 from ..idempotency.one_commit import claim_in_transaction, record_failure, record_result
 from ..locks import notes
+from ..locks.info import lock_info
 from ..locks.lock import Lock, reset_current_lock, set_current_lock
 from ..logs import logger
 from .abort import Abort
@@ -86,6 +89,8 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
     held = Lock(state.resource, ttl=spec.ttl, heartbeat=spec.heartbeat, on_lost=abort.lost)
     try:  # a worker tries once (admission let it start); an inline call waits ACQUIRE_WAIT
         acquired = held.acquire(wait=0.0 if state.worker else None)
+        if not acquired and (wait := _orphan_wait(state, held)):
+            acquired = held.acquire(wait=wait)
     except LockBackendUnavailable as exc:
         if not state.worker or spec.on_conflict is not OnConflict.REQUEUE:
             raise
@@ -113,6 +118,31 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
             held.release()
         except LockBackendUnavailable:
             logger.warning("could not release %s: it expires by its TTL", held.key, exc_info=True)
+
+
+def _orphan_wait(state: Run, held: Lock) -> float:
+    """How long a run holding its resource's admission slot waits in line for a busy lock
+    before it requeues: until the lock expires when its holder is an RQ job that has ended
+    (the horse of a job its worker already failed: its lock is left to expire, and requeueing
+    would hand the slot to each parked job in turn, each finding the lock busy), else 0."""
+    job = state.job
+    if getattr(job, "rate_limit_key", None) != held.key or job is None:  # rq >= 3.0 admission
+        return 0.0
+    if state.spec.on_conflict is not OnConflict.REQUEUE:
+        return 0.0
+    try:
+        info = lock_info(held.resource, using=held.alias)
+    except LockBackendUnavailable:
+        return 0.0
+    if info is None:
+        return 1.0  # freed since the try
+    if not info.job_id or info.job_id == job.id:
+        return 0.0
+    try:
+        status = job.__class__.fetch(info.job_id, connection=job.connection).get_status()
+    except NoSuchJobError:
+        status = None
+    return 0.0 if status == JobStatus.STARTED else info.expires_in + 1.0
 
 
 def _operator_note(held: Lock) -> notes.OperatorRelease | None:

@@ -1,11 +1,14 @@
 """The active-lock index and the families set: the one module that encodes and reads them.
 
-- ``P:active:<family>`` (ZSET): one member ``resource#owner`` per holding, scored by its
-  expiry (Unix ms). The ACQUIRE script writes it and RELEASE removes it (:func:`in_script`;
-  on Redis Cluster, in the same pipeline: :func:`add_calls`, :func:`remove_call`); every
-  renewal refreshes its score. A holder that dies leaves its entry until the score passes;
-  readers prune expired entries and drop those whose lock hash is gone or someone else's
-  (:func:`drop`).
+- ``P:active:<family>`` (ZSET): one member ``resource#owner`` (``resource#owner#job_id``
+  for an RQ job's lock) per holding, scored by its expiry (Unix ms). The ACQUIRE script
+  writes it and RELEASE removes it (:func:`in_script`; on Redis Cluster, in the same
+  pipeline: :func:`add_calls`, :func:`remove_call`); every renewal refreshes its score. A
+  holder that dies or stops leaves its entry behind: once its score passed, it is the proof
+  that the holding ended without a release. Readers skip expired entries; only the liveness
+  sweep (:mod:`django_joblock.jobs.liveness`, through :func:`expired` and :func:`drop`) removes
+  them, after freeing the job's admission slot. Readers drop unexpired entries of lock-only
+  holdings whose lock hash is gone or someone else's.
 - ``P:families`` (SET): the families that have entries, added with every acquire and renewal
   (so it comes back after a ``FLUSHDB`` or a restart without persistence), pruned by
   :func:`active_counts` when a family has no entry left.
@@ -18,12 +21,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import conf
 from ..backend import client, is_cluster, text
 
-Entry = tuple[str, str, float]  # (resource, owner, ttl in seconds)
+Entry = tuple[str, str, float, str]  # (resource, owner, ttl in seconds, RQ job id or "")
+
+
+class Member(NamedTuple):
+    """One index entry, decoded."""
+
+    family: str
+    resource: str
+    owner: str
+    job_id: str
+    expires_ms: int  # the score: the holding's expiry (Unix ms, by its holder's clock)
 
 
 def _index_key(prefix: str, family: str) -> str:
@@ -34,9 +47,16 @@ def families_key(prefix: str) -> str:
     return f"{prefix}:families"
 
 
-def member(resource: str, owner: str) -> str:
-    """The index member of one holding (``owner`` is the token's short hash)."""
-    return f"{resource}#{owner}"
+def member(resource: str, owner: str, job_id: str = "") -> str:
+    """The index member of one holding (``owner`` is the token's short hash). A resource has
+    no ``#``; neither has an RQ job id."""
+    return f"{resource}#{owner}#{job_id}" if job_id else f"{resource}#{owner}"
+
+
+def _decode(family: str, raw: Any, score: float) -> Member:
+    resource, _, rest = text(raw).partition("#")
+    owner, _, job_id = rest.partition("#")
+    return Member(family, resource, owner, job_id, int(score))
 
 
 def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
@@ -44,9 +64,11 @@ def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
     one ``SADD`` of the families."""
     now_ms = time.time() * 1000
     scores: dict[str, list[Any]] = {}
-    for resource, owner, ttl in entries:
+    for resource, owner, ttl, job_id in entries:
         family = resource.split(":", 1)[0]
-        scores.setdefault(family, []).extend((int(now_ms + ttl * 1000), member(resource, owner)))
+        scores.setdefault(family, []).extend(
+            (int(now_ms + ttl * 1000), member(resource, owner, job_id))
+        )
     calls: list[list[Any]] = [
         ["ZADD", _index_key(prefix, family), *pairs] for family, pairs in scores.items()
     ]
@@ -62,19 +84,20 @@ def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[An
     than the lock: there :func:`add_calls` and :func:`remove_call` ride in a pipeline."""
     if is_cluster(found):
         return [], []
-    resource, owner, ttl = entry
+    resource, owner, ttl, job_id = entry
     family = resource.split(":", 1)[0]
     score = int(time.time() * 1000 + ttl * 1000)
     return [_index_key(prefix, family), families_key(prefix)], [
         score,
-        member(resource, owner),
+        member(resource, owner, job_id),
         family,
     ]
 
 
-def remove_call(prefix: str, resource: str, owner: str) -> list[Any]:
+def remove_call(prefix: str, resource: str, owner: str, job_id: str = "") -> list[Any]:
     """The command that removes one holding's entry."""
-    return ["ZREM", _index_key(prefix, resource.split(":", 1)[0]), member(resource, owner)]
+    key = _index_key(prefix, resource.split(":", 1)[0])
+    return ["ZREM", key, member(resource, owner, job_id)]
 
 
 def _client() -> Any:
@@ -86,44 +109,61 @@ def families() -> list[str]:
     return sorted(text(f) for f in _client().smembers(families_key(conf.get().KEY_PREFIX)))
 
 
-def _pruned(names: list[str], read: str, *args: Any) -> list[Any]:
-    """Prune each family's expired entries and run ``read`` on its index, in one round trip."""
+def _read(names: list[str], *, live: bool, limit: int = -1) -> list[list[Any]]:
+    """Per family in ``names``, in one round trip: ``[unexpired count, entry count]`` without
+    ``limit``, else up to ``limit`` unexpired (``live``) or expired entries with their scores,
+    soonest to expire first."""
     prefix = conf.get().KEY_PREFIX
     now_ms = int(time.time() * 1000)
+    low, high = (f"({now_ms}", "+inf") if live else ("-inf", now_ms)
     pipe = _client().pipeline(transaction=False)
     for name in names:
-        pipe.zremrangebyscore(_index_key(prefix, name), "-inf", now_ms)
-        pipe.execute_command(read, _index_key(prefix, name), *args)
-    return list(pipe.execute()[1::2])
+        key = _index_key(prefix, name)
+        if limit < 0:
+            pipe.zcount(key, low, high)
+            pipe.zcard(key)
+        else:
+            pipe.zrangebyscore(key, low, high, start=0, num=limit, withscores=True)
+    replies = pipe.execute()
+    return [replies[i : i + 2] for i in range(0, len(replies), 2)] if limit < 0 else replies
 
 
 def active_counts() -> dict[str, int]:
-    """Families holding locks now -> their unexpired entries. Families left with none leave
-    the families set (a renewal or acquire adds one back with its entry)."""
+    """Families holding locks now -> their unexpired entries. Families without any entry
+    leave the families set (a renewal or acquire adds one back with its entry)."""
     names = families()
-    found = dict(zip(names, (int(n) for n in _pruned(names, "ZCARD")), strict=True))
-    idle = [name for name, count in found.items() if not count]
+    replies = _read(names, live=True)
+    idle = [name for name, (_, every) in zip(names, replies, strict=True) if not every]
     if idle:
         _client().srem(families_key(conf.get().KEY_PREFIX), *idle)
-    return {name: count for name, count in found.items() if count}
+    return {name: live for name, (live, _) in zip(names, replies, strict=True) if live}
 
 
-def members(names: list[str], limit: int) -> list[tuple[str, str, str]]:
-    """``(family, resource, owner)`` of up to ``limit`` unexpired entries per family in
-    ``names``, soonest to expire first."""
-    found = []
-    for name, raws in zip(names, _pruned(names, "ZRANGE", 0, limit - 1), strict=True):
-        for raw in raws:
-            resource, _, owner = text(raw).rpartition("#")
-            found.append((name, resource, owner))
-    return found
+def _decoded(names: list[str], replies: list[Any]) -> list[Member]:
+    return [
+        _decode(name, raw, score)
+        for name, pairs in zip(names, replies, strict=True)
+        for raw, score in pairs
+    ]
 
 
-def drop(stale: list[tuple[str, str, str]]) -> None:
-    """Remove entries ``(family, resource, owner)`` found not to match their lock hash."""
+def members(names: list[str], limit: int) -> list[Member]:
+    """Up to ``limit`` unexpired entries per family in ``names``, soonest to expire first."""
+    return _decoded(names, _read(names, live=True, limit=limit))
+
+
+def expired(names: list[str], limit: int) -> list[Member]:
+    """Up to ``limit`` entries per family in ``names`` whose score (their holding's expiry by
+    the holder's clock) has passed: holdings that ended without a release, or whose renewals
+    are late. Oldest first."""
+    return _decoded(names, _read(names, live=False, limit=limit))
+
+
+def drop(stale: list[Member]) -> None:
+    """Remove ``stale`` entries."""
     if stale:
         prefix = conf.get().KEY_PREFIX
         pipe = _client().pipeline(transaction=False)
-        for _name, resource, owner in stale:
-            pipe.execute_command(*remove_call(prefix, resource, owner))
+        for entry in stale:
+            pipe.execute_command(*remove_call(prefix, entry.resource, entry.owner, entry.job_id))
         pipe.execute()

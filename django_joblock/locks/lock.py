@@ -178,7 +178,7 @@ class Lock(Holding):
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
         found = self._client()
-        entry = (self.resource, self.owner, self.ttl)
+        entry = (self.resource, self.owner, self.ttl, self.job_id)
         started = time.monotonic()
         try:
             if wait > 0:
@@ -202,9 +202,7 @@ class Lock(Holding):
                 if isinstance(reply, Exception):
                     raise reply
                 if reply <= 0 and not index_keys:  # busy: take the entry written back
-                    found.execute_command(
-                        *index.remove_call(self.keys.prefix, self.resource, self.owner)
-                    )
+                    found.execute_command(*self._unindex())
                 turn = waiting.Turn(int(reply), started, None, "")
         except REDIS_ERRORS as exc:
             metrics.count("acquire_attempts", self.family, self.job_func)
@@ -236,12 +234,16 @@ class Lock(Holding):
         log_lock(logging.DEBUG, "acquired", self, "lock acquired")
         return True
 
+    def _unindex(self) -> list[Any]:
+        """The command that removes this holding's active-lock index entry."""
+        return index.remove_call(self.keys.prefix, self.resource, self.owner, self.job_id)
+
     def _given_back(self, found: Any, why: str) -> LockBackendUnavailable:
         """An acquire that got the lock but cannot use it: counted as an acquire error, the
         lock given back (best effort: else it expires on its own), and the error to raise."""
         metrics.count("acquire_attempts", self.family, self.job_func)
         metrics.count("acquire_errors", self.family, self.job_func)
-        unindex = index.remove_call(self.keys.prefix, self.resource, self.owner)
+        unindex = self._unindex()
         try:
             waiting.release(found, self.keys, self.token, "", [unindex])
         except REDIS_ERRORS:
@@ -290,10 +292,10 @@ class Lock(Holding):
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
         found, retried = self._client(), False
-        entry = (self.resource, self.owner, self.ttl)
+        entry = (self.resource, self.owner, self.ttl, self.job_id)
         index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
         unindex = (index_keys[:1], index_args[1:2])  # Cluster: ZREM in the pipeline instead
-        also = [] if index_keys else [index.remove_call(self.keys.prefix, *entry[:2])]
+        also = [] if index_keys else [self._unindex()]
         # Metrics ride along: always inside a job (a work horse may exit right after).
         pending = metrics.take_for_flush(force=bool(self.job_id))
         flush = [metrics.flush_call(pending)] if pending else []

@@ -281,7 +281,8 @@ class Renewer:
         items.sort(key=lambda item: item[1].valid_until)
         calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
         calls += index.add_calls(
-            conf.get().KEY_PREFIX, [(held.resource, held.owner, held.ttl) for _, held in items]
+            conf.get().KEY_PREFIX,
+            [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items],
         )
         sent = time.monotonic()
         try:

@@ -54,9 +54,11 @@ def active_locks(
         return []
     hashes = read_many(client(conf.get().REDIS_ALIAS), [entry[1] for entry in entries])
     found, stale = [], []
-    for (fam, resource, owner), (held, pttl, server_ms) in zip(entries, hashes, strict=True):
+    for entry, (held, pttl, server_ms) in zip(entries, hashes, strict=True):
+        fam, resource, owner, job_id, _ = entry
         if held is None or held.owner != owner:
-            stale.append((fam, resource, owner))
+            if not job_id:  # a job's entry is the liveness sweep's, to free its slot first
+                stale.append(entry)
             continue
         found.append(
             ActiveLock(

@@ -90,7 +90,7 @@ def force_release(
     else:
         note = notes.OperatorRelease(found.owner, action, actor, reason)
         try:
-            released = _release(redis, keys, found.token, note, found.ttl_ms)
+            released = _release(redis, keys, found, note)
         except REDIS_ERRORS as exc:
             error = unavailable(
                 exc, "release the lock", resource=resource, key=keys.lock, owner=found.owner
@@ -122,17 +122,15 @@ def _wanted_owner(owner: str | None, token: str | None) -> str | None:
     return owner
 
 
-def _release(
-    redis: Any, keys: LockKeys, token: str, note: notes.OperatorRelease, ttl: int | None
-) -> bool:
+def _release(redis: Any, keys: LockKeys, found: LockHash, note: notes.OperatorRelease) -> bool:
     """The owner's own release (which hands the lock to the first live waiter, see
     :func:`waiting.release`) with the removal of its index entry, the note written just before
     so that a holder noticing the loss always finds it; taken back if nothing was released."""
     encoded = note.encode()
-    redis.set(keys.released, encoded, px=notes.ttl_ms(ttl))
+    redis.set(keys.released, encoded, px=notes.ttl_ms(found.ttl_ms))
     # Entries are per owner: if the lock is gone or another's, this entry is stale anyway.
-    unindex = index.remove_call(keys.prefix, keys.resource, owner_hash(token))
-    outcome = waiting.release(redis, keys, token, "", [unindex])
+    unindex = index.remove_call(keys.prefix, keys.resource, found.owner, found.job_id)
+    outcome = waiting.release(redis, keys, found.token, "", [unindex])
     if outcome is Outcome.OK:
         return True
     if redis.get(keys.released) == encoded.encode():

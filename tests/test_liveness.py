@@ -1,0 +1,161 @@
+"""Liveness through real worker processes: after a fault on the job holding a hot resource, the
+next parked job starts within the holder's lock TTL + 5 s (docs/jobs.md, "When the slot
+frees"), whatever state RQ's maintenance is in. Each fault is also applied to plain RQ with
+``RateLimit`` (the negative control): there the parked job still waits when ours has run.
+
+The holder (``hot_hold``, TTL 2 s) runs on the first worker; a second worker is idle. Time is
+measured from the fault to the start of the parked job's body (its own clock reading).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from rq import Queue
+from rq.job import JobStatus
+
+from django_joblock.jobs import admission
+from tests import admission_jobs
+from tests.harness import wait_for
+from tests.workers import DONE, Workers, intervals, pid_of, wait_status
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(not admission.supported(), reason="rq 2.x has no RateLimit to park jobs"),
+]
+
+TTL = admission_jobs.HOT_TTL
+BOUND = TTL + 5  # the design's bound: the dead holder's lock TTL + 5 s
+WATCH = BOUND + 8  # how long the negative control is watched (RQ's own bound is >= 60 s)
+
+
+@pytest.fixture
+def crews(settings) -> Iterator[Callable[[bool], Workers]]:  # type: ignore[no-untyped-def]
+    """``crews(ours)``: joblock_worker processes, or plain RQ workers (django-rq's rqworker with
+    RQ's own Worker class) for the negative controls."""
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4}}
+    made: list[Workers] = []
+
+    def make(ours: bool) -> Workers:
+        extra = [] if ours else ["--worker-class=rq.Worker"]
+        made.append(Workers(settings.JOBLOCK, extra_args=extra))
+        return made[-1]
+
+    yield make
+    for crew in made:
+        crew.stop()
+
+
+class Scene:
+    """A holder running on the first worker of ``crew``, one parked job behind it, and a second
+    worker idle: ours (``@locked_job``) or plain RQ with ``RateLimit(concurrency=1)``."""
+
+    def __init__(self, crew: Workers, rconn: Any, ours: bool, resource: int) -> None:
+        self.crew, self.rconn, self.ours = crew, rconn, ours
+        self.first = crew.start("default", command="joblock_worker" if ours else "rqworker")
+        if ours:
+            self.holder = admission_jobs.hot_hold.delay(resource, "holder")
+        else:
+            queue = Queue("default", connection=rconn)
+            limit = admission.RateLimit(key=f"plain:{resource}", concurrency=1)
+            self.holder = queue.enqueue(
+                admission_jobs.plain_hold, args=("holder",), rate_limit=limit
+            )
+        self.horse = pid_of(rconn, "holder")
+        crew.start("default", command="joblock_worker" if ours else "rqworker")
+        if ours:
+            self.parked = admission_jobs.hot.delay(resource, "next", 0.05)
+        else:
+            self.parked = queue.enqueue(
+                admission_jobs.plain_interval, args=("next", 0.05), rate_limit=limit
+            )
+        assert self.parked.get_status(refresh=True) == "rate_limited", "parked behind the holder"
+        time.sleep(0.5)  # the idle worker is in its dequeue loop
+
+    def started_after(self, fault_at: float, watch: float) -> float | None:
+        """Seconds from ``fault_at`` to the parked job's start, or None if it did not start (its
+        body ran) within ``watch`` seconds of the fault."""
+        wait_for(lambda: "next" in intervals(self.rconn), fault_at + watch - time.time())
+        spans = intervals(self.rconn)
+        return spans["next"][0] - fault_at if "next" in spans else None
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _kill_horse(scene: Scene) -> None:
+    os.kill(scene.horse, signal.SIGKILL)
+    assert wait_for(lambda: _exited(scene.horse), 10), "negative control: the horse was killed"
+
+
+def _kill_worker(scene: Scene) -> None:
+    os.killpg(scene.first.pid, signal.SIGKILL)  # the worker's session ...
+    os.kill(scene.horse, signal.SIGKILL)  # ... and its horse, which RQ puts in a session of its own
+    assert wait_for(lambda: _exited(scene.horse) and _exited(scene.first.pid), 10)
+
+
+def _stop_horse(scene: Scene) -> None:
+    os.kill(scene.horse, signal.SIGSTOP)
+
+
+def _kill_worker_in_maintenance(scene: Scene) -> None:
+    """The worker dies holding RQ's maintenance lock (taken just before, as RQ takes it), so
+    no worker cleans the registries for 899 s."""
+    assert Queue("default", connection=scene.rconn).acquire_maintenance_lock()
+    _kill_worker(scene)
+
+
+FAULTS = {
+    "horse SIGKILL": _kill_horse,
+    "parent + horse SIGKILL": _kill_worker,
+    "horse SIGSTOP past the TTL": _stop_horse,
+    "worker killed holding RQ's maintenance lock": _kill_worker_in_maintenance,
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
+    scene = Scene(crews(True), rconn, ours=True, resource=31)
+    try:
+        fault_at = time.time()
+        FAULTS[fault](scene)
+        waited = scene.started_after(fault_at, WATCH)
+        assert waited is not None and waited <= BOUND, (
+            f"{fault}: the parked job started {waited} s after the fault (bound {BOUND} s)\n"
+            + scene.crew.logs()
+        )
+        assert wait_status(scene.parked, DONE, 10) is JobStatus.FINISHED
+        print(f"\n{fault}: the next parked job started {waited:.2f} s after the fault")
+    finally:
+        with_horse = fault == "horse SIGSTOP past the TTL"
+        if with_horse and not _exited(scene.horse):
+            os.kill(scene.horse, signal.SIGCONT)
+    assert "holder" not in intervals(rconn), "the holder never finished its body"
+    # Never dropped: failed by its worker, or "started" until RQ's maintenance gives it up.
+    assert scene.holder.get_status(refresh=True) in (JobStatus.FAILED, JobStatus.STARTED)
+
+
+@pytest.mark.parametrize("fault", ["parent + horse SIGKILL", "horse SIGSTOP past the TTL"])
+def test_negative_control_plain_rq_rate_limit_stalls_after(fault, crews, rconn):
+    """The same faults on plain RQ workers and ``RateLimit``: RQ frees the slot only when its
+    maintenance gives the job up (its execution expires 60 s after the last heartbeat at the
+    least, and RQ's workers run maintenance every 600 s) or the stopped horse's job_timeout."""
+    scene = Scene(crews(False), rconn, ours=False, resource=32)
+    try:
+        fault_at = time.time()
+        FAULTS[fault](scene)
+        assert scene.started_after(fault_at, WATCH) is None, "plain RQ freed the slot early"
+        assert scene.parked.get_status(refresh=True) == "rate_limited", "still parked"
+    finally:
+        if not _exited(scene.horse):
+            os.kill(scene.horse, signal.SIGKILL)
