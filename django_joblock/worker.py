@@ -18,12 +18,15 @@ from typing import Any
 import redis
 from django.db import close_old_connections, connections
 from rq import SimpleWorker, Worker
+from rq.scheduler import RQScheduler
+from rq.scripts import release_lock
 
-from .backend import REDIS_ERRORS
+from .backend import REDIS_ERRORS, text
 from .jobs import liveness
 from .logs import logger
 
 MAINTENANCE_INTERVAL = 60
+SCHEDULER_STALE = 4  # seconds without a renewal of its lock after which a scheduler is dead
 
 
 class _Loop:
@@ -38,6 +41,7 @@ class _Loop:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("maintenance_interval", MAINTENANCE_INTERVAL)
         super().__init__(*args, **kwargs)
+        self._liveness_due = 0.0  # monotonic time of the next sweep
 
     @property
     def dequeue_timeout(self) -> int:
@@ -64,19 +68,22 @@ class _Loop:
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's heartbeat; called by RQ's dequeue loop (without a pipeline) once per dequeue
-        timeout, it also runs the liveness sweep when it is this worker's turn."""
+        timeout, it also runs :meth:`sweep` once per liveness interval."""
         # On the caller's pipeline nothing is sent here: no outage to ride out.
         with self._outage("heartbeat") if pipeline is None else contextlib.nullcontext():
             super().heartbeat(timeout, pipeline)  # type: ignore[misc]
-        if pipeline is None:
+        if pipeline is None and time.monotonic() >= self._liveness_due:
+            self._liveness_due = time.monotonic() + liveness.INTERVAL
             self.sweep()
 
     def sweep(self) -> None:
         """The liveness sweep (:func:`django_joblock.jobs.liveness.sweep`) on this worker's
-        Redis, if no worker swept within the interval. A failure is logged, never raised."""
+        Redis when no worker swept within the interval, and :meth:`take_over_scheduler`. A
+        failure is logged, never raised."""
         try:
             if liveness.claim_turn():
                 liveness.sweep(self.connection)
+            self.take_over_scheduler()
         except REDIS_ERRORS as exc:
             logger.warning(
                 "worker %s: liveness sweep failed (%s); next one in %gs",
@@ -92,6 +99,40 @@ class _Loop:
     def run_maintenance_tasks(self) -> None:
         with self._outage("maintenance"):
             super().run_maintenance_tasks()  # type: ignore[misc]
+
+    def take_over_scheduler(self) -> None:
+        """Run RQ's scheduler here when the one holding a queue's scheduler lock stopped
+        renewing it for :data:`SCHEDULER_STALE` seconds (a live one renews it every second),
+        instead of after the lock's 61 s and the next maintenance: requeued jobs do not wait
+        on a dead scheduler. Only with ``--with-scheduler``. The stale lock is deleted by its
+        owner's name (RQ's compare-and-delete): of two workers taking over, one wins."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None:
+            return
+        names = self.queue_names()  # type: ignore[attr-defined]
+        pipe = self.connection.pipeline(transaction=False)
+        for name in names:
+            pipe.get(RQScheduler.get_locking_key(name))
+            pipe.ttl(RQScheduler.get_locking_key(name))
+        replies = pipe.execute()
+        renewed_to = scheduler.interval + 60  # RQ's lock TTL, set afresh on every renewal
+        vacant = False
+        for name, owner, ttl in zip(names, replies[::2], replies[1::2], strict=True):
+            if owner is None:
+                vacant = True
+            elif ttl < renewed_to - SCHEDULER_STALE:
+                key = RQScheduler.get_locking_key(name)
+                logger.warning(
+                    "worker %s: the scheduler lock of queue %s was not renewed for %ss: its "
+                    "holder %s is gone; taking over",
+                    self.name,
+                    name,
+                    renewed_to - ttl,
+                    text(owner),
+                )
+                vacant |= bool(release_lock(self.connection, key, text(owner)))
+        if vacant:
+            scheduler.acquire_locks(auto_start=True)
 
 
 class JoblockWorker(_Loop, Worker):

@@ -13,12 +13,15 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from rq import Queue
 from rq.job import JobStatus
+from rq.scheduler import RQScheduler
 
+from django_joblock import lock
 from django_joblock.jobs import admission
 from tests import admission_jobs
 from tests.harness import wait_for
@@ -159,3 +162,42 @@ def test_negative_control_plain_rq_rate_limit_stalls_after(fault, crews, rconn):
     finally:
         if not _exited(scene.horse):
             os.kill(scene.horse, signal.SIGKILL)
+
+
+def _scheduler_owner(rconn: Any) -> bytes | None:
+    return rconn.get(RQScheduler.get_locking_key("default"))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["joblock_worker", "negative control: rq"])
+def test_a_requeued_job_does_not_wait_on_a_dead_scheduler(ours, crews, rconn):
+    """A job waits in a backoff (RQ's scheduled registry) when the worker running RQ's
+    scheduler dies with it. Another worker with ``--with-scheduler`` takes the scheduler over
+    within seconds (RQ's own workers: once its lock expired, 61 s, at their next maintenance)."""
+    crew = crews(ours)
+    command = "joblock_worker" if ours else "rqworker"
+    first = crew.start("default", scheduler=True, command=command)
+    assert wait_for(lambda: _scheduler_owner(rconn), 30), crew.logs()
+    dead_owner = _scheduler_owner(rconn)
+    crew.start("default", scheduler=True, command=command)
+    queue = Queue("default", connection=rconn)
+    if ours:
+        with lock("hot:33", ttl=30):  # busy outside admission: the job requeues with a backoff
+            job = admission_jobs.hot_outside.delay(33, "next", 0.05)
+            assert wait_for(lambda: job.get_status(refresh=True) == "scheduled", 20), crew.logs()
+    else:
+        job = queue.enqueue_in(timedelta(seconds=1), admission_jobs.plain_interval, "next", 0.05)
+    due = queue.scheduled_job_registry.get_scheduled_time(job).timestamp()
+    os.killpg(first.pid, signal.SIGKILL)  # the worker and its scheduler process
+    fault_at = time.time()
+    assert wait_for(lambda: _exited(first.pid), 10)
+    since = max(fault_at, due)
+    wait_for(lambda: "next" in intervals(rconn), since + WATCH - time.time())
+    spans = intervals(rconn)
+    waited = spans["next"][0] - since if "next" in spans else None
+    if not ours:
+        assert waited is None, "RQ's scheduler came back early"
+        assert _scheduler_owner(rconn) == dead_owner, "the dead scheduler's lock is still there"
+        return
+    assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
+    assert _scheduler_owner(rconn) not in (None, dead_owner), "another worker took it over"
+    print(f"\nscheduler's worker killed: the requeued job started {waited:.2f} s after it was due")
