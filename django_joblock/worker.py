@@ -1,11 +1,20 @@
-"""RQ workers (docs/jobs.md, "Workers and database connections") that keep Django's database
-connections safe (``JoblockWorker`` closes them before each fork, ``JoblockSimpleWorker`` drops
-stale ones around each job), run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s, free the
-admission slot of a job whose lock ended without a release within a second while idle
-(:mod:`django_joblock.jobs.liveness`; an idle worker never blocks longer in a dequeue), and
-ride out a Redis outage between jobs: where RQ quits (heartbeat, suspension check,
-maintenance, state before the dequeue), these log a warning and go on to the dequeue, which
-waits with backoff.
+"""RQ workers (docs/jobs.md, "Workers and database connections" and "When the slot frees").
+
+``JoblockWorker`` closes Django's database connections before each fork, ``JoblockSimpleWorker``
+drops stale ones around each job. Both:
+
+- run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s, and while idle never block in a
+  dequeue longer than the liveness interval (1 s);
+- once per interval, free the admission slot of a job whose lock ended without a release
+  (:mod:`django_joblock.jobs.liveness`) and, with ``--with-scheduler``, take RQ's scheduler
+  over from a worker that stopped renewing its lock (:meth:`take_over_scheduler`);
+- ride out a Redis outage: between jobs, where RQ quits (heartbeat, suspension check,
+  maintenance, state, the dequeue's set-up) these log a warning and go on to the dequeue,
+  which waits with backoff; during a job, the forking worker's parent keeps watching its horse,
+  and the job's end is recorded once Redis answers again (waiting up to ``OUTAGE_WAIT`` s).
+
+Each override of RQ's worker exists because a test in tests/test_liveness.py or
+tests/test_workers.py fails without it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ from .logs import logger
 
 MAINTENANCE_INTERVAL = 60
 SCHEDULER_STALE = 4  # seconds without a renewal of its lock after which a scheduler is dead
+# Longest wait for Redis before recording a job's end: below RQ's 60 s of slack after a job's
+# last heartbeat, after which RQ's maintenance may retry the job while it is recorded here.
+OUTAGE_WAIT = 45
+OUTAGE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 class _Loop:
@@ -53,9 +66,43 @@ class _Loop:
     def _outage(self, step: str) -> Iterator[None]:
         try:
             yield
-        except redis.exceptions.ConnectionError as exc:
-            message = "worker %s: Redis unavailable in its %s (%s); the next dequeue waits for it"
+        except OUTAGE as exc:
+            message = "worker %s: Redis unavailable in its %s (%s); going on without it"
             logger.warning(message, self.name, step, exc)
+
+    def wait_for_redis(self) -> None:
+        """Wait until this worker's Redis answers, for up to :data:`OUTAGE_WAIT` seconds (then
+        return, and let RQ's next call fail as it would)."""
+        deadline, pause = time.monotonic() + OUTAGE_WAIT, 0.25
+        while True:
+            try:
+                self.connection.ping()
+                return
+            except OUTAGE as exc:
+                if time.monotonic() >= deadline:
+                    return
+                if pause == 0.25:
+                    message = "worker %s: Redis unavailable (%s); waiting up to %ss for it"
+                    logger.warning(message, self.name, exc, OUTAGE_WAIT)
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+    def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
+        """Before RQ records a job's end (in the work horse, or a ``SimpleWorker``), wait for
+        Redis: an outage when a job ends delays its outcome instead of losing it (RQ would
+        record a success as a failure, or nothing, and quit)."""
+        self.wait_for_redis()
+        super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc]
+
+    def maintain_heartbeats(self, job: Any, execution: Any) -> None:
+        # The forking worker's parent while its horse runs: RQ quits on a Redis error here and
+        # orphans the horse; the execution's heartbeat TTL (>= 60 s) covers a short outage.
+        with self._outage("heartbeat during a job"):
+            super().maintain_heartbeats(job, execution)  # type: ignore[misc]
+
+    def set_state(self, state: Any, pipeline: Any = None) -> None:
+        with self._outage("state") if pipeline is None else contextlib.nullcontext():
+            super().set_state(state, pipeline)  # type: ignore[misc]
 
     def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
         # RQ's loop inside waits out connection errors: one escaping came from the state before.

@@ -62,7 +62,16 @@ def hot_hold(k: int, label: str) -> str:
     return label
 
 
-@locked_job("default", lock="hot:{k}", ttl=2, admission=False)
+@locked_job("default", lock="hot:{k}", ttl=HOT_TTL, atomic=False)
+def hot_sleep(k: int, label: str, seconds: float) -> str:
+    """Holds the resource for ``seconds`` and touches Redis only as it starts: it can end while
+    Redis is down."""
+    _redis().set(f"test:pid:{label}", os.getpid())
+    time.sleep(seconds)
+    return label
+
+
+@locked_job("default", lock="hot:{k}", ttl=HOT_TTL, admission=False)
 def hot_outside(k: int, label: str, seconds: float) -> str:
     """The same resource without admission (a holder outside it, as on rq 2.x)."""
     _log_interval(label, seconds)
@@ -184,6 +193,12 @@ def plain_hold(label: str) -> str:
     client = _redis()
     client.set(f"test:pid:{label}", os.getpid())
     _wait_for(f"test:go:{label}")
+    return label
+
+
+def plain_sleep(label: str, seconds: float) -> str:
+    _redis().set(f"test:pid:{label}", os.getpid())
+    time.sleep(seconds)
     return label
 
 

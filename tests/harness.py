@@ -21,7 +21,16 @@ from typing import Any
 
 from tests.procs.redis_server import RedisServer, available, free_port
 
-__all__ = ["Proxy", "RedisServer", "child_env", "free_port", "managed", "redis_url", "wait_for"]
+__all__ = [
+    "Proxy",
+    "RedisServer",
+    "child_env",
+    "free_port",
+    "managed",
+    "persistent",
+    "redis_url",
+    "wait_for",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -168,6 +177,17 @@ def dead_holder(resource: str, client: Any) -> int:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
     return proc.pid
+
+
+def persistent(server: RedisServer, client: Any, on: bool) -> None:
+    """Switch the test server's append-only file on (a restart keeps the queues, as RQ needs)
+    or off again."""
+    client.config_set("appendfsync", "always")
+    client.config_set("appendonly", "yes" if on else "no")
+    server.persistent = on
+    if on:
+        assert wait_for(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0, 20)
+        assert wait_for(lambda: client.info("persistence")["aof_enabled"] == 1, 20)
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.01) -> bool:

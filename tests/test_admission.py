@@ -21,7 +21,7 @@ from rq.job import JobStatus
 from django_joblock.jobs import admission
 from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 from tests import admission_jobs
-from tests.harness import RedisServer, wait_for
+from tests.harness import persistent, wait_for
 from tests.workers import Workers, intervals, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -162,17 +162,6 @@ def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
     _no_overlap(rconn)
 
 
-def _persistent(server: RedisServer, client: Any, on: bool) -> None:
-    """Switch the test server's append-only file on (a restart keeps the queues, as RQ needs)
-    or off again."""
-    client.config_set("appendfsync", "always")
-    client.config_set("appendonly", "yes" if on else "no")
-    server.persistent = on
-    if on:
-        assert wait_for(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0, 20)
-        assert wait_for(lambda: client.info("persistence")["aof_enabled"] == 1, 20)
-
-
 def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
     """Every waiting job runs, or fails visibly, within a bound. The jobs caught by the
     restart are RQ's to recover: one a worker popped just as Redis was killed sits in RQ's
@@ -183,7 +172,7 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
     resource frees."""
     settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4}}
     workers = Workers(settings.JOBLOCK, extra_args=["--maintenance-interval", "5"])
-    _persistent(server, rconn, True)
+    persistent(server, rconn, True)
     try:
         workers.start(scheduler=True)
         workers.start()
@@ -218,7 +207,7 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         _no_overlap(rconn)
     finally:
         workers.stop()
-        _persistent(server, server.client(), False)
+        persistent(server, server.client(), False)
 
 
 def test_workers_wake_up_for_the_liveness_sweep_every_second(rconn):

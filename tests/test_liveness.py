@@ -17,14 +17,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from rq import Queue
+from rq import Queue, Worker
 from rq.job import JobStatus
 from rq.scheduler import RQScheduler
 
 from django_joblock import lock
 from django_joblock.jobs import admission
 from tests import admission_jobs
-from tests.harness import wait_for
+from tests.harness import persistent, wait_for
 from tests.workers import DONE, Workers, intervals, pid_of, wait_status
 
 pytestmark = [
@@ -201,3 +201,61 @@ def test_a_requeued_job_does_not_wait_on_a_dead_scheduler(ours, crews, rconn):
     assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
     assert _scheduler_owner(rconn) not in (None, dead_owner), "another worker took it over"
     print(f"\nscheduler's worker killed: the requeued job started {waited:.2f} s after it was due")
+
+
+@pytest.mark.parametrize(
+    "kind", ["forking", "simple", "negative control: rq"], ids=lambda kind: kind.split(":")[0]
+)
+def test_a_job_ending_while_redis_restarts_is_recorded_and_the_next_one_starts(
+    kind, crews, rconn, server
+):
+    """Redis goes down (append-only file on) while a job runs, and the job ends during the
+    outage. Our workers wait for Redis, record the job's end, and the parked job starts within
+    the TTL + 5 s of Redis being back. RQ's forking horse exits without recording anything, its
+    worker quits (a SimpleWorker too): the job stays "started", its slot taken, until RQ's
+    maintenance gives it up (60 s after its last heartbeat at the least)."""
+    ours = kind != "negative control: rq"
+    crew = crews(ours)
+    persistent(server, rconn, True)
+    try:
+        command = "joblock_worker" if ours else "rqworker"
+        simple = kind == "simple"
+        first = crew.start("default", command=command, simple=simple)
+        queue = Queue("default", connection=rconn)
+        if ours:
+            holder = admission_jobs.hot_sleep.delay(34, "holder", 2.0)
+        else:
+            limit = admission.RateLimit(key="plain:34", concurrency=1)
+            holder = queue.enqueue(
+                admission_jobs.plain_sleep, args=("holder", 2.0), rate_limit=limit
+            )
+        pid_of(rconn, "holder")
+        crew.start("default", command=command, simple=simple)
+        assert wait_for(lambda: len(Worker.all(connection=rconn)) == 2, 30), crew.logs()
+        if ours:
+            parked = admission_jobs.hot.delay(34, "next", 0.05)
+        else:
+            parked = queue.enqueue(
+                admission_jobs.plain_interval, args=("next", 0.05), rate_limit=limit
+            )
+        assert parked.get_status(refresh=True) == "rate_limited"
+        server.kill()
+        time.sleep(3.0)  # the holder's body ends meanwhile
+        server.start()
+        back_at = time.time()
+        wait_for(lambda: "next" in intervals(rconn), WATCH)
+        spans = intervals(rconn)
+        waited = spans["next"][0] - back_at if "next" in spans else None
+        if not ours:
+            assert waited is None, "plain RQ freed the slot early"
+            assert holder.get_status(refresh=True) == JobStatus.STARTED, "left started"
+            assert first.poll() is not None or kind == "forking", "the worker quit"
+            return
+        assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
+        # Recorded: finished, or failed with LockLost when its renewals failed past the TTL.
+        if wait_status(holder, DONE, 10) is JobStatus.FAILED:
+            assert "LockLost" in str(holder.latest_result().exc_string), crew.logs()
+        assert first.poll() is None, "the worker outlived the outage"
+        print(f"\n{kind} worker, Redis restarted under a job: next started {waited:.2f} s after")
+    finally:
+        persistent(server, server.client(), False)

@@ -96,8 +96,8 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
     assert RateLimit is not None
     promoted = RateLimitRegistry(key, queue_connection).release_and_enqueue(entry.job_id)
     logger.warning(
-        "job %s held %s and its lock expired without a release (its worker died or stopped): "
-        "its admission slot is freed%s; RQ settles the job itself",
+        "job %s held %s and its lock expired without a release (its worker died, stopped or "
+        "lost Redis): its admission slot is freed%s; RQ settles the job itself",
         entry.job_id,
         entry.resource,
         f", job {', '.join(promoted)} starts next" if promoted else "",
