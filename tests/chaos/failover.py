@@ -192,6 +192,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=48, help="logical jobs (uniform phase)")
     parser.add_argument("--hot-jobs", type=int, default=0, help="logical jobs (hot phase)")
+    parser.add_argument("--loaded-jobs", type=int, default=0, help="logical jobs (loaded phase)")
     # Longer than a failover (~2.5 s): holders are mid-job before, during and after it.
     parser.add_argument("--work", type=float, default=2.5, help="seconds of work per job")
     parser.add_argument("--resources", type=int, default=10)

@@ -1,6 +1,6 @@
 """Chaos run: K RQ workers x N logical jobs over M resources on PostgreSQL, under real faults.
 
-    python -m tests.chaos.run                  # full: 8 workers x (2000 + 1000) jobs
+    python -m tests.chaos.run                  # full: 8 workers x (2000 + 1000 + 1000) jobs
     python -m tests.chaos.run --short          # the version .ci/run runs (via pytest)
     python -m tests.chaos.run --negative       # fencing and idempotency off: must show damage
 
@@ -9,8 +9,10 @@ read-sleep-write, through ``fenced_update`` under ``@locked_job`` with an idempo
 a fifth of them are delivered twice (different job ids). Most wait for a busy resource parked
 by admission (the default); 15 % are enqueued with ``admission=False`` (holders outside
 admission: they requeue on contention and can take a lock that expired under a paused
-holder). Two phases, each with the same faults: **uniform** (jobs spread over M resources) and
-**hot** (80 % of the jobs on 3 resources, the rest over 10). Faults, injected for real while
+holder). Three phases, each with the same faults: **uniform** (jobs spread over M resources),
+**hot** (80 % of the jobs on 3 resources, the rest over 10) and **loaded** (as uniform, with
+every core busy: a load generator of one more busy process than cores competes with the
+workers, Redis and PostgreSQL for the CPU). Faults, injected for real while
 the queues drain: SIGKILL of work horses and of worker parents, SIGSTOP of horses for longer
 than the lock TTL, one Redis restart (append-only file: the queues survive, as RQ needs),
 added latency and a short black hole in a TCP proxy between the workers and Redis.
@@ -27,6 +29,7 @@ is invalid).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.harness import Proxy  # noqa: E402
+from tests.procs.load import BusyCores  # noqa: E402
 from tests.procs.redis_server import RedisServer, free_port  # noqa: E402
 from tests.procs.workers import WorkerProcesses, joblock_worker_args  # noqa: E402
 
@@ -118,8 +122,8 @@ class Chaos:
     # -- workload ------------------------------------------------------------------------
     def resources(self, phase: str) -> tuple[list[str], list[float]]:
         """The resources of a phase and their popularity weights."""
-        if phase == "uniform":
-            names = [f"r{i}" for i in range(self.args.resources)]
+        if phase in ("uniform", "loaded"):
+            names = [f"{phase[0]}{i}" for i in range(self.args.resources)]
             return names, [1.0] * len(names)
         hot = ["h0", "h1", "h2"]
         warm = [f"w{i}" for i in range(10)]
@@ -399,9 +403,11 @@ class Chaos:
             for _ in range(self.args.workers - 1):
                 self.start_worker()
             total, counts = 0.0, Counter[str]()
-            for phase, jobs in (("uniform", self.args.jobs), ("hot", self.args.hot_jobs)):
+            phases = [("uniform", self.args.jobs), ("hot", self.args.hot_jobs)]
+            for phase, jobs in [*phases, ("loaded", self.args.loaded_jobs)]:
                 if not jobs:
                     continue
+                load = BusyCores() if phase == "loaded" else contextlib.nullcontext()
                 deliveries = self.enqueue(phase, jobs)
                 print(
                     f"phase {phase}: {len(deliveries)} deliveries of {jobs} logical jobs over "
@@ -409,10 +415,14 @@ class Chaos:
                     f"logs in {self.crew.log_dir}",
                     flush=True,
                 )
-                elapsed, phase_counts = self.drain(phase, deliveries)
+                with load:
+                    elapsed, phase_counts = self.drain(phase, deliveries)
                 total += elapsed
                 counts += phase_counts
                 self.phases[phase] = self.phase_figures(phase, deliveries, elapsed)
+                if isinstance(load, BusyCores):  # the evidence that the load was real
+                    self.phases[phase]["busy_processes"] = load.count
+                    self.phases[phase]["busy_cpu_seconds"] = round(load.cpu, 1)
                 self.phase_done(phase)
             report = self.check(total, counts)
             self.add_figures(report)
@@ -502,6 +512,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int)
     parser.add_argument("--jobs", type=int, help="logical jobs of the uniform phase")
     parser.add_argument("--hot-jobs", type=int, help="logical jobs of the hot phase (0: none)")
+    parser.add_argument("--loaded-jobs", type=int, help="logical jobs of the loaded phase")
     parser.add_argument("--resources", type=int, help="resources of the uniform phase")
     parser.add_argument("--kills", type=int)
     parser.add_argument("--pauses", type=int)
@@ -511,8 +522,26 @@ def main() -> int:
     parser.add_argument("--no-restart", action="store_true", help="skip the Redis restart")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    short = dict(workers=4, jobs=200, hot_jobs=100, resources=10, kills=2, pauses=1, bound=240)
-    full = dict(workers=8, jobs=2000, hot_jobs=1000, resources=50, kills=5, pauses=3, bound=900)
+    short = dict(
+        workers=4,
+        jobs=200,
+        hot_jobs=100,
+        loaded_jobs=100,
+        resources=10,
+        kills=2,
+        pauses=1,
+        bound=240,
+    )
+    full = dict(
+        workers=8,
+        jobs=2000,
+        hot_jobs=1000,
+        loaded_jobs=1000,
+        resources=50,
+        kills=5,
+        pauses=3,
+        bound=900,
+    )
     for key, value in (short if args.short else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
