@@ -33,7 +33,7 @@ from ..backend import client, text
 from ..locks import index
 from ..locks.keys import LockKeys, owner_hash
 from ..logs import logger
-from .admission import RateLimit, supported
+from .admission import supported
 
 INTERVAL = 1.0  # seconds between two sweeps (of any worker)
 LIMIT = 100  # expired entries looked at per family and sweep
@@ -93,7 +93,6 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
     from rq.rate_limit import RateLimitRegistry  # rq >= 3.0 (supported() said so)
 
     key = LockKeys(prefix, entry.resource).lock  # admission's RateLimit key
-    assert RateLimit is not None
     promoted = RateLimitRegistry(key, queue_connection).release_and_enqueue(entry.job_id)
     logger.warning(
         "job %s held %s and its lock expired without a release (its worker died, stopped or "
