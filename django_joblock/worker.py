@@ -94,11 +94,12 @@ class _Loop:
         self.wait_for_redis()
         super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc]
 
-    def maintain_heartbeats(self, job: Any, execution: Any) -> None:
+    def maintain_heartbeats(self, *args: Any) -> None:
         # The forking worker's parent while its horse runs: RQ quits on a Redis error here and
         # orphans the horse; the execution's heartbeat TTL (>= 60 s) covers a short outage.
+        # (job, execution) on rq 3, (job) on rq 2.
         with self._outage("heartbeat during a job"):
-            super().maintain_heartbeats(job, execution)  # type: ignore[misc]
+            super().maintain_heartbeats(*args)  # type: ignore[misc]
 
     def set_state(self, state: Any, pipeline: Any = None) -> None:
         with self._outage("state") if pipeline is None else contextlib.nullcontext():

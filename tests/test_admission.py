@@ -22,7 +22,7 @@ from django_joblock.jobs import admission
 from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 from tests import admission_jobs
 from tests.harness import persistent, wait_for
-from tests.workers import Workers, intervals, pid_of, wait_status
+from tests.workers import Workers, exited, intervals, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -36,14 +36,6 @@ def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
     crew = Workers(settings.JOBLOCK)
     yield crew
     crew.stop()
-
-
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _next_second() -> None:
@@ -150,7 +142,7 @@ def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
     _parked(waiters)
     os.kill(horse, signal.SIGKILL)
     killed = time.time()
-    assert wait_for(lambda: _exited(horse), 10), "negative control: the holder was killed"
+    assert wait_for(lambda: exited(horse), 10), "negative control: the holder was killed"
     for job in waiters:
         # Bound: the dead holder's lock TTL (2 s), then a requeue delay (<= 4 s here) and the
         # scheduler's poll: well inside 30 s.

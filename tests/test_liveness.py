@@ -9,28 +9,32 @@ measured from the fault to the start of the parked job's body (its own clock rea
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import redis
 from rq import Queue, Worker
 from rq.job import JobStatus
 from rq.scheduler import RQScheduler
 
 from django_joblock import lock
 from django_joblock.jobs import admission
+from django_joblock.worker import JoblockWorker
 from tests import admission_jobs
-from tests.harness import persistent, wait_for
-from tests.workers import DONE, Workers, intervals, pid_of, wait_status
+from tests.harness import free_port, persistent, wait_for
+from tests.workers import DONE, Workers, exited, intervals, pid_of, wait_status
 
-pytestmark = [
-    pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not admission.supported(), reason="rq 2.x has no RateLimit to park jobs"),
-]
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RATE_LIMITED = admission.supported()
+# The slot tests are about RQ's RateLimit slot, which rq 2.x does not have (its jobs requeue).
+slots = pytest.mark.skipif(not RATE_LIMITED, reason="rq 2.x has no RateLimit slot to free")
 
 TTL = admission_jobs.HOT_TTL
 BOUND = TTL + 5  # the design's bound: the dead holder's lock TTL + 5 s
@@ -88,23 +92,15 @@ class Scene:
         return spans["next"][0] - fault_at if "next" in spans else None
 
 
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _kill_horse(scene: Scene) -> None:
     os.kill(scene.horse, signal.SIGKILL)
-    assert wait_for(lambda: _exited(scene.horse), 10), "negative control: the horse was killed"
+    assert wait_for(lambda: exited(scene.horse), 10), "negative control: the horse was killed"
 
 
 def _kill_worker(scene: Scene) -> None:
     os.killpg(scene.first.pid, signal.SIGKILL)  # the worker's session ...
     os.kill(scene.horse, signal.SIGKILL)  # ... and its horse, which RQ puts in a session of its own
-    assert wait_for(lambda: _exited(scene.horse) and _exited(scene.first.pid), 10)
+    assert wait_for(lambda: exited(scene.horse) and exited(scene.first.pid), 10)
 
 
 def _stop_horse(scene: Scene) -> None:
@@ -126,6 +122,7 @@ FAULTS = {
 }
 
 
+@slots
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
     scene = Scene(crews(True), rconn, ours=True, resource=31)
@@ -141,13 +138,14 @@ def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
         print(f"\n{fault}: the next parked job started {waited:.2f} s after the fault")
     finally:
         with_horse = fault == "horse SIGSTOP past the TTL"
-        if with_horse and not _exited(scene.horse):
+        if with_horse and not exited(scene.horse):
             os.kill(scene.horse, signal.SIGCONT)
     assert "holder" not in intervals(rconn), "the holder never finished its body"
     # Never dropped: failed by its worker, or "started" until RQ's maintenance gives it up.
     assert scene.holder.get_status(refresh=True) in (JobStatus.FAILED, JobStatus.STARTED)
 
 
+@slots
 @pytest.mark.parametrize("fault", ["parent + horse SIGKILL", "horse SIGSTOP past the TTL"])
 def test_negative_control_plain_rq_rate_limit_stalls_after(fault, crews, rconn):
     """The same faults on plain RQ workers and ``RateLimit``: RQ frees the slot only when its
@@ -160,7 +158,7 @@ def test_negative_control_plain_rq_rate_limit_stalls_after(fault, crews, rconn):
         assert scene.started_after(fault_at, WATCH) is None, "plain RQ freed the slot early"
         assert scene.parked.get_status(refresh=True) == "rate_limited", "still parked"
     finally:
-        if not _exited(scene.horse):
+        if not exited(scene.horse):
             os.kill(scene.horse, signal.SIGKILL)
 
 
@@ -189,7 +187,7 @@ def test_a_requeued_job_does_not_wait_on_a_dead_scheduler(ours, crews, rconn):
     due = queue.scheduled_job_registry.get_scheduled_time(job).timestamp()
     os.killpg(first.pid, signal.SIGKILL)  # the worker and its scheduler process
     fault_at = time.time()
-    assert wait_for(lambda: _exited(first.pid), 10)
+    assert wait_for(lambda: exited(first.pid), 10)
     since = max(fault_at, due)
     wait_for(lambda: "next" in intervals(rconn), since + WATCH - time.time())
     spans = intervals(rconn)
@@ -222,40 +220,65 @@ def test_a_job_ending_while_redis_restarts_is_recorded_and_the_next_one_starts(
         simple = kind == "simple"
         first = crew.start("default", command=command, simple=simple)
         queue = Queue("default", connection=rconn)
+        # rq 2.x: no RateLimit, nothing parks; the job's end must still be recorded.
+        limited = {"rate_limit": admission.RateLimit("plain:34", 1)} if RATE_LIMITED else {}
         if ours:
             holder = admission_jobs.hot_sleep.delay(34, "holder", 2.0)
         else:
-            limit = admission.RateLimit(key="plain:34", concurrency=1)
-            holder = queue.enqueue(
-                admission_jobs.plain_sleep, args=("holder", 2.0), rate_limit=limit
-            )
+            holder = queue.enqueue(admission_jobs.plain_sleep, args=("holder", 2.0), **limited)
         pid_of(rconn, "holder")
         crew.start("default", command=command, simple=simple)
         assert wait_for(lambda: len(Worker.all(connection=rconn)) == 2, 30), crew.logs()
-        if ours:
+        if RATE_LIMITED and ours:
             parked = admission_jobs.hot.delay(34, "next", 0.05)
-        else:
-            parked = queue.enqueue(
-                admission_jobs.plain_interval, args=("next", 0.05), rate_limit=limit
-            )
-        assert parked.get_status(refresh=True) == "rate_limited"
+        elif RATE_LIMITED:
+            parked = queue.enqueue(admission_jobs.plain_interval, args=("next", 0.05), **limited)
+        if RATE_LIMITED:
+            assert parked.get_status(refresh=True) == "rate_limited"
         server.kill()
         time.sleep(3.0)  # the holder's body ends meanwhile
         server.start()
         back_at = time.time()
-        wait_for(lambda: "next" in intervals(rconn), WATCH)
-        spans = intervals(rconn)
-        waited = spans["next"][0] - back_at if "next" in spans else None
+        waited = None
+        if RATE_LIMITED:
+            wait_for(lambda: "next" in intervals(rconn), WATCH)
+            spans = intervals(rconn)
+            waited = spans["next"][0] - back_at if "next" in spans else None
         if not ours:
+            if not RATE_LIMITED:
+                time.sleep(WATCH)  # as long as our workers get to record it
             assert waited is None, "plain RQ freed the slot early"
             assert holder.get_status(refresh=True) == JobStatus.STARTED, "left started"
             assert first.poll() is not None or kind == "forking", "the worker quit"
             return
-        assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
+        assert not RATE_LIMITED or (waited is not None and waited <= BOUND), (
+            f"waited {waited} s\n{crew.logs()}"
+        )
         # Recorded: finished, or failed with LockLost when its renewals failed past the TTL.
         if wait_status(holder, DONE, 10) is JobStatus.FAILED:
             assert "LockLost" in str(holder.latest_result().exc_string), crew.logs()
         assert first.poll() is None, "the worker outlived the outage"
-        print(f"\n{kind} worker, Redis restarted under a job: next started {waited:.2f} s after")
+        print(f"\n{kind} worker, Redis restarted under a job: next started {waited} s after")
     finally:
         persistent(server, server.client(), False)
+
+
+def test_the_parent_heartbeat_during_a_job_takes_rqs_arguments_and_rides_out_an_outage(rconn):
+    """``maintain_heartbeats`` is called with rq's own arguments ((job, execution) on rq 3,
+    (job) on rq 2); with Redis gone, RQ's raises (and its worker quits), ours does not."""
+    queue = Queue("default", connection=rconn)
+    job = queue.enqueue(admission_jobs.plain_interval, args=("x", 0.0))
+    worker = JoblockWorker([queue], connection=rconn)
+    worker.register_birth()
+    wanted = list(inspect.signature(Worker.maintain_heartbeats).parameters)[1:]
+    execution = worker.prepare_execution(job)  # (rq 2 keeps it as worker.execution)
+    args = [job] if wanted == ["job"] else [job, execution]
+    job.started_at = datetime.now(UTC)
+    worker.maintain_heartbeats(*args)
+    assert rconn.ttl(worker.key) > 0, "the heartbeat was written"
+    worker.connection = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        Worker.maintain_heartbeats(worker, *args)  # negative control: RQ's own
+    worker.maintain_heartbeats(*args)  # ridden out
+    worker.connection = rconn
+    worker.register_death()

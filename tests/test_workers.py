@@ -27,7 +27,7 @@ from django_joblock.monitor.health import record_deliveries
 from tests import jobs
 from tests.harness import wait_for
 from tests.testapp.models import Account
-from tests.workers import Workers, intervals, pid_of, wait_status
+from tests.workers import Workers, exited, intervals, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -41,15 +41,6 @@ def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
     crew = Workers(settings.JOBLOCK)
     yield crew
     crew.stop()
-
-
-def _exited(pid: int) -> bool:
-    """Gone, or a zombie nobody reaped (PID 1 of a container may never reap orphans)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _ceiling(attempt: int) -> int:
@@ -162,7 +153,7 @@ def test_orphaned_horse_keeps_its_lock_and_blocks_redelivery(workers, rconn):
         assert state.get("requeues", 0) == 0 and state["waited"] > 0, state
     else:
         assert state["requeues"] >= 1, state
-    assert wait_for(lambda: _exited(horse), 10), "the orphan should exit after its job"
+    assert wait_for(lambda: exited(horse), 10), "the orphan should exit after its job"
 
 
 def _stop_horse_past_ttl(workers, rconn, func, pause_mode: str):  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from rq.job import Job, JobStatus
 from tests.harness import ROOT, child_env
 from tests.procs.workers import WorkerProcesses, joblock_worker_args
 
-__all__ = ["DONE", "ROOT", "Workers", "intervals", "pid_of", "wait_status"]
+__all__ = ["DONE", "ROOT", "Workers", "exited", "intervals", "pid_of", "wait_status"]
 
 #: The statuses a job ends in.
 DONE = {JobStatus.FINISHED, JobStatus.FAILED}
@@ -92,6 +92,15 @@ def wait_status(
             logs = f"\n{crew.logs()}" if crew is not None else ""
             raise AssertionError(f"job {job.id} still {status} after {timeout}s{logs}")
         time.sleep(0.05)
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped (PID 1 of a container may never reap orphans)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 def pid_of(client: Any, label: str, timeout: float = 20) -> int:

@@ -17,8 +17,8 @@ The workers of :mod:`django_joblock.worker` sweep every :data:`INTERVAL` seconds
 one at a time: a sweeper takes ``<prefix>:sweep`` for one interval (``SET NX PX``; a dead
 sweeper delays the next sweep by one interval at most). An entry of a job that is not on the
 sweeping worker's Redis is left for the workers of that job's server, and forgotten after
-:data:`FORGET_AFTER` seconds (its job was deleted). A sweep costs one round trip when nothing
-expired, one per step otherwise.
+:data:`FORGET_AFTER` seconds (its job was deleted). A sweep costs three round trips when nothing
+expired (its turn, the families, their expired entries), one per step more otherwise.
 """
 
 from __future__ import annotations

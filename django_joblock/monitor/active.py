@@ -52,20 +52,19 @@ def active_locks(
     entries = index.members(names, limit)
     if not entries:
         return []
-    hashes = read_many(client(conf.get().REDIS_ALIAS), [entry[1] for entry in entries])
+    hashes = read_many(client(conf.get().REDIS_ALIAS), [entry.resource for entry in entries])
     found, stale = [], []
     for entry, (held, pttl, server_ms) in zip(entries, hashes, strict=True):
-        fam, resource, owner, job_id, _ = entry
-        if held is None or held.owner != owner:
-            if not job_id:  # a job's entry is the liveness sweep's, to free its slot first
+        if held is None or held.owner != entry.owner:
+            if not entry.job_id:  # a job's entry is the liveness sweep's, to free its slot first
                 stale.append(entry)
             continue
         found.append(
             ActiveLock(
                 **held.holder(),
-                resource=resource,
-                family=fam,
-                owner=owner,
+                resource=entry.resource,
+                family=entry.family,
+                owner=entry.owner,
                 pttl_ms=pttl,
                 held_for=held.seconds_held(server_ms),
                 read_ms=server_ms,

@@ -522,26 +522,9 @@ def main() -> int:
     parser.add_argument("--no-restart", action="store_true", help="skip the Redis restart")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    short = dict(
-        workers=4,
-        jobs=200,
-        hot_jobs=100,
-        loaded_jobs=100,
-        resources=10,
-        kills=2,
-        pauses=1,
-        bound=240,
-    )
-    full = dict(
-        workers=8,
-        jobs=2000,
-        hot_jobs=1000,
-        loaded_jobs=1000,
-        resources=50,
-        kills=5,
-        pauses=3,
-        bound=900,
-    )
+    names = ("workers", "jobs", "hot_jobs", "loaded_jobs", "resources", "kills", "pauses", "bound")
+    short = dict(zip(names, (4, 200, 100, 100, 10, 2, 1, 240), strict=True))
+    full = dict(zip(names, (8, 2000, 1000, 1000, 50, 5, 3, 900), strict=True))
     for key, value in (short if args.short else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
