@@ -7,7 +7,8 @@ drops stale ones around each job. Both:
   dequeue longer than the liveness interval (1 s);
 - once per interval, free the admission slot of a job whose lock ended without a release
   (:mod:`django_joblock.jobs.liveness`) and, with ``--with-scheduler``, take RQ's scheduler
-  over from a worker that stopped renewing its lock (:meth:`take_over_scheduler`);
+  over from a worker that stopped renewing its lock (:meth:`take_over_scheduler`), and
+  release RQ's maintenance lock left by a pass that died (:meth:`free_stale_maintenance`);
 - ride out a Redis outage: between jobs, where RQ quits (heartbeat, suspension check,
   maintenance, state, the dequeue's set-up) these log a warning and go on to the dequeue,
   which waits with backoff; during a job, the forking worker's parent keeps watching its horse,
@@ -36,6 +37,8 @@ from .logs import logger
 
 MAINTENANCE_INTERVAL = 60
 SCHEDULER_STALE = 4  # seconds without a renewal of its lock after which a scheduler is dead
+MAINTENANCE_LOCK_TTL = 899  # RQ's (Queue.acquire_maintenance_lock)
+MAINTENANCE_STALE = 60  # seconds after which a maintenance pass is taken for dead
 # Longest wait for Redis before recording a job's end: below RQ's 60 s of slack after a job's
 # last heartbeat, after which RQ's maintenance may retry the job while it is recorded here.
 OUTAGE_WAIT = 45
@@ -131,6 +134,7 @@ class _Loop:
         try:
             if liveness.claim_turn():
                 liveness.sweep(self.connection)
+                self.free_stale_maintenance()
             self.take_over_scheduler()
         except REDIS_ERRORS as exc:
             logger.warning(
@@ -147,6 +151,21 @@ class _Loop:
     def run_maintenance_tasks(self) -> None:
         with self._outage("maintenance"):
             super().run_maintenance_tasks()  # type: ignore[misc]
+
+    def free_stale_maintenance(self) -> None:
+        """Release RQ's maintenance lock of a queue when its holder has been at it for
+        :data:`MAINTENANCE_STALE` seconds: a pass takes well under a second, and a worker that
+        died (or lost Redis) during one leaves the lock for RQ's 899 s, while jobs a Redis
+        restart left in RQ's intermediate queue wait for that maintenance."""
+        queues = self.queues  # type: ignore[attr-defined]
+        pipe = self.connection.pipeline(transaction=False)
+        for queue in queues:
+            pipe.ttl(queue.registry_cleaning_key)
+        for queue, ttl in zip(queues, pipe.execute(), strict=True):
+            if 0 < ttl < MAINTENANCE_LOCK_TTL - MAINTENANCE_STALE:
+                message = "worker %s: RQ's maintenance lock of queue %s is %ss old: released"
+                logger.warning(message, self.name, queue.name, MAINTENANCE_LOCK_TTL - ttl)
+                queue.release_maintenance_lock()
 
     def take_over_scheduler(self) -> None:
         """Run RQ's scheduler here when the one holding a queue's scheduler lock stopped

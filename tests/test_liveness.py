@@ -24,7 +24,7 @@ from rq.job import JobStatus
 from rq.scheduler import RQScheduler
 
 from django_joblock import lock
-from django_joblock.jobs import admission
+from django_joblock.jobs import admission, liveness
 from django_joblock.worker import JoblockWorker
 from tests import admission_jobs
 from tests.harness import free_port, persistent, wait_for
@@ -282,3 +282,19 @@ def test_the_parent_heartbeat_during_a_job_takes_rqs_arguments_and_rides_out_an_
     worker.maintain_heartbeats(*args)  # ridden out
     worker.connection = rconn
     worker.register_death()
+
+
+def test_a_maintenance_lock_left_by_a_dead_pass_is_released(crews, rconn):
+    """A worker that died (or lost Redis) during RQ's maintenance leaves RQ's maintenance lock
+    for 899 s: no worker cleans the registries meanwhile (jobs a Redis restart left in RQ's
+    intermediate queue wait for it). Ours release one older than 60 s; a fresh one stays."""
+    crews(True).start("default")
+    queue = Queue("default", connection=rconn)
+    assert wait_for(lambda: len(Worker.all(connection=rconn)) == 1, 30)
+    key = queue.registry_cleaning_key
+    rconn.delete(key)
+    assert queue.acquire_maintenance_lock()
+    time.sleep(3 * liveness.INTERVAL)
+    assert rconn.ttl(key) > 0, "negative control: a pass under way keeps its lock"
+    rconn.expire(key, 899 - 61)  # taken 61 s ago
+    assert wait_for(lambda: not rconn.exists(key), 5), "the stale lock is released"
