@@ -146,7 +146,14 @@ def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
 
 
 @slots
-@pytest.mark.parametrize("fault", ["parent + horse SIGKILL", "horse SIGSTOP past the TTL"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "parent + horse SIGKILL",
+        "horse SIGSTOP past the TTL",
+        "worker killed holding RQ's maintenance lock",
+    ],
+)
 def test_negative_control_plain_rq_rate_limit_stalls_after(fault, crews, rconn):
     """The same faults on plain RQ workers and ``RateLimit``: RQ frees the slot only when its
     maintenance gives the job up (its execution expires 60 s after the last heartbeat at the
