@@ -297,7 +297,8 @@ def test_a_maintenance_lock_left_by_a_dead_pass_is_released(crews, rconn):
     intermediate queue wait for it). Ours release one older than 60 s; a fresh one stays."""
     crews(True).start("default")
     queue = Queue("default", connection=rconn)
-    assert wait_for(lambda: len(Worker.all(connection=rconn)) == 1, 30)
+    # Idle: past its start-up maintenance pass, whose release would delete the lock taken here.
+    assert wait_for(lambda: [w.state for w in Worker.all(connection=rconn)] == ["idle"], 30)
     key = queue.registry_cleaning_key
     rconn.delete(key)
     assert queue.acquire_maintenance_lock()
