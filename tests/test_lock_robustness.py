@@ -24,6 +24,7 @@ from redis.exceptions import ResponseError
 from django_joblock import (
     JoblockConfigError,
     LockBackendUnavailable,
+    LockError,
     LockLost,
     current_lock,
     lock,
@@ -289,6 +290,37 @@ def test_a_forked_child_never_releases_its_parents_lock(rconn):
         assert held.held
         assert lock("fork:1", ttl=5).acquire() is False, "nobody else may get in"
     assert rconn.exists(held.key) == 0, "the parent's own exit still releases it"
+
+
+@pytest.mark.parametrize("wait", [0, 1])
+def test_one_lock_object_acquired_by_two_threads_at_once_is_held_once(wait, rconn):
+    """Two threads calling acquire() on one Lock object at the same instant: one gets it,
+    the other is refused with LockError (it used to be told True too, holding nothing of its
+    own). Many rounds, so the calls really overlap."""
+    outcomes: set[tuple[object, ...]] = set()
+    for round_ in range(40):
+        shared = lock(f"threads:{round_}", ttl=5, wait=wait)
+        results: list[object] = []
+        start = threading.Barrier(2)
+
+        def take(shared: Any = shared, results: list[object] = results) -> None:
+            start.wait()
+            try:
+                results.append(shared.acquire())
+            except LockError as exc:
+                results.append(LockError)
+                assert "Lock object" in str(exc), exc
+                assert exc.resource == shared.resource
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        outcomes.add(tuple(sorted(results, key=str)))
+        assert shared.release() is True
+        assert rconn.exists(shared.key) == 0
+    assert outcomes == {(LockError, True)}, outcomes
 
 
 # -- 5. Leaving the block in another context ---------------------------------------------------

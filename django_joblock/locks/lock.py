@@ -26,12 +26,15 @@ same lock and fence back, and a repeated release finds its own release done.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
 import os
 import secrets
+import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -98,6 +101,24 @@ class Lock(Holding):
         self.job_id = self.job_func = ""
         self._reset_view()
         self._context_token: contextvars.Token[Any] | None = None
+        self._calls = threading.Lock()  # one acquire() or release() at a time
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Refuse a second thread's acquire/release while one runs: two acquires of one object
+        would both send its token, and both be told they hold the lock."""
+        if not self._calls.acquire(blocking=False):
+            raise LockError(
+                "Another thread is acquiring or releasing this Lock object: a Lock is one "
+                "holding, give each thread a Lock of its own",
+                resource=self.resource,
+                key=self.key,
+                owner=self.owner,
+            )
+        try:
+            yield
+        finally:
+            self._calls.release()
 
     # -- checks --------------------------------------------------------------------------
     def ensure_held(self) -> None:
@@ -162,7 +183,12 @@ class Lock(Holding):
         Raises :class:`LockBackendUnavailable` if Redis cannot be asked or answered too late,
         :class:`LockError` if this object already holds the lock. A failed call can be
         repeated: the object keeps its token (and its place in line) until it acquires.
+        :class:`LockError` too while another thread is in this object's acquire or release.
         """
+        with self._one_call():
+            return self._acquire(wait)
+
+    def _acquire(self, wait: float | None) -> bool:
         if self.state in _HOLDING and not self._foreign():
             raise LockError(
                 "This Lock object already holds the lock",
@@ -280,8 +306,13 @@ class Lock(Holding):
         A lock found lost here is marked LOST first (signal, log, metric, ``on_lost``), and
         ``lost`` / ``lost_reason`` keep saying so. Raises :class:`LockBackendUnavailable` if
         Redis cannot be asked (the lock then expires after its TTL). In a forked child: False,
-        and Redis is not touched (the lock is the parent's).
+        and Redis is not touched (the lock is the parent's). :class:`LockError` while another
+        thread is in this object's acquire or release.
         """
+        with self._one_call():
+            return self._release()
+
+    def _release(self) -> bool:
         if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
             return False
         renewer().remove(self)
