@@ -222,13 +222,16 @@ class DashboardAdmin(ReadOnlyAdmin):
             except LockBackendUnavailable as exc:
                 error = f"{exc}. See the lock audit log for what was recorded."
                 return self._unavailable(request, unavailable, error)
-            if result.released:
-                message = f"Force-released lock {resource} (owner {owner}): {reason}"
-                self.log_change(request, result.audit, message)
-                messages.success(request, f"Released {resource}: {reason}")
+            except ValueError as exc:  # nothing released
+                errors.append(str(exc))
             else:
-                messages.error(request, f"Not released: {result.outcome}")
-            return redirect(DASHBOARD)
+                if result.released:
+                    message = f"Force-released lock {resource} (owner {owner}): {reason}"
+                    self.log_change(request, result.audit, message)
+                    messages.success(request, f"Released {resource}: {reason}")
+                else:
+                    messages.error(request, f"Not released: {result.outcome}")
+                return redirect(DASHBOARD)
         try:
             current = control.holder(resource)
         except LockBackendUnavailable as exc:

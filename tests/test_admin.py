@@ -268,3 +268,19 @@ def test_reap_releases_dead_holders_and_leaves_live_ones(rconn):
     assert audit.action == "reap" and audit.resource == "order:dead"
     assert audit.actor == f"joblock_reap ({getpass.getuser()})", "the command and the OS user"
     live.release()
+
+
+def test_a_reason_with_nul_is_refused_before_anything_is_released(rconn):
+    """A NUL in the reason used to release the lock, then fail the audit insert (PostgreSQL
+    text cannot hold NUL): a release without its audit row. Now refused first, both ways."""
+    held = held_lock()
+    with pytest.raises(CommandError, match="NUL"):
+        call_command("joblock_release", "order:1", "--reason", "bad\x00reason", stdout=StringIO())
+    operator = user("operator", can_release=True)
+    data = {"resource": "order:1", "owner": held.owner, "reason": "admin\x00reason"}
+    response = csrf_post(operator, RELEASE, data)
+    assert response.status_code == 200 and b"NUL character" in response.content
+    assert rconn.hget(held.key, "token").decode() == held.token, "still held"
+    assert LockAudit.objects.count() == 0
+    call_command("joblock_release", "order:1", "--reason", "fine", stdout=StringIO())
+    assert LockAudit.objects.get().released is True and not rconn.exists(held.key)

@@ -303,7 +303,7 @@ def test_one_lock_object_acquired_by_two_threads_at_once_is_held_once(wait, rcon
         results: list[object] = []
         start = threading.Barrier(2)
 
-        def take(shared: Any = shared, results: list[object] = results) -> None:
+        def take(shared: Any = shared, results: list[object] = results, start: Any = start) -> None:
             start.wait()
             try:
                 results.append(shared.acquire())

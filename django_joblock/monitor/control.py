@@ -49,14 +49,18 @@ def force_release(
     """Release ``resource``'s lock if still held by ``owner`` (the token's 12-character hash,
     as pages and logs show it) or ``token``, else by whoever holds it; with ``renewed_ms`` (the
     last renewal seen when its holder was judged dead), a lock renewed since is refused. Raises
-    ``ValueError`` for an empty reason, a bad resource or owner, or both ``owner`` and ``token``;
-    :class:`LockBackendUnavailable` when Redis does not answer (after auditing the attempt)."""
+    ``ValueError`` for an empty reason or one with a NUL, a bad resource or owner, or both
+    ``owner`` and ``token``; :class:`LockBackendUnavailable` when Redis does not answer (after
+    auditing the attempt)."""
     resource = validate_resource(resource)
     reason = (reason or "").strip()
     if not reason:
         raise ValueError("A reason is required to force-release a lock.")
+    if "\x00" in reason:  # checked before the release: the audit row could not be written
+        raise ValueError("The reason contains a NUL character, which the audit log cannot keep.")
     wanted = _wanted_owner(owner, token)
     actor = actor or (getattr(user, "get_username", lambda: "")() if user else "")
+    actor = actor.replace("\x00", "")[:150]  # LockAudit.actor
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
     redis = client(conf.get().REDIS_ALIAS)  # short timeouts, no retries
 
