@@ -38,6 +38,15 @@ def test_positional_template_field_is_refused():
         def refund(order_id: int) -> None: ...
 
 
+def test_async_jobs_are_refused_at_decoration():
+    """RQ awaits a coroutine job after the function returned: the flow would only create the
+    coroutine inside the lock and transaction, and the body would run unlocked afterwards."""
+    with pytest.raises(TypeError, match="async def jobs are not supported"):
+
+        @locked_job("default", lock="order:{order_id}")
+        async def refund(order_id: int) -> None: ...
+
+
 def test_bad_options_fail_at_decoration():
     with pytest.raises(ValueError, match="on_conflict"):
         locked_job("default", lock="x", on_conflict="retry")

@@ -8,6 +8,7 @@ checked like W002 / W006 (a finding is logged as a warning with its id; the call
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
@@ -103,6 +104,12 @@ def locked_job(
         raise ValueError(f"@locked_job: {why}")
 
     def decorate(func: Callable[P, R]) -> LockedJob[P, R]:
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"@locked_job {func.__qualname__}: async def jobs are not supported (RQ would "
+                "run the body after the lock was released and the transaction committed); "
+                "make it a def and call async code with asgiref's async_to_sync"
+            )
         check_rq_options(rq_options, f"@locked_job {func.__qualname__}")
         check_template(func, lock, "lock")
         check_template(func, idempotency_key, "idempotency_key")
