@@ -105,3 +105,13 @@ def test_rqworker_options_run_a_real_worker(tmp_path, rconn):
         assert second.get_status(refresh=True) is JobStatus.FINISHED
     finally:
         crew.stop()
+
+
+def test_a_worker_started_while_redis_is_down_says_so_in_one_line(settings):
+    """It printed RQ's 62-line traceback (a supervisor restarting it logs that each time)."""
+    from tests import harness
+
+    settings.RQ_QUEUES = {"default": {"URL": harness.dead_url()}}
+    with pytest.raises(CommandError, match=r"Redis does not answer \(.*127\.0\.0\.1") as caught:
+        call_command("joblock_worker", "default", "--burst")
+    assert "\n" not in str(caught.value)

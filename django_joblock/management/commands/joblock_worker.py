@@ -15,6 +15,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils.module_loading import import_string
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.worker import BaseWorker
 
 from django_joblock.exceptions import JoblockConfigError
@@ -74,6 +76,8 @@ class Command(BaseCommand):
             )
         except (ImportError, ValueError, TypeError) as exc:  # a bad --job-class/--serializer
             raise CommandError(f"Cannot start the worker: {exc}") from exc
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise _no_redis(exc) from exc
         if options["pid"]:
             try:
                 with open(options["pid"], "w") as pid_file:
@@ -81,7 +85,10 @@ class Command(BaseCommand):
             except OSError as exc:
                 raise CommandError(f"--pid {options['pid']!r}: cannot write the pid file: {exc}")
         run = ("burst", "with_scheduler", "max_jobs", "max_idle_time")
-        worker.work(**{name: options[name] for name in run})
+        try:  # once started, RQ's loop and ours ride outages out
+            worker.work(**{name: options[name] for name in run})
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise _no_redis(exc) from exc
 
     def _worker_class(self, dotted: str | None, *, simple: bool) -> Any:
         if dotted is None:
@@ -101,3 +108,8 @@ class Command(BaseCommand):
                 "database connections are not closed before each fork.\n"
             )
         return found
+
+
+def _no_redis(exc: Exception) -> CommandError:
+    """One line, not RQ's traceback: a supervisor restarting the worker logs it every time."""
+    return CommandError(f"Cannot start the worker: Redis does not answer ({exc})")
