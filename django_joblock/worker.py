@@ -28,6 +28,7 @@ from typing import Any
 import redis
 from django.db import close_old_connections, connections
 from rq import SimpleWorker, Worker
+from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.scheduler import RQScheduler
 from rq.scripts import release_lock
 
@@ -55,7 +56,11 @@ class _Loop:
     max_connection_wait_time: float
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("maintenance_interval", MAINTENANCE_INTERVAL)
+        # RQ's CLI (`rq worker --worker-class ...`) passes RQ's 600 s default explicitly: an
+        # interval of exactly RQ's default is taken as not chosen.
+        interval = kwargs.get("maintenance_interval", DEFAULT_MAINTENANCE_TASK_INTERVAL)
+        if interval == DEFAULT_MAINTENANCE_TASK_INTERVAL:
+            kwargs["maintenance_interval"] = MAINTENANCE_INTERVAL
         super().__init__(*args, **kwargs)
         self._liveness_due = 0.0  # monotonic time of the next sweep
 

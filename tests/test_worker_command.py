@@ -8,8 +8,11 @@ import sys
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from rq import Queue
+from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.job import JobStatus
 
+from django_joblock.worker import MAINTENANCE_INTERVAL, JoblockSimpleWorker, JoblockWorker
 from tests import jobs
 from tests.workers import ROOT, Workers, wait_status
 
@@ -115,3 +118,24 @@ def test_a_worker_started_while_redis_is_down_says_so_in_one_line(settings):
     with pytest.raises(CommandError, match=r"Redis does not answer \(.*127\.0\.0\.1") as caught:
         call_command("joblock_worker", "default", "--burst")
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("worker_class", [JoblockWorker, JoblockSimpleWorker])
+def test_rqs_cli_default_maintenance_interval_gives_way_to_ours(worker_class, rconn):
+    """RQ's CLI passes its 600 s default explicitly (`rq worker --worker-class ...`): it used
+    to override our 60 s silently. Another explicit interval stays."""
+    queue = Queue("default", connection=rconn)
+    cli = rq_cli_worker_kwargs()
+    assert cli["maintenance_interval"] == DEFAULT_MAINTENANCE_TASK_INTERVAL, "what RQ's CLI passes"
+    worker = worker_class([queue], connection=rconn, **cli)
+    assert worker.maintenance_interval == MAINTENANCE_INTERVAL
+    chosen = worker_class([queue], connection=rconn, maintenance_interval=300)
+    assert chosen.maintenance_interval == 300
+
+
+def rq_cli_worker_kwargs() -> dict[str, object]:
+    """The maintenance interval RQ's ``rq worker`` command passes when none is given."""
+    from rq.cli import workers as rq_cli
+
+    option = next(p for p in rq_cli.worker.params if p.name == "maintenance_interval")
+    return {"maintenance_interval": option.default}
