@@ -195,3 +195,19 @@ def tag_order(order: int, tags: set[str], opts: Options) -> list[str]:
     """Arguments JSON cannot encode (a set, an object): a second delivery must replay."""
     _redis().incr(f"test:effects:tags:{order}")
     return [*sorted(tags), str(opts.value)]
+
+
+@locked_job("default", lock="meta:{n}")
+def writes_meta_elsewhere(n: int, stored: str) -> None:
+    """Meanwhile another process writes this job's meta: readable, or bytes nobody can read."""
+    from rq import get_current_job
+    from rq.job import Job
+
+    job = get_current_job()
+    assert job is not None
+    if stored == "unreadable":
+        _redis().hset(job.key, "meta", b"\x80not a pickle")
+        return
+    other = Job.fetch(job.id, connection=_redis())
+    other.meta["progress"] = "written by another process"
+    other.save_meta()

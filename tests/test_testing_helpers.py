@@ -54,3 +54,18 @@ def test_a_lock_left_held_is_named():
 def test_max_rounds_is_checked():
     with pytest.raises(ValueError, match="max_rounds must be an int >= 1"):
         run_jobs("default", max_rounds=0)
+
+
+@pytest.mark.parametrize("stored", ["readable", "unreadable"])
+def test_a_jobs_end_writes_only_our_key_of_its_meta(stored, rconn):
+    """The outcome used to be written as the worker's whole in-memory ``job.meta``: meta that
+    another process wrote during the run was lost, unreadable meta overwritten."""
+    job = jobs.writes_meta_elsewhere.delay(1, stored)
+    run = run_jobs("default")
+    assert run.statuses() == {job.id: JobStatus.FINISHED}
+    if stored == "unreadable":
+        assert rconn.hget(job.key, "meta") == b"\x80not a pickle", "left to its writer"
+        return
+    meta = job.get_meta(refresh=True)
+    assert meta["progress"] == "written by another process"
+    assert meta["joblock"]["outcome"] == "ran"

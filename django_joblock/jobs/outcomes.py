@@ -1,7 +1,7 @@
 """How one run of a ``@locked_job`` ends (:func:`finish`; docs/jobs.md, "Outcomes"): its
 :class:`JobOutcome`, ``reason`` and ``waited`` go to ``job.meta["joblock"]``, written after the
-job's commit with its :mod:`.history` entry in one round trip (RQ never saves ``meta`` at the
-end; a failed write is logged, never a job failure), and it logs **one** line on
+job's commit with its :mod:`.history` entry in one transaction (only our key: meta written by
+others stays; a failed write is logged, never a job failure), and it logs **one** line on
 ``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, raise_refused, send
+from ..backend import REDIS_ERRORS
 from ..logs import logger
 from . import history
 from .spec import JobSpec
@@ -88,17 +88,33 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     if run.waited is not None:
         state["waited"] = round(run.waited, 6)
     state.update(extra)
-    calls: list[Any] = [["HSET", job.key, "meta", job.serializer.dumps(job.meta)]]
+    calls: list[Any] = []
     if run.worker and (run.key is not None or run.resource is not None):
         twin = str(extra.get("duplicate_of", ""))
         done = history.entry(job, outcome.value, run.began, run.waited, run.key, run.resource, twin)
         calls += history.add_calls(done)
     try:
-        raise_refused(send(job.connection, calls))
+        job.connection.transaction(lambda pipe: _write(pipe, job, state, calls), job.key)
     except REDIS_ERRORS:
         fields = {"job_id": job.id, "outcome": outcome.value}
         message = "could not record outcome %s of job %s"
         logger.warning(message, outcome.value, job.id, exc_info=True, extra=fields)
+
+
+def _write(pipe: Any, job: Any, state: dict[str, Any], calls: list[Any]) -> None:
+    """Our key of ``job.meta`` merged into the stored meta (read under ``WATCH``: what others
+    wrote meanwhile stays, as RQ leaves meta alone at a job's end; meta we cannot read is not
+    ours to overwrite), and ``calls``, in one ``MULTI``."""
+    stored = pipe.hget(job.key, "meta")
+    try:
+        meta = job.serializer.loads(stored) if stored else {}
+    except Exception:  # noqa: BLE001 (any serializer's error): left to its writer
+        meta = None
+    pipe.multi()
+    if isinstance(meta, dict):
+        pipe.hset(job.key, "meta", job.serializer.dumps({**meta, "joblock": state}))
+    for call in calls:
+        pipe.execute_command(*call)
 
 
 def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:
