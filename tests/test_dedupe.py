@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from rq.job import JOB_ID_PATTERN, JobStatus
 
-from django_joblock import lock, locked_job, metrics
+from django_joblock import IdempotencyKeyMismatch, lock, locked_job, metrics
 from django_joblock.jobs import admission
 from django_joblock.jobs.decorator import registry
 from django_joblock.jobs.dedupe import job_id_for
@@ -141,6 +141,19 @@ def test_concurrent_duplicate_delays_enqueue_one_job(rconn):
     assert len(found) == 8 and len(set(found)) == 1, found
     assert queue.count == 1
     assert _blocked() == 7
+
+
+def test_a_duplicate_with_other_arguments_is_refused_not_swallowed(rconn):
+    """Same key, other arguments, while the first job is live: it used to return the first
+    job, so the caller believed its call was queued. Now refused at ``.delay()``."""
+    queue = get_queue("default")
+    first = admission_jobs.send_once.delay(16, "other-args")
+    assert admission_jobs.send_once.delay(16, "other-args").id == first.id, "same call"
+    with pytest.raises(IdempotencyKeyMismatch, match=rf"send:other-args.*{first.id}") as caught:
+        admission_jobs.send_once.delay(17, "other-args")
+    assert caught.value.key == "send:other-args"
+    assert queue.count == 1 and queue.get_job_ids() == [first.id]
+    assert _blocked() == 1
 
 
 def test_dedupe_job_in_the_registry_is_checked_like_the_others():

@@ -15,7 +15,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast
 from django.utils.module_loading import autodiscover_modules
 
 from .. import conf
-from ..idempotency.inputs import key_family, validate_scope
+from ..idempotency.inputs import fingerprint_of, key_family, validate_scope
 from ..logs import logger
 from . import admission as admission_mod
 from . import dedupe as dedupe_mod
@@ -184,4 +184,10 @@ def _enqueue(
             f"{spec.name}: dedupe=True derives the RQ job id; got job_id={per_call['job_id']!r}"
         )
     options["job_id"] = job_id = dedupe_mod.job_id_for(spec.scope, key)
-    return dedupe_mod.enqueue_once(queue, job_id, put, family=key_family(key), func=spec.name)
+    fingerprint = fingerprint_of(arguments)
+
+    def same_call(live: Any) -> bool:
+        return fingerprint_of(spec.bind(tuple(live.args), dict(live.kwargs))) == fingerprint
+
+    family = key_family(key)
+    return dedupe_mod.enqueue_once(queue, job_id, put, same_call, family=family, func=spec.name)

@@ -1,7 +1,8 @@
 """Duplicates stopped at enqueue, ``@locked_job(..., dedupe=True)`` (§4.10; docs/jobs.md): the
 RQ id is ``joblock-<40 hex of sha256>`` of the dotted name and idempotency key, and ``.delay()``
-of a logical job whose RQ job is *live* returns it; one that ended (or expired) is enqueued again
-and its record replays. Check-and-enqueue is atomic per id through a guard key on the queue's
+of a logical job whose RQ job is *live* returns it (with other arguments: raises
+:class:`IdempotencyKeyMismatch`, as the run would); one that ended (or expired) is enqueued
+again and its record replays. Check-and-enqueue is atomic per id through a guard key on the queue's
 connection (compare-and-delete; ``GUARD_TTL``): three more round trips, none at run time.
 """
 
@@ -17,7 +18,7 @@ from rq.job import JobStatus
 
 from .. import conf, metrics
 from ..backend import Script
-from ..exceptions import JoblockError
+from ..exceptions import IdempotencyKeyMismatch, JoblockError
 from ..logs import logger
 
 # RQ statuses of a job that is still going to run (or running). rq 2.x lacks "rate_limited".
@@ -50,9 +51,16 @@ def _status(queue: Any, job_id: str) -> str | None:
 
 
 def enqueue_once(
-    queue: Any, job_id: str, enqueue: Callable[[], Any], *, family: str, func: str
+    queue: Any,
+    job_id: str,
+    enqueue: Callable[[], Any],
+    same_call: Callable[[Any], bool],
+    *,
+    family: str,
+    func: str,
 ) -> Any:
-    """``enqueue()`` unless job ``job_id`` is live on ``queue``: then that job (module docs)."""
+    """``enqueue()`` unless job ``job_id`` is live on ``queue``: then that job if
+    ``same_call(job)`` (module docs), else :class:`IdempotencyKeyMismatch`."""
     client = queue.connection
     guard = f"{conf.get().KEY_PREFIX}:enqueue:{job_id}"
     token = secrets.token_hex(8)
@@ -71,6 +79,13 @@ def enqueue_once(
         else:
             existing = queue.fetch_job(job_id) if _status(queue, job_id) in LIVE else None
         if existing is not None and existing.get_status(refresh=False) in LIVE:
+            if not same_call(existing):
+                key = existing.meta.get("joblock", {}).get("idempotency_key")
+                raise IdempotencyKeyMismatch(
+                    f"{func}: idempotency key {key!r} is live as job {existing.id} with other "
+                    "arguments; not enqueued (the job's run would refuse them too)",
+                    key=key,
+                )
             return _blocked(existing, family, func)
         if time.monotonic() > deadline:
             raise JoblockError(
