@@ -132,7 +132,7 @@ class JoblockSettings:
     LOCK_TTL: float = _setting(30.0, TTL_RANGE, "TTL of a lock given no `ttl=`")
     HEARTBEAT_INTERVAL: float | None = _setting(
         None,
-        Range(0.001, MAX_TTL),
+        Range(0.1, MAX_TTL),  # each lock renewed at most 10 times a second
         "renewal interval; `None`: TTL / 3; at most TTL / 2 per lock; < `LOCK_TTL` (E004)",
     )
     MAX_HOLD: float | None = _setting(

@@ -15,9 +15,9 @@ def _authorized(request: HttpRequest) -> bool:
     if user is not None and user.is_authenticated and user.is_staff:
         return True
     token = conf.get().METRICS_TOKEN
-    header = request.headers.get("Authorization", "")
-    if token and header.startswith("Bearer "):
-        return hmac.compare_digest(header[len("Bearer ") :].encode(), token.encode())
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    if token and scheme.lower() == "bearer":  # schemes are case-insensitive (RFC 9110)
+        return hmac.compare_digest(given.strip().encode(), token.encode())
     return False
 
 

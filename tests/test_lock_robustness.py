@@ -209,6 +209,7 @@ def test_locked_job_numbers_must_be_finite(argument, value):
         ({"LOCK_TTL": 1e300}, "LOCK_TTL"),
         ({"LOCK_TTL": math.inf}, "LOCK_TTL"),
         ({"HEARTBEAT_INTERVAL": math.nan}, "HEARTBEAT_INTERVAL"),
+        ({"HEARTBEAT_INTERVAL": 0.001}, "HEARTBEAT_INTERVAL"),  # 1,000 renewals/s per lock
         ({"MAX_HOLD": math.nan}, "MAX_HOLD"),
         ({"ACQUIRE_WAIT": math.inf}, "ACQUIRE_WAIT"),
         ({"REQUEUE_MAX_WAIT": math.nan}, "REQUEUE_MAX_WAIT"),

@@ -193,6 +193,11 @@ def test_metrics_view_requires_staff_or_token(client, admin_client, settings):
     ok = client.get(url, HTTP_AUTHORIZATION="Bearer s3cret-token-for-prometheus")
     assert ok.status_code == 200 and ok["Content-Type"].startswith("text/plain")
     assert b"# TYPE joblock_hold_seconds histogram" in ok.content
+    # The scheme is case-insensitive (RFC 9110): "bearer" got 401. Anything else still does.
+    for header in ("bearer s3cret-token-for-prometheus", "BEARER  s3cret-token-for-prometheus"):
+        assert client.get(url, HTTP_AUTHORIZATION=header).status_code == 200, header
+    for header in ("Basic s3cret-token-for-prometheus", "Bearers3cret-token-for-prometheus"):
+        assert client.get(url, HTTP_AUTHORIZATION=header).status_code == 401, header
 
 
 def test_log_records_carry_extras_and_never_the_token(caplog, rconn):
