@@ -35,7 +35,7 @@ def test_non_string_resource():
 def test_valid_resource_characters_and_family():
     assert validate_resource("tenant:45:billing-sync@eu/1.2_x") == "tenant:45:billing-sync@eu/1.2_x"
     assert family("tenant:45:billing-sync") == "tenant"
-    assert family("nightly") == "nightly"
+    assert family("nightly") == "other"  # no ':' : ids must not become families
     assert validate_resource("x" * 200)
 
 

@@ -376,3 +376,16 @@ def test_no_scheduler_alert_and_joblock_alerts_exit_status(rconn):
         assert "no_scheduler" not in names(alerts.evaluate())
     finally:
         crew.stop()
+
+
+def test_resources_without_a_colon_share_one_metrics_family(rconn):
+    """Each ``inv-42``-style resource used to be its own family: 800 of them made 6,438
+    fields in the metrics hash and 56,965 Prometheus series. They are family "other" now."""
+    for n in range(200):
+        with lock(f"inv-{n}", ttl=5):
+            pass
+    with lock("order:1", ttl=5):
+        pass
+    metrics.flush_now()
+    assert metrics.totals().families() == {"other", "order"}
+    assert active_index.active_counts() == {}

@@ -2,8 +2,8 @@
 
 A *resource* names the unit of exclusivity (``order:123``), never a job id: two deliveries of
 the same work carry different job ids but touch the same resource. Its *family* is the part
-before the first ``:`` (``order``); metrics and the dashboard group by family, never by
-resource id, so their cardinality stays bounded.
+before the first ``:`` (``order``; ``other`` for a resource without one); metrics and the
+dashboard group by family, never by resource id, so their cardinality stays bounded.
 
 Keys of one resource (``P`` = ``JOBLOCK["KEY_PREFIX"]``), all under its hash tag so that every
 key a script touches is in one Redis Cluster slot (a resource cannot contain braces)::
@@ -64,8 +64,10 @@ def validate_family(name: object) -> str:
 
 
 def family(resource: str) -> str:
-    """The family of a resource: the part before its first ``:`` (``order:1`` -> ``order``)."""
-    return resource.split(":", 1)[0]
+    """The family of a resource: the part before its first ``:`` (``order:1`` -> ``order``);
+    ``"other"`` without a ``:`` (``inv-42``), so that ids never become metric families."""
+    name, colon, _rest = resource.partition(":")
+    return name if colon else "other"
 
 
 def owner_hash(token: str) -> str:

@@ -12,7 +12,6 @@ from typing import Any
 from .. import metrics
 from ..jobs import history
 from ..locks import index
-from ..locks.keys import family as family_of
 from . import active, alerts
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
 from .health import DEAD, Health, lock_health, queue_connections, stuck_claims, stuck_jobs
@@ -154,7 +153,7 @@ def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
 
 def _timeline(target: str) -> Chart:
     """The timeline of a family, or of one resource (``target`` contains ``:``)."""
-    fam = family_of(target)  # a family is its own family
+    fam = target.partition(":")[0]  # a resource's family, or the family itself
     now = time.time()
     spans = history.read(queue_connections(), fam, since=now - TIMELINE_MINUTES * 60)
     return timeline_chart(
