@@ -4,16 +4,20 @@ who waited and who failed, escaped, and counts the failures RQ retries."""
 
 from __future__ import annotations
 
+import json
 import time
+from io import StringIO
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import call_command
 from django.test import Client
 from rq import Retry
 from rq.job import JobStatus
 
-from django_joblock import lock, metrics
+from django_joblock import idempotent, lock, metrics
 from django_joblock.jobs import history
+from django_joblock.models import IdempotencyRecord
 from django_joblock.monitor.health import queue_connections
 from tests import jobs
 from tests.harness import wait_for, write_run
@@ -92,3 +96,31 @@ def test_the_timeline_escapes_what_it_shows_and_refuses_bad_targets(rconn):
         assert response.status_code == 400 and response["Content-Type"].startswith("text/plain")
         assert b"timeline:" in response.content
     assert "no runs with a lock in the last 10 minutes" in _page(timeline="empty")
+
+
+ODD = {"started": "yesterday", "waited": "x", "resource": 3, "pid": "abc", "took": 1e999}
+
+
+@pytest.mark.parametrize("field", list(ODD))
+def test_one_history_entry_of_an_odd_shape_is_left_out_everywhere(field, rconn):
+    """An entry another version (or a hand) wrote with a field of another type made the
+    record page and the dashboard answer 500 and joblock_doctor crash."""
+    scope = jobs.credit.spec.scope  # a @locked_job's: its record page reads its queue
+    with idempotent("odd:1", scope=scope) as claim:
+        claim.succeed({"ok": True})
+    record = IdempotencyRecord.objects.get(key="odd:1")
+    now = time.time()
+    for resource, family in (("res:9", "res"), ("", "odd")):  # a lock's history, a key's
+        write_run(rconn, resource, "good-run", scope, now - 5, 1, 0.5, "ran", key="odd:1")
+        good = json.loads(rconn.lindex(f"joblock:runs:{family}", 0))
+        odd = {**good, "job_id": "odd-run", field: ODD[field]}
+        rconn.rpush(f"joblock:runs:{family}", json.dumps(odd))
+    for target in ("res", "res:9"):
+        page = _page(timeline=target)
+        assert "good-run" in page and "odd-run" not in page
+    response = _client().get(f"/admin/django_joblock/idempotencyrecord/{record.pk}/change/")
+    assert response.status_code == 200 and b"good-run" in response.content
+    assert b"odd-run" not in response.content
+    out = StringIO()
+    call_command("joblock_doctor", "--key", "odd:1", "--scope", scope, "--json", stdout=out)
+    assert "good-run" in out.getvalue() and "odd-run" not in out.getvalue()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -51,8 +52,20 @@ class Delivery:
             found = cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
         except (ValueError, TypeError, KeyError):
             return None
-        valid = all(type(t) in (int, float) for t in (found.started, found.took))  # not bool
-        return found if valid else None
+        typed = all(_fits(getattr(found, f.name), str(f.type)) for f in fields(cls))
+        return found if typed else None
+
+
+def _fits(value: Any, declared: str) -> bool:
+    """``value`` is of its field's declared type (``"float | None"``...): one odd entry must not
+    break every page that shows the history. Numbers are finite, and never bools."""
+    if value is None:
+        return declared.endswith("| None")
+    if declared.startswith("str"):
+        return type(value) is str
+    if declared.startswith("int"):
+        return type(value) is int
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def family_of(resource: str, key: str) -> str:
