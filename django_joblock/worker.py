@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-from django.db import close_old_connections, connections
+from django.db import connections
 from rq import SimpleWorker, Worker
 from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.scheduler import RQScheduler
@@ -211,7 +211,7 @@ class JoblockWorker(_Loop, Worker):
     """The forking RQ worker, closing database connections before each fork."""
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:
-        connections.close_all()
+        close_connections(stale_only=False)
         super().fork_work_horse(job, queue)
 
 
@@ -219,8 +219,24 @@ class JoblockSimpleWorker(_Loop, SimpleWorker):
     """The in-process RQ worker, dropping stale database connections around each job."""
 
     def execute_job(self, job: Any, queue: Any) -> Any:
-        close_old_connections()
+        close_connections(stale_only=True)
         try:
             return super().execute_job(job, queue)
         finally:
-            close_old_connections()
+            close_connections(stale_only=True)
+
+
+def close_connections(*, stale_only: bool) -> None:
+    """Close Django's open database connections (``stale_only``: those past ``CONN_MAX_AGE``,
+    with errors or autocommit left off, as Django does around requests), without a query: a
+    job that never uses the database never touches it. A connection inside an atomic block is
+    left open: it is its caller's transaction (a ``TestCase`` running a burst worker)."""
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is None or conn.in_atomic_block:
+            continue
+        expired = conn.close_at is not None and time.monotonic() >= conn.close_at
+        odd = conn.errors_occurred or conn.autocommit != conn.settings_dict["AUTOCOMMIT"]
+        if not stale_only or expired or odd:
+            conn.close()
+        else:
+            conn.health_check_done = False  # type: ignore[attr-defined]  # checked at next use

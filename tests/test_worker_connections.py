@@ -1,0 +1,63 @@
+"""Our workers and Django's database connections in a user's tests: a ``TestCase`` that runs a
+burst worker in-process (django-rq's own testing pattern) keeps its connection, and a test
+without database access can run jobs that never use the database."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test import TestCase
+from rq import Queue
+from rq.job import JobStatus
+
+from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
+from tests.testapp.models import Account
+
+
+def _burst(worker_class: type, rconn: object) -> object:
+    queue = Queue("default", connection=rconn)
+    job = queue.enqueue(len, "abc")
+    worker_class([queue], connection=rconn).work(burst=True)
+    return job
+
+
+class BurstWorkersInATestCase(TestCase):
+    """Each worker used to close the test's connection (inside its transaction): this test
+    and every later test of its class failed with "the connection is closed"."""
+
+    def _check(self, worker_class: type) -> None:
+        from django_redis import get_redis_connection
+
+        Account.objects.create(name="kept", balance=1)
+        job = _burst(worker_class, get_redis_connection("default"))
+        assert job.get_status(refresh=True) == JobStatus.FINISHED  # type: ignore[attr-defined]
+        assert Account.objects.get(name="kept").balance == 1, "the test's connection is open"
+
+    def test_a_simple_worker_keeps_the_tests_connection(self) -> None:
+        self._check(JoblockSimpleWorker)
+
+    def test_a_forking_worker_keeps_the_tests_connection(self) -> None:
+        self._check(JoblockWorker)
+
+
+def test_a_simple_worker_runs_a_job_without_database_access(django_db_blocker, rconn):
+    """No database access allowed (pytest-django), a connection left open by an earlier test:
+    the worker quit with "unhandled exception" and the job stayed queued."""
+    with django_db_blocker.unblock():
+        connection.ensure_connection()
+    assert connection.connection is not None
+    try:
+        job = _burst(JoblockSimpleWorker, rconn)
+        assert job.get_status(refresh=True) == JobStatus.FINISHED  # type: ignore[attr-defined]
+    finally:
+        with django_db_blocker.unblock():
+            connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stale_connection_is_still_closed_around_a_job(settings, rconn):
+    """Outside a transaction the simple worker still drops a connection past its max age."""
+    connection.ensure_connection()
+    connection.close_at = 0.0  # past CONN_MAX_AGE
+    _burst(JoblockSimpleWorker, rconn)
+    assert connection.connection is None
