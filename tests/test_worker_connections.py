@@ -4,6 +4,8 @@ without database access can run jobs that never use the database."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.db import connection
 from django.test import TestCase
@@ -14,7 +16,7 @@ from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 from tests.testapp.models import Account
 
 
-def _burst(worker_class: type, rconn: object) -> object:
+def _burst(worker_class: type, rconn: Any) -> Any:
     queue = Queue("default", connection=rconn)
     job = queue.enqueue(len, "abc")
     worker_class([queue], connection=rconn).work(burst=True)
@@ -30,7 +32,7 @@ class BurstWorkersInATestCase(TestCase):
 
         Account.objects.create(name="kept", balance=1)
         job = _burst(worker_class, get_redis_connection("default"))
-        assert job.get_status(refresh=True) == JobStatus.FINISHED  # type: ignore[attr-defined]
+        assert job.get_status(refresh=True) == JobStatus.FINISHED
         assert Account.objects.get(name="kept").balance == 1, "the test's connection is open"
 
     def test_a_simple_worker_keeps_the_tests_connection(self) -> None:
@@ -48,7 +50,7 @@ def test_a_simple_worker_runs_a_job_without_database_access(django_db_blocker, r
     assert connection.connection is not None
     try:
         job = _burst(JoblockSimpleWorker, rconn)
-        assert job.get_status(refresh=True) == JobStatus.FINISHED  # type: ignore[attr-defined]
+        assert job.get_status(refresh=True) == JobStatus.FINISHED
     finally:
         with django_db_blocker.unblock():
             connection.close()
