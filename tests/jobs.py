@@ -211,3 +211,10 @@ def writes_meta_elsewhere(n: int, stored: str) -> None:
     other = Job.fetch(job.id, connection=_redis())
     other.meta["progress"] = "written by another process"
     other.save_meta()
+
+
+@locked_job("default", lock="account:{name}", on_commit=False, atomic=False)
+def read_account_at_once(name: str) -> int:
+    """Enqueued at once even inside a transaction (the negative control of enqueue on commit);
+    no transaction of its own, whose ``BEGIN IMMEDIATE`` on SQLite would wait for the commit."""
+    return Account.objects.get(name=name).balance

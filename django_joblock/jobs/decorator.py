@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import uuid
 from collections.abc import Callable
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
+from django.db import transaction
 from django.utils.module_loading import autodiscover_modules
 
 from .. import conf
@@ -67,18 +69,22 @@ def locked_job(
     atomic: bool = True,
     admission: bool = True,
     dedupe: bool = False,
+    on_commit: bool = True,
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
     """Decorate an RQ job function with the safe flow (:mod:`.runner`; every argument: the
-    table in docs/jobs.md). ``lock`` / ``idempotency_key``: ``str.format`` templates over the
-    bound arguments, callables taking them as keywords, or None; ``ttl`` / ``max_wait`` in
-    seconds; ``on_conflict``: :class:`OnConflict`. Other keywords go to RQ's ``enqueue``."""
+        table in docs/jobs.md). ``lock`` / ``idempotency_key``: ``str.format`` templates over the
+        bound arguments, callables taking them as keywords, or None; ``ttl`` / ``max_wait`` in
+        seconds; ``on_conflict``: :class:`OnConflict`; ``on_commit``: a ``.delay()`` inside a
+    transaction of the default database enqueues when it commits (nothing on a rollback). Other
+    keywords go to RQ's ``enqueue``."""
     if callable(queue):
         raise TypeError(
             "@locked_job takes the queue first, then keywords: @locked_job('default', "
             f"lock='order:{{order_id}}'); got the function {getattr(queue, '__qualname__', '')!r}"
         )
     flags = {"heartbeat": heartbeat, "atomic": atomic, "admission": admission, "dedupe": dedupe}
+    flags["on_commit"] = on_commit
     why = ""  # the first refusal, in this order
     if on_conflict not in CONFLICT_POLICIES:
         why = f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}"
@@ -127,6 +133,7 @@ def locked_job(
             atomic=atomic,
             admission=admission,
             dedupe=dedupe,
+            on_commit=on_commit,
         )
         if idempotency_key is not None:  # the scope is the dotted name: too long fails each run
             validate_scope(spec.scope, what=f"@locked_job {func.__qualname__}")
@@ -176,18 +183,30 @@ def _enqueue(
         # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
         return queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
 
-    if not spec.dedupe:
-        return put()
-    assert key is not None
-    if "job_id" in per_call:
-        raise ValueError(
-            f"{spec.name}: dedupe=True derives the RQ job id; got job_id={per_call['job_id']!r}"
-        )
-    options["job_id"] = job_id = dedupe_mod.job_id_for(spec.scope, key)
-    fingerprint = fingerprint_of(arguments)
+    now = put
+    if spec.dedupe:
+        assert key is not None
+        if "job_id" in per_call:
+            raise ValueError(
+                f"{spec.name}: dedupe=True derives the RQ job id; got job_id={per_call['job_id']!r}"
+            )
+        options["job_id"] = job_id = dedupe_mod.job_id_for(spec.scope, key)
+        fingerprint = fingerprint_of(arguments)
 
-    def same_call(live: Any) -> bool:
-        return fingerprint_of(spec.bind(tuple(live.args), dict(live.kwargs))) == fingerprint
+        def same_call(live: Any) -> bool:
+            return fingerprint_of(spec.bind(tuple(live.args), dict(live.kwargs))) == fingerprint
 
-    family = key_family(key)
-    return dedupe_mod.enqueue_once(queue, job_id, put, same_call, family=family, func=spec.name)
+        def now() -> Any:
+            family = key_family(key)
+            return dedupe_mod.enqueue_once(
+                queue, job_id, put, same_call, family=family, func=spec.name
+            )
+
+    if not (spec.on_commit and transaction.get_connection().in_atomic_block):
+        return now()
+    # Enqueued when the caller's transaction commits: a worker must not run the job before
+    # the rows it reads are visible (nothing is enqueued on a rollback). The caller gets the
+    # job's handle now, by the id it will have.
+    options.setdefault("job_id", str(uuid.uuid4()))
+    transaction.on_commit(now)
+    return queue.job_class(id=options["job_id"], connection=queue.connection)

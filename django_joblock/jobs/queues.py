@@ -5,6 +5,7 @@ on the *queue's* connection, which may differ from the locks'."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from django.apps import apps
@@ -37,7 +38,12 @@ def get_queue(queue: Any) -> Queue:
         raise JoblockConfigError(f"Queue {queue!r} is not in settings.RQ_QUEUES (known: {names})")
     import django_rq  # type: ignore[import-not-found,unused-ignore]
 
-    found: Queue = django_rq.get_queue(queue)
+    # When to enqueue is @locked_job's own (on_commit=): django-rq's COMMIT_MODE (4.x:
+    # "on_db_commit") would defer it a second time and hand the caller None for the job.
+    at_once = "commit_mode" in inspect.signature(django_rq.get_queue).parameters
+    found: Queue = django_rq.get_queue(
+        queue, **({"commit_mode": "auto"} if at_once else {"autocommit": True})
+    )
     return found
 
 

@@ -56,6 +56,7 @@ class JobSpec(Generic[P, R]):
     atomic: bool = True
     admission: bool = True
     dedupe: bool = False
+    on_commit: bool = True
 
     @property
     def name(self) -> str:

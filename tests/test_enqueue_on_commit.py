@@ -1,0 +1,83 @@
+"""``.delay()`` inside ``transaction.atomic()`` enqueues when the transaction commits: a worker
+never runs the job before the rows it reads are visible, and a rollback enqueues nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.db import transaction
+from rq.job import JobStatus
+
+from django_joblock import locked_job
+from django_joblock.jobs.queues import get_queue
+from tests import jobs
+from tests.testapp.models import Account
+from tests.workers import DONE, Workers, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def crew(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    crew = Workers(settings.JOBLOCK)
+    yield crew
+    crew.stop()
+
+
+@pytest.mark.parametrize("on_commit", [True, False], ids=["on commit", "negative control: at once"])
+def test_a_worker_racing_the_commit_finds_the_row(on_commit, crew, rconn):
+    """The job is delayed in the transaction that creates its account, and the commit comes
+    1.5 s later while a worker waits for work. Enqueued at once (``on_commit=False``), the job
+    runs first and fails with Account.DoesNotExist; on commit, it runs after the commit."""
+    crew.start("default")
+    queue = get_queue("default")
+    with transaction.atomic():
+        Account.objects.create(name="fresh", balance=0)
+        if on_commit:
+            job = jobs.credit.delay("fresh", "C-1", 5)
+            assert queue.count == 0, "not before the commit"
+        else:
+            job = jobs.read_account_at_once.delay("fresh")
+        time.sleep(1.5)
+    status = wait_status(job, DONE, 30, crew)
+    if not on_commit:
+        assert status is JobStatus.FAILED, crew.logs()
+        assert "DoesNotExist" in str(job.latest_result().exc_string)
+        return
+    assert status is JobStatus.FINISHED, crew.logs()
+    assert Account.objects.get(name="fresh").balance == 5
+
+
+def test_a_rollback_enqueues_nothing(rconn):
+    queue = get_queue("default")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        job = jobs.credit.delay("gone", "C-2", 5)
+        raise RuntimeError("the view failed")
+    assert queue.count == 0 and rconn.exists(job.key) == 0
+
+
+def test_outside_a_transaction_and_with_on_commit_false_it_enqueues_at_once(rconn):
+    @locked_job("default", lock="account:{name}", on_commit=False)
+    def at_once(name: str) -> None: ...
+
+    queue = get_queue("default")
+    first = jobs.credit.delay("a", "C-3", 1)  # no transaction: enqueued at once
+    assert queue.get_job_ids() == [first.id]
+    with transaction.atomic():
+        second = at_once.delay("b")
+        assert queue.get_job_ids() == [first.id, second.id], "opted out"
+    with pytest.raises(ValueError, match="on_commit must be True or False"):
+        locked_job("default", lock="x", on_commit="yes")  # type: ignore[arg-type]
+
+
+def test_the_handle_is_the_job_once_committed(rconn):
+    with transaction.atomic():
+        handle = jobs.credit.delay("c", "C-4", 1)
+        nested = transaction.atomic()
+        with nested:  # a savepoint: still the outer commit that enqueues
+            inner = jobs.credit.delay("d", "C-5", 1)
+        assert get_queue("default").count == 0
+    assert get_queue("default").get_job_ids() == [handle.id, inner.id]
+    assert handle.get_status(refresh=True) == JobStatus.QUEUED
