@@ -11,20 +11,19 @@ handlers short. The whole story: docs/idempotency.md.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connections, router, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from .backoff import ceiling
 from .choices import OutboxStatus
+from .idempotency.inputs import storable_json
 from .locks.info import job_context
 
 __all__ = ["RETRY_MAX", "OutboxReport", "deliver", "deliver_due", "describe", "send_after_commit"]
@@ -60,13 +59,14 @@ def send_after_commit(
     from .models import OutboxMessage
 
     path = _handler_path(handler)
-    if not isinstance(key, str) or not key or len(key) > _KEY_MAX:
-        why = f"must be a non-empty str of at most {_KEY_MAX} characters"
+    if not isinstance(key, str) or not key or len(key) > _KEY_MAX or "\x00" in key:
+        why = f"must be a non-empty str of at most {_KEY_MAX} characters without NUL"
         raise ValueError(f"send_after_commit: key {why}, got {key!r}")
     try:
-        json.dumps(payload, cls=DjangoJSONEncoder)
+        storable_json(payload)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"send_after_commit: payload for key {key!r} is not JSON: {exc}") from exc
+        why = f"cannot be stored as JSON (no NaN, infinity or NUL): {exc}"
+        raise ValueError(f"send_after_commit: payload for key {key!r} {why}") from exc
     database = using or router.db_for_write(OutboxMessage)
     defaults = {"handler": path, "payload": payload, "rq_job_id": job_context()[0]}
     message, created = OutboxMessage.objects.using(database).get_or_create(

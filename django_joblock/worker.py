@@ -214,6 +214,18 @@ class JoblockWorker(_Loop, Worker):
         close_connections(stale_only=False)
         super().fork_work_horse(job, queue)
 
+    def monitor_work_horse(self, job: Any, *args: Any) -> None:
+        """RQ's, then the release of a lock the exited horse still held (killed by RQ's stop-job
+        command, ``job_timeout`` or the OOM killer): the next job of its resource starts now,
+        not after the lock's TTL (:func:`~django_joblock.jobs.liveness.release_ended`)."""
+        super().monitor_work_horse(job, *args)
+        resource = (job.meta or {}).get("joblock", {}).get("resource")
+        if resource:
+            try:
+                liveness.release_ended(resource, job.id)
+            except REDIS_ERRORS as exc:  # the lock then expires after its TTL
+                logger.warning("worker %s: job %s's lock not checked (%s)", self.name, job.id, exc)
+
 
 class JoblockSimpleWorker(_Loop, SimpleWorker):
     """The in-process RQ worker, dropping stale database connections around each job."""

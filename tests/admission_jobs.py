@@ -62,6 +62,12 @@ def hot_hold(k: int, label: str) -> str:
     return label
 
 
+@locked_job("default", lock="hot:{k}", ttl=30, atomic=False)
+def long_hold(k: int, label: str) -> str:
+    """``hot_hold`` with a 30 s lock TTL: a killed holder's lock would outlive it for long."""
+    return str(hot_hold.spec.func(k, label))
+
+
 @locked_job("default", lock="hot:{k}", ttl=HOT_TTL, atomic=False)
 def hot_sleep(k: int, label: str, seconds: float) -> str:
     """Holds the resource for ``seconds`` and touches Redis only as it starts: it can end while

@@ -135,6 +135,8 @@ def test_commands_name_a_redis_that_does_not_answer(settings, argv):
         # argparse took a value equal to the old "" default for no value at all
         (["joblock_doctor", "--job", ""], "--job is empty"),
         (["joblock_doctor", "--resource", " "], "--resource is empty"),
+        (["joblock_doctor", "--key", "a\x00b"], "--key contains NUL"),  # a DataError before
+        (["joblock_doctor", "--key", "k", "--scope", "\x00"], "--scope contains NUL"),
     ],
 )
 def test_out_of_range_command_arguments_are_named(rconn, argv, message):
@@ -146,3 +148,21 @@ def test_the_metrics_view_answers_503_when_redis_is_down(settings, admin_client)
     settings.JOBLOCK = {"REDIS_ALIAS": "down"}
     response = admin_client.get("/joblock/metrics/")
     assert response.status_code == 503 and b"Redis does not answer" in response.content
+
+
+def test_the_doctor_finds_a_keys_scope_through_the_scope_key_index(rconn):
+    """``--key`` without ``--scope`` filtered the records on the key alone: a sequential scan
+    of the whole table (287 ms at a million records). Every records query names its scopes."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from django_joblock import idempotent
+
+    with idempotent("credit:D-1", scope=jobs.credit.spec.scope) as claim:
+        claim.succeed({"ok": True})
+    with CaptureQueriesContext(connection) as queries:
+        out = StringIO()
+        call_command("joblock_doctor", "--key", "credit:D-1", stdout=out)
+    assert "credit:D-1" in out.getvalue()
+    on_records = [q["sql"] for q in queries if "idempotencyrecord" in q["sql"]]
+    assert on_records and all('"scope"' in sql.split("WHERE", 1)[1] for sql in on_records)

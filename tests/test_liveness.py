@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import redis
 from rq import Queue, Worker
+from rq.command import send_stop_job_command
 from rq.job import JobStatus
 from rq.scheduler import RQScheduler
 
@@ -328,3 +329,31 @@ def test_a_maintenance_lock_left_by_a_dead_pass_is_released(crews, rconn):
     assert rconn.ttl(key) > 0, "negative control: a pass under way keeps its lock"
     rconn.expire(key, 899 - 61)  # taken 61 s ago
     assert wait_for(lambda: not rconn.exists(key), 5), "the stale lock is released"
+
+
+@slots
+@pytest.mark.parametrize("ours", [True, False], ids=["joblock_worker", "negative control: rq"])
+def test_a_job_stopped_by_rqs_stop_command_frees_its_lock_at_once(ours, crews, rconn):
+    """RQ's stop-job command (django-rq's admin "Stop") SIGKILLs the horse of a job holding a
+    30 s lock. Our worker releases the lock the exited horse held, so the next job of the
+    resource starts at once; RQ's worker frees the slot, and the next job waits out the TTL."""
+    crew = crews(ours)
+    command = "joblock_worker" if ours else "rqworker"
+    crew.start("default", command=command)
+    holder = admission_jobs.long_hold.delay(35, "holder")
+    horse = pid_of(rconn, "holder")
+    crew.start("default", command=command)
+    parked = admission_jobs.hot.delay(35, "next", 0.05)
+    assert parked.get_status(refresh=True) == "rate_limited"
+    stopped_at = time.time()
+    send_stop_job_command(rconn, holder.id)
+    assert wait_for(lambda: exited(horse), 10), "negative control: the horse was killed"
+    wait_for(lambda: "next" in intervals(rconn), WATCH)
+    spans = intervals(rconn)
+    waited = spans["next"][0] - stopped_at if "next" in spans else None
+    assert holder.get_status(refresh=True) in (JobStatus.STOPPED, JobStatus.FAILED)
+    if not ours:
+        assert waited is None, f"the next job started {waited} s after the stop, within the TTL"
+        return
+    assert waited is not None and waited <= 5, f"waited {waited} s\n{crew.logs()}"
+    print(f"\nstop-job: the next job started {waited:.2f} s after the stop command")

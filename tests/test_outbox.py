@@ -97,8 +97,15 @@ def test_bad_input_is_refused_with_the_reason(provider):
         send_after_commit(lambda payload, idempotency_key: None, {}, key="mail:lambda")
     with pytest.raises(ValueError, match="cannot be imported"):
         send_after_commit("tests.jobs.no_such_handler", {}, key="mail:missing")
-    with pytest.raises(ValueError, match="payload for key 'mail:set' is not JSON"):
+    with pytest.raises(ValueError, match="payload for key 'mail:set' cannot be stored as JSON"):
         send_after_commit(jobs.mail_handler, {"to": {1, 2}}, key="mail:set")
+    # PostgreSQL cannot store NUL (nor NaN in jsonb): a raw DataError before.
+    with pytest.raises(ValueError, match="contains NUL"):
+        send_after_commit(jobs.mail_handler, {"to": "a\x00b"}, key="mail:nul")
+    with pytest.raises(ValueError, match="no NaN"):
+        send_after_commit(jobs.mail_handler, {"amount": float("nan")}, key="mail:nan")
+    with pytest.raises(ValueError, match="without NUL"):
+        send_after_commit(jobs.mail_handler, {}, key="mail:\x00")
     send_after_commit(jobs.mail_handler, {"order": 5, "amount": Decimal("9.50")}, key="mail:5")
     assert provider.calls[-1].body == {"order": 5, "amount": "9.50"}, "Django's JSON encoder"
     with pytest.raises(ValueError, match=r"recorded for tests\.jobs\.mail_handler"):

@@ -96,7 +96,7 @@ def test_decimal_datetime_uuid_results_are_stored_and_replayed_as_strings(rconn)
     assert record.status == "succeeded" and record.result == expected
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, object()])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, object(), "a\x00b", ["x", {"y": "\x00"}]])
 def test_results_the_database_cannot_store_fail_clearly(bad):
     with pytest.raises(IdempotencyError, match="cannot be stored as JSON"):
         with idempotent(f"bad:{bad!r}") as claim:

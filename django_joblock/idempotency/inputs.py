@@ -61,12 +61,26 @@ def error_for(kind: type[_Error], key: str, scope: str, why: str) -> _Error:
 
 def check_result(result: Any, *, key: str, scope: str) -> None:
     """Raise :class:`IdempotencyError` unless ``result`` can be stored as the record stores it
-    (``DjangoJSONEncoder``, no NaN or infinity)."""
+    (:func:`storable_json`)."""
     try:
-        json.dumps(result, cls=DjangoJSONEncoder, allow_nan=False)
+        storable_json(result)
     except (TypeError, ValueError) as exc:
-        why = f"has a result that cannot be stored as JSON (no NaN or infinity either): {exc}"
+        why = f"has a result that cannot be stored as JSON (no NaN, infinity or NUL): {exc}"
         raise error_for(IdempotencyError, key, scope, why) from exc
+
+
+# A JSON-escaped NUL: \u0000 not itself escaped (preceded by an even run of backslashes).
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def storable_json(value: Any) -> str:
+    """``value`` as JSON (Django's encoder) that a ``JSONField`` on any backend stores: no NaN
+    or infinity, and no NUL in a string (PostgreSQL cannot hold one). Else ``ValueError`` (or
+    ``TypeError`` for what JSON cannot encode)."""
+    encoded = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
+    if _NUL.search(encoded):
+        raise ValueError("a string in it contains NUL (\\x00), which PostgreSQL cannot store")
+    return encoded
 
 
 def fingerprint_of(value: Any) -> str:

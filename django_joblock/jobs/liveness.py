@@ -19,6 +19,10 @@ sweeper delays the next sweep by one interval at most). An entry of a job that i
 sweeping worker's Redis is left for the workers of that job's server, and forgotten after
 :data:`FORGET_AFTER` seconds (its job was deleted). A sweep costs three round trips when nothing
 expired (its turn, the families, their expired entries), one per step more otherwise.
+
+A lock whose job's work horse has exited without releasing it (RQ's stop-job command,
+``job_timeout``, the OOM killer) is released by the worker that watched the horse
+(:func:`release_ended`), at once rather than at its expiry.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from rq.job import Job
 
 from .. import conf
 from ..backend import client, text
-from ..locks import index
+from ..locks import index, waiting
+from ..locks.info import LockHash
 from ..locks.keys import LockKeys, owner_hash
+from ..locks.scripts import Outcome
 from ..logs import logger
 from .admission import supported
 
@@ -102,3 +108,23 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
         f", job {', '.join(promoted)} starts next" if promoted else "",
         extra={"job_id": entry.job_id, "resource": entry.resource, "outcome": "slot_freed"},
     )
+
+
+def release_ended(resource: str, job_id: str) -> bool:
+    """Release ``resource``'s lock if RQ job ``job_id`` holds it, once that job's work horse has
+    exited: a lock it still holds is then a dead holding (the horse was killed). The holder's
+    own release, with its token read from the lock (it hands the lock to the first waiter);
+    nothing if the lock changed hands. One round trip, two when it releases. Redis errors
+    propagate."""
+    locks = client(conf.get().REDIS_ALIAS)
+    keys = LockKeys(conf.get().KEY_PREFIX, resource)
+    found = LockHash.decode(locks.hgetall(keys.lock))
+    if found is None or found.job_id != job_id:
+        return False
+    unindex = index.remove_call(keys.prefix, resource, found.owner, job_id)
+    released = waiting.release(locks, keys, found.token, "", [unindex]) is Outcome.OK
+    if released:
+        fields = {"job_id": job_id, "resource": resource, "outcome": "released_for_dead_horse"}
+        message = "job %s's work horse exited holding %s: its lock is released"
+        logger.warning(message, job_id, resource, extra=fields)
+    return released

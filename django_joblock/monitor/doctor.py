@@ -101,8 +101,11 @@ def _from_job(job_id: str) -> tuple[str, str, str]:
 
 
 def _scope_of(key: str) -> str:
-    scopes = sorted(set(IdempotencyRecord.objects.filter(key=key).values_list("scope", flat=True)))
-    scopes = scopes or [spec.scope for spec in registry.values() if spec.idempotency_key]
+    # Among the known scopes only (the jobs', and idempotent()'s default ""): the (scope, key)
+    # index answers that; a key alone would scan the whole table.
+    known = {spec.scope for spec in registry.values() if spec.idempotency_key} | {""}
+    found = IdempotencyRecord.objects.filter(scope__in=known, key=key)
+    scopes = sorted(set(found.values_list("scope", flat=True))) or sorted(known - {""})
     if len(scopes) != 1:
         raise NotFound(
             f"key {key!r}: give its job's dotted name with --scope (candidates: "

@@ -32,6 +32,9 @@ class Command(BaseCommand):
         for name in ("job", "key", "resource"):
             if options[name] is not None and not options[name].strip():
                 raise CommandError(f"--{name} is empty: give the {name} to explain.")
+        for name in ("job", "key", "resource", "scope"):
+            if "\x00" in (options[name] or ""):
+                raise CommandError(f"--{name} contains NUL: no {name} has one.")
         job_id, key, resource = (options[name] or "" for name in ("job", "key", "resource"))
         try:
             found = diagnose(job_id=job_id, key=key, scope=options["scope"], resource=resource)
