@@ -22,9 +22,16 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 
-from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, bad_request, pretty_json
+from .admin_base import (
+    EstimatedCountPaginator,
+    ReadOnlyAdmin,
+    bad_request,
+    known_values_filter,
+    pretty_json,
+)
 from .backend import REDIS_ERRORS
 from .exceptions import LockBackendUnavailable
+from .jobs.decorator import idempotency_scopes
 from .jobs.history import Delivery, summary
 from .locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
@@ -62,7 +69,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     """Read-only: records are written by claims and removed by ``joblock_purge`` only."""
 
     list_display = ("key", "scope", "status", "attempts", "rq_job_id", "updated_at", "expires_at")
-    list_filter = ("status", "scope")
+    list_filter = ("status", known_values_filter("scope", idempotency_scopes))
     search_fields = ("key",)
     ordering = ("-pk",)  # the primary key index: no sort of the whole table per page
     show_full_result_count = False  # no COUNT(*) over a large table on every page

@@ -5,6 +5,7 @@ cannot probe hidden columns, a paginator that does not count a huge table, and p
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.contrib import admin
@@ -17,7 +18,14 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-__all__ = ["URL_LOOKUPS", "EstimatedCountPaginator", "ReadOnlyAdmin", "bad_request", "pretty_json"]
+__all__ = [
+    "URL_LOOKUPS",
+    "EstimatedCountPaginator",
+    "ReadOnlyAdmin",
+    "bad_request",
+    "known_values_filter",
+    "pretty_json",
+]
 
 #: The lookups a changelist URL may use on a displayed field (``?attempts__gte=2``).
 URL_LOOKUPS = frozenset(
@@ -97,3 +105,22 @@ def pretty_json(value: Any) -> str:
     """``value`` as indented JSON in a ``<pre>``, escaped (a stored result, a payload)."""
     text = json.dumps(value, indent=2, sort_keys=True, cls=DjangoJSONEncoder)
     return format_html('<pre style="margin:0;white-space:pre-wrap">{}</pre>', text)
+
+
+def known_values_filter(field: str, values: Callable[[], Iterable[str]]) -> type:
+    """A changelist filter on ``field`` offering ``values()`` (known from code, or read through
+    an index), where Django's ``list_filter = (field,)`` runs ``SELECT DISTINCT`` over the
+    whole table on every page (221-292 ms at a million records)."""
+
+    class KnownValues(admin.SimpleListFilter):
+        title = field
+        parameter_name = field
+
+        def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+            return [(value, value) for value in sorted(set(values())) if value]
+
+        def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+            value = self.value()
+            return queryset if value is None else queryset.filter(**{field: value})
+
+    return KnownValues

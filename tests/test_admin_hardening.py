@@ -166,3 +166,29 @@ def test_the_doctor_finds_a_keys_scope_through_the_scope_key_index(rconn):
     assert "credit:D-1" in out.getvalue()
     on_records = [q["sql"] for q in queries if "idempotencyrecord" in q["sql"]]
     assert on_records and all('"scope"' in sql.split("WHERE", 1)[1] for sql in on_records)
+
+
+def test_changelists_never_read_distinct_values_of_the_whole_table(rconn):
+    """``list_filter`` on scope (records) and handler (outbox) ran ``SELECT DISTINCT`` over the
+    whole table on every page (221-292 ms at a million records). The filters still work."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from django_joblock import idempotent
+
+    with idempotent("credit:F-1", scope=jobs.credit.spec.scope) as claim:
+        claim.succeed({"ok": True})
+    with idempotent("other:F-2", scope="custom") as claim:
+        claim.succeed({"ok": True})
+    client = Client()
+    client.force_login(User.objects.create_superuser("filters", password="pw"))
+    records = "/admin/django_joblock/idempotencyrecord/"
+    for url in (records, "/admin/django_joblock/outboxmessage/"):
+        with CaptureQueriesContext(connection) as queries:
+            assert client.get(url).status_code == 200
+        whole = [q["sql"] for q in queries if "DISTINCT" in q["sql"] and "WHERE" not in q["sql"]]
+        assert not whole, whole
+    page = client.get(records).content.decode()
+    assert f"?scope={jobs.credit.spec.scope}" in page, "the known scopes are offered"
+    filtered = client.get(records, {"scope": "custom"}).content.decode()
+    assert "other:F-2" in filtered and "credit:F-1" not in filtered, "any scope by URL"

@@ -56,6 +56,12 @@ def registered_jobs() -> list[JobSpec[Any, Any]]:
     return sorted(registry.values(), key=lambda spec: spec.name)
 
 
+def idempotency_scopes() -> set[str]:
+    """The idempotency scopes the ``@locked_job`` jobs record under, and ``idempotent()``'s
+    default ``""``."""
+    return {spec.scope for spec in registered_jobs() if spec.idempotency_key} | {""}
+
+
 def locked_job(
     queue: Any,
     *,

@@ -19,7 +19,7 @@ from .. import conf, metrics, outbox
 from ..backend import REDIS_ERRORS
 from ..choices import OutboxStatus
 from ..exceptions import LockBackendUnavailable
-from ..jobs.decorator import registry
+from ..jobs.decorator import idempotency_scopes, registry
 from ..jobs.history import Delivery, summary
 from ..locks.info import lock_info
 from ..locks.keys import family, validate_resource
@@ -103,7 +103,7 @@ def _from_job(job_id: str) -> tuple[str, str, str]:
 def _scope_of(key: str) -> str:
     # Among the known scopes only (the jobs', and idempotent()'s default ""): the (scope, key)
     # index answers that; a key alone would scan the whole table.
-    known = {spec.scope for spec in registry.values() if spec.idempotency_key} | {""}
+    known = idempotency_scopes()
     found = IdempotencyRecord.objects.filter(scope__in=known, key=key)
     scopes = sorted(set(found.values_list("scope", flat=True))) or sorted(known - {""})
     if len(scopes) != 1:
