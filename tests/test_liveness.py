@@ -357,3 +357,28 @@ def test_a_job_stopped_by_rqs_stop_command_frees_its_lock_at_once(ours, crews, r
         return
     assert waited is not None and waited <= 5, f"waited {waited} s\n{crew.logs()}"
     print(f"\nstop-job: the next job started {waited:.2f} s after the stop command")
+
+
+def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):
+    """A job's horse SIGSTOPped before its heartbeat's first renewal (at TTL / 3) showed
+    "healthy" until its lock expired: a lock never renewed proved nothing. A @locked_job with
+    its heartbeat on renews by TTL / 3, so never renewed past TTL / 2 is a stopped heartbeat."""
+    from django_joblock.monitor.active import active_locks
+    from django_joblock.monitor.health import HEALTHY, SILENT, lock_health
+
+    crews(True).start("default")
+    admission_jobs.long_hold.delay(36, "stopped")  # TTL 30 s: first renewal after 10 s
+    horse = pid_of(rconn, "stopped")
+    os.kill(horse, signal.SIGSTOP)
+    try:
+
+        def health() -> tuple[str, str]:
+            found = lock_health(active_locks()).get("hot:36")
+            return (found.state.value, found.why) if found else ("", "")
+
+        assert health()[0] == HEALTHY.value, "negative control: young, it proves nothing yet"
+        assert int(rconn.hget("joblock:{hot:36}:lock", "renewals") or 0) == 0
+        assert wait_for(lambda: health()[0] == SILENT.value, 25), health()
+        assert "never renewed" in health()[1] and rconn.exists("joblock:{hot:36}:lock")
+    finally:
+        os.kill(horse, signal.SIGKILL)

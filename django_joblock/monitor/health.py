@@ -141,6 +141,13 @@ def _evidence(active: ActiveLock, seen: tuple[str | None, bool] | None) -> list[
     return found
 
 
+def _beats(active: ActiveLock) -> bool:
+    """Whether the holder is a ``@locked_job`` with its heartbeat on (a plain ``lock()`` may
+    have it off: never renewed is then no sign)."""
+    spec = registry.get(active.job_func) if active.job_id else None
+    return spec is not None and spec.heartbeat
+
+
 def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
     """resource -> health, with one pipelined read per Redis server RQ uses."""
     seen = _read_rq(locks) if locks else {}
@@ -150,14 +157,17 @@ def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
         since = max(0, active.read_ms - (active.renewed_ms or active.acquired_ms or 0))
         # A renewal in the last half TTL proves a live renewal thread (e.g. an orphaned work
         # horse whose worker died); a lock never renewed proves nothing either way.
-        renewing = bool(active.renewals) and since < (active.ttl_ms or 0) / 2
+        young = since < (active.ttl_ms or 0) / 2
+        renewing = bool(active.renewals) and young
         evidence = _evidence(active, seen.get(position))
         state, why = HEALTHY, ""
         if evidence and not renewing:
             never = " (never renewed)" if not active.renewals else ""
             state, why = DEAD, "; ".join([*evidence, f"not renewed for {since / 1000:.0f}s{never}"])
-        elif active.renewals and not renewing:
+        elif (active.renewals or _beats(active)) and not young:
             state, why = SILENT, f"renewed {active.renewals} times, the last {since / 1000:.1f}s"
+            if not active.renewals:  # a job whose heartbeat renews by TTL / 3
+                why = f"never renewed in {since / 1000:.1f}s"
             why += f" ago (TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; it "
             why += f"expires in {max(0, active.pttl_ms) / 1000:.1f}s"
         elif active.held_for > limit:
