@@ -64,7 +64,11 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # Model classes can only be imported once the app registry is ready; resolve them lazily
     # so that ``import django_joblock`` works in settings files.
-    if name in ("FencedModel", "IdempotencyRecord", "OutboxMessage"):
+    if name == "FencedModel":  # without the models: usable with the app uninstalled
+        from .fenced import FencedModel
+
+        return FencedModel
+    if name in ("IdempotencyRecord", "OutboxMessage"):
         from . import models
 
         return getattr(models, name)

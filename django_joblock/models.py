@@ -7,20 +7,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
 from .choices import AuditAction, OutboxStatus, RecordStatus
-
-
-class FencedModel(models.Model):
-    """Abstract model with the ``lock_fence`` column that :func:`fenced_update` compares."""
-
-    lock_fence = models.BigIntegerField(
-        null=True,
-        blank=True,
-        editable=False,
-        help_text="Fence of the last lock holder that wrote this row.",
-    )
-
-    class Meta:
-        abstract = True
+from .fenced import FencedModel as FencedModel  # its home before; kept for imports of it
 
 
 class IdempotencyRecord(models.Model):

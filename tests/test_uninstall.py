@@ -58,3 +58,46 @@ def test_purge_redis_removes_every_key_of_the_app_and_nothing_else(rconn, capsys
 def test_force_only_goes_with_redis():
     with pytest.raises(CommandError, match="--force only goes with --redis"):
         call_command("joblock_purge", "--force")
+
+
+def test_a_project_keeps_fencedmodel_after_removing_the_app(tmp_path):
+    """docs/upgrading.md's uninstall keeps ``FencedModel`` in the user's models: every
+    ``manage.py`` command crashed ("IdempotencyRecord doesn't declare an explicit app_label")."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+
+    (tmp_path / "shop").mkdir()
+    (tmp_path / "shop" / "__init__.py").write_text("")
+    (tmp_path / "shop" / "models.py").write_text(
+        "from django.db import models\n"
+        "from django_joblock import FencedModel, fenced_update  # noqa: F401\n\n\n"
+        "class Order(FencedModel):\n"
+        "    total = models.IntegerField(default=0)\n"
+    )
+    (tmp_path / "uninstalled.py").write_text(
+        "SECRET_KEY = 'x'\n"
+        "INSTALLED_APPS = ['django.contrib.contenttypes', 'django.contrib.auth', 'shop']\n"
+        "DATABASES = {'default': {'ENGINE': 'django.db.backends.sqlite3', 'NAME': ':memory:'}}\n"
+        "DEFAULT_AUTO_FIELD = 'django.db.models.BigAutoField'\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "django", "check"],
+        env={**env, "DJANGO_SETTINGS_MODULE": "uninstalled"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no issues" in done.stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "django", "shell", "-c",
+         "from shop.models import Order; print([f.name for f in Order._meta.fields])"],
+        env={**env, "DJANGO_SETTINGS_MODULE": "uninstalled"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert "lock_fence" in shown.stdout, shown.stderr[-2000:]
