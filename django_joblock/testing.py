@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rq import SimpleWorker
+from rq import SimpleWorker, Worker
 from rq.job import Job, JobStatus
 
 from .jobs.admission import PARKED
@@ -56,6 +56,23 @@ class Run:
         return [job for job in self.jobs if job.get_status(refresh=True) in waiting]
 
 
+def _refuse_live_workers(queues: list[Any]) -> None:
+    """A worker process on a queue :func:`run_jobs` drains would race the test for its jobs and
+    run them against *its* database (a development worker left running: the test's jobs
+    changed development data). Refused with the workers named (docs/testing.md)."""
+    for queue in queues:
+        if found := Worker.all(queue=queue):
+            names = ", ".join(sorted(f"{each.name} (pid {each.pid})" for each in found))
+            where = queue.connection.connection_pool.connection_kwargs
+            server = f"{where.get('host', where.get('path'))}:{where.get('port', '')}"
+            raise RuntimeError(
+                f"run_jobs(): queue {queue.name!r} on Redis {server} db {where.get('db', 0)} "
+                f"has live workers: {names}. They would take the test's jobs and run them "
+                "against their own database. Give the tests a Redis database of their own "
+                "(docs/testing.md, 'Settings for tests'), or stop those workers."
+            )
+
+
 def _fast_forward(queue: Any) -> int:
     """Move the queue's scheduled jobs onto the queue now."""
     registry = queue.scheduled_job_registry
@@ -79,6 +96,7 @@ def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUN
     if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
         raise ValueError(f"run_jobs(): max_rounds must be an int >= 1, got {max_rounds!r}.")
     resolved = [get_queue(queue) for queue in (queues or ("default",))]
+    _refuse_live_workers(resolved)
     connection = resolved[0].connection
     run = Run()
     seen: set[str] = set()

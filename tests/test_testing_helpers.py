@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+from rq import Worker
 from rq.job import JobStatus
 
 from django_joblock import lock
 from django_joblock.testing import assert_no_locks_held, no_locks_held, run_jobs
 from tests import jobs
+from tests.harness import wait_for
 from tests.testapp.models import Account
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -69,3 +73,23 @@ def test_a_jobs_end_writes_only_our_key_of_its_meta(stored, rconn):
     meta = job.get_meta(refresh=True)
     assert meta["progress"] == "written by another process"
     assert meta["joblock"]["outcome"] == "ran"
+
+
+def test_run_jobs_refuses_a_queue_that_live_workers_consume(settings, rconn):
+    """A development worker left running on the tests' queues took their jobs and ran them
+    against the development database. run_jobs() names the workers and runs nothing."""
+    from tests.workers import Workers
+
+    crew = Workers(settings.JOBLOCK)
+    try:
+        worker = crew.start("default")
+        assert wait_for(lambda: Worker.all(connection=rconn), 30), crew.logs()
+        with pytest.raises(RuntimeError, match=r"queue 'default' .* has live workers: \S+ \(pid"):
+            run_jobs("default")
+        worker.send_signal(signal.SIGTERM)  # stopped as a developer would: it unregisters
+        worker.wait(30)
+    finally:
+        crew.stop()
+    assert not Worker.all(connection=rconn)
+    job = jobs.hold_resource.delay(9, "alone", 0.0)
+    assert run_jobs("default").statuses() == {job.id: JobStatus.FINISHED}
