@@ -124,3 +124,25 @@ def test_one_history_entry_of_an_odd_shape_is_left_out_everywhere(field, rconn):
     out = StringIO()
     call_command("joblock_doctor", "--key", "odd:1", "--scope", scope, "--json", stdout=out)
     assert "good-run" in out.getvalue() and "odd-run" not in out.getvalue()
+
+
+def test_the_doctor_of_a_resource_reads_its_runs_and_names_a_key_run_twice(rconn):
+    """``joblock_doctor --resource order:6`` said "no runs to compare" seconds after a double
+    refund on that order: only a key's target read the run history."""
+    scope, now = jobs.credit.spec.scope, time.time()
+    for job_id, key, outcome in (
+        ("job-a", "refund:R-1", "ran"),
+        ("job-b", "refund:R-1", "ran"),  # the double refund
+        ("job-c", "refund:R-2", "ran"),
+        ("job-d", "refund:R-2", "replayed"),
+    ):
+        write_run(rconn, "order:6", job_id, scope, now - 5, 0.5, 0.1, outcome, key=key)
+    write_run(rconn, "order:7", "job-e", scope, now - 5, 0.5, 0.1, "ran", key="refund:R-3")
+    out = StringIO()
+    call_command("joblock_doctor", "--resource", "order:6", "--json", stdout=out)
+    found = json.loads(out.getvalue())
+    assert {run["job_id"] for run in found["deliveries"]} == {"job-a", "job-b", "job-c", "job-d"}
+    problem = [step["evidence"] for step in found["steps"] if step["verdict"] == "problem"]
+    twice = "runs committed one key's effect more than once: 'refund:R-1' by job-a, job-b"
+    assert problem == [twice]
+    assert "no runs" not in out.getvalue() and "no durations" not in out.getvalue()

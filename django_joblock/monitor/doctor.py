@@ -19,12 +19,13 @@ from .. import conf, metrics, outbox
 from ..backend import REDIS_ERRORS
 from ..choices import OutboxStatus
 from ..exceptions import LockBackendUnavailable
+from ..jobs import history
 from ..jobs.decorator import idempotency_scopes, registry
 from ..jobs.history import Delivery, summary
 from ..locks.info import lock_info
 from ..locks.keys import family, validate_resource
 from ..models import IdempotencyRecord, LockAudit, OutboxMessage
-from .health import known_queues, record_deliveries
+from .health import known_queues, queue_connections, record_deliveries
 
 OK, PROBLEM, INFO, UNKNOWN = "ok", "problem", "info", "unknown"
 
@@ -70,11 +71,15 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
     if key and not resource:  # the resource the key's record was claimed under, if any
         claimed = IdempotencyRecord.objects.filter(scope=scope, key=key)
         resource = next(iter(claimed.values_list("lock_resource", flat=True)[:1]), "")
-    runs = record_deliveries(scope, key, resource) if key else []
+    if key:
+        runs = record_deliveries(scope, key, resource)
+    else:  # the resource's own runs, from its family's history
+        recent = history.read(queue_connections(), family(resource))
+        runs = [run for run in recent if run.resource == resource]
     found.deliveries = [asdict(run) for run in runs]
     found.resource = resource or next((r.resource for r in runs if r.resource), "")
     if runs:
-        found.story.append(f"deliveries of {key!r}: {summary(runs)}")
+        found.story.append(f"deliveries of {key or resource!r}: {summary(runs)}")
         found.story += [_line(run) for run in runs]
     if found.resource:
         found.story += _resource_story(found.resource)
@@ -159,8 +164,22 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
     ran = [run.job_id for run in runs if run.outcome == "ran"]
     jobs = list(dict.fromkeys(run.job_id for run in runs))
     replayed = sorted({run.job_id for run in runs if run.outcome == "replayed"})
-    if not runs:  # there are runs only for a key
-        answer(UNKNOWN, "no delivery history for it" if found.key else "no idempotency key")
+    # A resource's runs are of several keys: one key delivered (or run) twice is what counts.
+    per_key: dict[str, list[Delivery]] = {}
+    for run in runs:
+        per_key.setdefault(run.key, []).append(run)
+    twice = {
+        key: ids
+        for key, each in per_key.items()
+        if key and len(ids := [run.job_id for run in each if run.outcome == "ran"]) > 1
+    }
+    if not runs:
+        answer(UNKNOWN, "no delivery history for it")
+    elif not found.key:
+        again = [key for key, each in per_key.items() if key and len(each) > 1]
+        text = f"{len(jobs)} deliveries of {len(per_key)} key(s)"
+        text += f"; delivered again: {', '.join(again)}" if again else ""
+        answer(INFO if again else OK, text)
     elif len(jobs) > 1:
         answer(
             INFO,
@@ -179,7 +198,7 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
         answer(OK, f"every run locked {resources[0]!r}")
     else:
         answer(PROBLEM, f"runs of one key locked different resources: {', '.join(resources)}")
-    spec = registry.get(found.scope)
+    spec = registry.get(found.scope or (runs[0].func if runs else ""))
     longest = max((run.took for run in runs if run.took is not None), default=None)
     ttl = conf.get().LOCK_TTL if spec is None or spec.ttl is None else spec.ttl
     if longest is None or spec is None:
@@ -213,8 +232,9 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
         text += f", not delivered yet: {', '.join(pending)}" if pending else ", all delivered"
     else:
         text += "; effects outside the database (e-mail, APIs) need send_after_commit"
-    if len(ran) > 1:
-        answer(PROBLEM, f"{len(ran)} runs committed the effect: {', '.join(ran)}")
+    if twice:
+        shown = "; ".join(f"{key!r} by {', '.join(ids)}" for key, ids in twice.items())
+        answer(PROBLEM, f"runs committed one key's effect more than once: {shown}")
     elif found.key:
         answer(INFO if pending else OK, text)
     else:
