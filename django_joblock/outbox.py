@@ -2,7 +2,8 @@
 
 :func:`send_after_commit` records the intent (an :class:`~django_joblock.models.OutboxMessage`
 row, in the job's transaction) and calls ``handler(payload, idempotency_key=key)`` once it
-commits: a run that dies or rolls back first has sent nothing. A failed delivery, or one whose
+commits (in our workers, once the job has ended: :func:`after_job`): a run that dies or rolls
+back first has sent nothing. A failed delivery, or one whose
 process died after the commit, is retried with backoff (1 s doubling, at most :data:`RETRY_MAX`
 s) by :func:`deliver_due` (``manage.py joblock_outbox``). At least once, with the same key each
 time (hand it to the provider); a delivery holds the row lock while its handler runs, so keep
@@ -11,8 +12,10 @@ handlers short. The whole story: docs/idempotency.md.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,7 +29,15 @@ from .choices import OutboxStatus
 from .idempotency.inputs import storable_json
 from .locks.info import job_context
 
-__all__ = ["RETRY_MAX", "OutboxReport", "deliver", "deliver_due", "describe", "send_after_commit"]
+__all__ = [
+    "RETRY_MAX",
+    "OutboxReport",
+    "after_job",
+    "deliver",
+    "deliver_due",
+    "describe",
+    "send_after_commit",
+]
 
 logger = logging.getLogger("django_joblock")
 
@@ -76,8 +87,41 @@ def send_after_commit(
         recorded = f"key {key!r} was recorded for {message.handler}"
         raise ValueError(f"send_after_commit: {recorded}, not {path}")
     if created:
-        transaction.on_commit(lambda: deliver(message.pk, using=database), using=database)
+        transaction.on_commit(lambda: _deliver_or_hold(message.pk, database), using=database)
     return message
+
+
+# The deliveries a worker's job recorded, held until the job ended (see after_job).
+_held: contextvars.ContextVar[list[tuple[int, str]] | None] = contextvars.ContextVar(
+    "joblock_outbox_held", default=None
+)
+
+
+def _deliver_or_hold(pk: int, database: str) -> None:
+    held = _held.get()
+    if held is None:
+        deliver(pk, using=database)
+    else:
+        held.append((pk, database))
+
+
+@contextlib.contextmanager
+def after_job() -> Iterator[None]:
+    """Hold the deliveries that the block's commits release until the block ends: around a
+    worker's run of a job (the workers of :mod:`django_joblock.worker`), so that a handler's
+    network time is not lock hold time, and runs after the job's lock is released and RQ has
+    handed its admission slot on. A failed delivery stays pending for ``joblock_outbox``."""
+    held: list[tuple[int, str]] = []
+    token = _held.set(held)
+    try:
+        yield
+    finally:
+        _held.reset(token)
+        for pk, database in held:
+            try:
+                deliver(pk, using=database)
+            except Exception:  # the job ended well; joblock_outbox retries the message
+                logger.warning("outbox: delivery of message %s failed", pk, exc_info=True)
 
 
 def deliver(pk: int, *, using: str | None = None) -> bool:

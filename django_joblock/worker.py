@@ -32,6 +32,7 @@ from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.scheduler import RQScheduler
 from rq.scripts import release_lock
 
+from . import outbox
 from .backend import REDIS_ERRORS, text
 from .jobs import liveness
 from .logs import logger
@@ -152,6 +153,12 @@ class _Loop:
     def check_for_suspension(self, burst: bool) -> None:
         with self._outage("suspension check"):
             super().check_for_suspension(burst)  # type: ignore[misc]
+
+    def perform_job(self, job: Any, queue: Any, *args: Any) -> Any:
+        """RQ's, with the outbox deliveries the job recorded held until RQ has recorded its end
+        (lock released, admission slot handed on): see :func:`django_joblock.outbox.after_job`."""
+        with outbox.after_job():
+            return super().perform_job(job, queue, *args)  # type: ignore[misc]
 
     def run_maintenance_tasks(self) -> None:
         with self._outage("maintenance"):

@@ -218,3 +218,16 @@ def read_account_at_once(name: str) -> int:
     """Enqueued at once even inside a transaction (the negative control of enqueue on commit);
     no transaction of its own, whose ``BEGIN IMMEDIATE`` on SQLite would wait for the commit."""
     return Account.objects.get(name=name).balance
+
+
+def slow_handler(payload: dict, *, idempotency_key: str) -> None:
+    """A delivery that takes a second (a slow provider), its span logged as ``sent:<label>``."""
+    _log_interval(f"sent:{payload['label']}", 1.0)
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=5)
+def sends_slowly(resource_id: int, label: str) -> str:
+    """A short job on a shared resource whose side effect is a slow outbox delivery."""
+    _log_interval(label, 0.05)
+    send_after_commit(slow_handler, {"label": label}, key=f"slow:{label}")
+    return label

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, timedelta
 from decimal import Decimal
 from io import StringIO
 
@@ -212,3 +212,33 @@ def test_the_admin_shows_messages_escaped_and_delivers_for_permitted_users(provi
     message.refresh_from_db()
     assert message.status == "delivered" and provider.sends == 1
     assert viewer.get(OUTBOX, {"status__exact": "<b>"}).status_code in (200, 302)
+
+
+def test_a_jobs_deliveries_wait_until_its_lock_and_slot_are_handed_on(settings, rconn):
+    """A 1 s handler ran while its job still held the lock (and before RQ handed the slot on):
+    the next job of the resource waited for the provider. Now the next job starts while the
+    first job's message is being delivered, and no job requeues."""
+    from tests.harness import wait_for
+    from tests.workers import DONE, Workers, intervals, wait_status
+
+    crew = Workers(settings.JOBLOCK)
+    try:
+        crew.start("default")
+        crew.start("default")
+        first = jobs.sends_slowly.delay(40, "one")
+        second = jobs.sends_slowly.delay(40, "two")
+        for job in (first, second):
+            assert wait_status(job, DONE, 30, crew) is JobStatus.FINISHED, crew.logs()
+        assert wait_for(lambda: {"sent:one", "sent:two"} <= set(intervals(rconn)), 30)
+        logs = crew.logs()
+    finally:
+        crew.stop()
+    spans = intervals(rconn)
+    # RQ's start of the second job (its body may then wait for the database: SQLite has one
+    # writer, and a delivery holds its message's row meanwhile).
+    second.refresh()
+    started = second.started_at.replace(tzinfo=second.started_at.tzinfo or UTC).timestamp()
+    assert started < spans["sent:one"][1], f"the next job waited for the delivery\n{logs}"
+    assert spans["one"][1] <= spans["sent:one"][0], "delivered after the job's body"
+    assert OutboxMessage.objects.filter(status="delivered").count() == 2
+    assert all("requeues" not in job.get_meta(refresh=True)["joblock"] for job in (first, second))
