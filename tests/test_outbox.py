@@ -24,9 +24,9 @@ from rq.job import JobStatus
 
 from django_joblock import OutboxMessage, outbox, send_after_commit
 from tests import jobs
-from tests.harness import ROOT, child_env
+from tests.harness import ROOT, child_env, wait_for
 from tests.procs.provider import FakeProvider
-from tests.workers import DONE, pid_of, wait_status
+from tests.workers import DONE, exited, pid_of, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -128,6 +128,8 @@ def test_the_outbox_sends_once_when_the_job_is_killed_between_send_and_commit(
     rconn.set("test:go:mail:6", 1)
     assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED, crew.logs()
     assert int(rconn.get("test:runs:mail:6")) == 2, "the killed run reached the send"
+    # Delivered once RQ has recorded the job's end (outbox.after_job): wait for it.
+    assert wait_for(lambda: provider.calls, 10), "delivered"
     assert [c.key for c in provider.calls] == ["mail:6"], "one call, with the key"
     message = OutboxMessage.objects.get(key="mail:6")
     assert (message.status, message.attempts, message.rq_job_id) == ("delivered", 1, job.id)
@@ -151,8 +153,11 @@ def test_a_delivery_killed_after_the_provider_took_it_is_redelivered_with_its_ke
 ):
     crew.start()
     job = jobs.mail_via_outbox.enqueue((8,), kwargs={"hang_in": "delivery"})
-    os.kill(pid_of(rconn, "deliver:mail:8"), signal.SIGKILL)  # provider answered, row not updated
-    assert wait_status(job, DONE, 40, crew) is JobStatus.FAILED, "the horse died"
+    horse = pid_of(rconn, "deliver:mail:8")
+    os.kill(horse, signal.SIGKILL)  # provider answered, row not updated
+    # The job's end was recorded before its delivery began (outbox.after_job).
+    assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED
+    assert wait_for(lambda: exited(horse), 10), "the horse died in the delivery"
     message = OutboxMessage.objects.get(key="mail:8")
     assert message.status == "pending", "committed, never acknowledged"
     assert "6. Are side effects guarded by the key? [info]" in _doctor("mail:8")
@@ -218,8 +223,7 @@ def test_a_jobs_deliveries_wait_until_its_lock_and_slot_are_handed_on(settings, 
     """A 1 s handler ran while its job still held the lock (and before RQ handed the slot on):
     the next job of the resource waited for the provider. Now the next job starts while the
     first job's message is being delivered, and no job requeues."""
-    from tests.harness import wait_for
-    from tests.workers import DONE, Workers, intervals, wait_status
+    from tests.workers import Workers, intervals
 
     crew = Workers(settings.JOBLOCK)
     try:
