@@ -151,7 +151,8 @@ def deliver(pk: int, *, using: str | None = None) -> bool:
             return False
         message.status = OutboxStatus.DELIVERED
         message.delivered_at = timezone.now()
-        message.save(update_fields=["attempts", "status", "delivered_at"])
+        message.last_error = ""  # it was delivered: an earlier attempt's error is history
+        message.save(update_fields=["attempts", "status", "delivered_at", "last_error"])
     sent = (message.key, message.handler, message.attempts)
     logger.info("outbox: delivered %s (%s), attempt %d", *sent)
     return True

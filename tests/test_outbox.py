@@ -85,6 +85,7 @@ def test_a_failed_delivery_stays_pending_and_is_retried_until_acknowledged(provi
     assert (report.delivered, report.failed, report.pending) == (1, 0, 0)
     message.refresh_from_db()
     assert (message.status, message.attempts) == ("delivered", 3)
+    assert message.last_error == "", "delivered: the old 503 is history"
     assert [c.key for c in provider.calls] == ["mail:4"]
 
 
@@ -246,3 +247,63 @@ def test_a_jobs_deliveries_wait_until_its_lock_and_slot_are_handed_on(settings, 
     assert spans["one"][1] <= spans["sent:one"][0], "delivered after the job's body"
     assert OutboxMessage.objects.filter(status="delivered").count() == 2
     assert all("requeues" not in job.get_meta(refresh=True)["joblock"] for job in (first, second))
+
+
+def test_the_sweeper_outlives_a_terminated_database_connection(provider):
+    """``joblock_outbox --every`` exited when its database connection was terminated (a
+    database restart, an idle-session timeout). It reports the failure and goes on. On
+    SQLite nothing terminates a connection: the database error is a closed connection."""
+    from django.db import connection
+
+    sweeper = subprocess.Popen(
+        [sys.executable, "-m", "django", "joblock_outbox", "--every", "0.2"],
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sweeper.stdout is not None
+        assert "pending" in sweeper.stdout.readline(), "a first pass"
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:  # every other session on the test database
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                assert cursor.fetchall(), "negative control: a session was terminated"
+        else:
+            pytest.skip("terminating a connection needs PostgreSQL (the CI's first stage)")
+        OutboxMessage.objects.create(
+            key="mail:after", handler="tests.jobs.mail_handler", payload={"order": 9},
+            next_attempt_at=timezone.now(),
+        )  # fmt: skip
+        assert wait_for(lambda: [c.key for c in provider.calls] == ["mail:after"], 20)
+        assert sweeper.poll() is None, "still running"
+    finally:
+        sweeper.terminate()
+        _out, err = sweeper.communicate(timeout=30)
+    assert "the database failed" in err, err
+
+
+def test_purge_deletes_messages_delivered_longer_ago_than_the_records_live(provider, settings):
+    """Delivered rows were never purged: the table grew without bound. ``joblock_purge`` now
+    deletes those delivered more than ``IDEMPOTENCY_TTL`` ago; pending ones always stay."""
+    settings.JOBLOCK = {"IDEMPOTENCY_TTL": 3600}
+    for n in range(3):
+        send_after_commit(jobs.mail_handler, {"order": n}, key=f"mail:old{n}")
+    send_after_commit(jobs.mail_handler, {"order": 9}, key="mail:recent")
+    provider.fail_next = 1
+    send_after_commit(jobs.mail_handler, {"order": 8}, key="mail:pending")
+    long_ago = timezone.now() - timedelta(hours=2)
+    OutboxMessage.objects.filter(key__startswith="mail:old").update(delivered_at=long_ago)
+    OutboxMessage.objects.filter(key="mail:pending").update(created_at=long_ago)
+    out = StringIO()
+    call_command("joblock_purge", "--dry-run", stdout=out)
+    assert "3 delivered outbox message(s) would be deleted" in out.getvalue()
+    out = StringIO()
+    call_command("joblock_purge", "--batch-size", "2", stdout=out)
+    assert "Deleted 3 delivered outbox message(s) in 2 batch(es)" in out.getvalue()
+    left = sorted(OutboxMessage.objects.values_list("key", flat=True))
+    assert left == ["mail:pending", "mail:recent"]

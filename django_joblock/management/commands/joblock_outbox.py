@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connections
+from django.db import DatabaseError, close_old_connections, connections
 
 from django_joblock import outbox
 
@@ -37,11 +37,20 @@ class Command(BaseCommand):
         if every is not None and not (math.isfinite(every) and 0.1 <= every <= 86400):
             raise CommandError(f"--every must be between 0.1 and 86400 seconds, got {every}")
         while True:
-            report = outbox.deliver_due(limit=limit, using=options["database"])
-            self.stdout.write(
-                f"outbox: {report.delivered} delivered, {report.failed} failed, "
-                f"{report.pending} pending"
-            )
-            if every is None:
-                return
+            try:
+                report = outbox.deliver_due(limit=limit, using=options["database"])
+            except DatabaseError as exc:
+                if every is None:
+                    raise CommandError(f"outbox: the database failed: {exc}") from exc
+                # A terminated connection, a restart: a long-running sweeper goes on with a
+                # new connection at the next pass (it used to exit).
+                self.stderr.write(f"outbox: the database failed ({exc}); retrying in {every:g}s")
+                close_old_connections()  # drops the broken connection
+            else:
+                self.stdout.write(
+                    f"outbox: {report.delivered} delivered, {report.failed} failed, "
+                    f"{report.pending} pending"
+                )
+                if every is None:
+                    return
             time.sleep(every)

@@ -1,7 +1,8 @@
 """``manage.py joblock_purge [--dry-run] [--batch-size N] [--redis [--force]]``.
 
 Without ``--redis``: delete expired idempotency records, except a ``running`` claim whose lease
-is live (a duplicate could claim the key afresh and run beside it). Batches of primary keys,
+is live (a duplicate could claim the key afresh and run beside it), and outbox messages
+delivered more than ``IDEMPOTENCY_TTL`` ago. Batches of primary keys,
 each its own short transaction, the condition repeated in each ``DELETE`` (a record claimed
 between the read and the delete is kept).
 
@@ -11,7 +12,7 @@ Redis (:mod:`django_joblock.monitor.cleanup`); refused while locks are held unle
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -21,7 +22,8 @@ from django.utils import timezone
 
 from django_joblock import conf
 from django_joblock.backend import REDIS_ERRORS, no_answer
-from django_joblock.models import IdempotencyRecord
+from django_joblock.choices import OutboxStatus
+from django_joblock.models import IdempotencyRecord, OutboxMessage
 from django_joblock.monitor import cleanup
 
 
@@ -32,7 +34,7 @@ def purgeable(now: datetime) -> Q:
 
 
 class Command(BaseCommand):
-    help = "Delete idempotency records whose expires_at has passed, in batches."
+    help = "Delete expired idempotency records and old delivered outbox messages, in batches."
 
     def add_arguments(self, parser: CommandParser) -> None:
         add = parser.add_argument
@@ -55,17 +57,25 @@ class Command(BaseCommand):
         batch = options["batch_size"]
         if batch < 1:
             raise CommandError(f"--batch-size must be >= 1, got {batch}.")
-        now = timezone.now()
-        records = IdempotencyRecord.objects.using(options["database"])
-        expired = records.filter(purgeable(now))
-        if options["dry_run"]:
-            self.stdout.write(f"{expired.count()} expired idempotency record(s) would be deleted.")
-            return
-        total = batches = 0
-        while ids := list(expired.order_by("expires_at").values_list("pk", flat=True)[:batch]):
-            total += records.filter(purgeable(now), pk__in=ids).delete()[0]
-            batches += 1
-        self.stdout.write(f"Deleted {total} expired idempotency record(s) in {batches} batch(es).")
+        now, database = timezone.now(), options["database"]
+        # A delivered message is kept as long as a record: a replay within that time finds
+        # its key and sends nothing more.
+        kept = now - timedelta(seconds=conf.get().IDEMPOTENCY_TTL)
+        delivered = Q(status=OutboxStatus.DELIVERED, delivered_at__lt=kept)
+        for what, rows, condition, order in (
+            ("expired idempotency record(s)", IdempotencyRecord, purgeable(now), "expires_at"),
+            ("delivered outbox message(s)", OutboxMessage, delivered, "delivered_at"),
+        ):
+            table = rows.objects.using(database)
+            found = table.filter(condition)
+            if options["dry_run"]:
+                self.stdout.write(f"{found.count()} {what} would be deleted.")
+                continue
+            total = batches = 0
+            while ids := list(found.order_by(order).values_list("pk", flat=True)[:batch]):
+                total += table.filter(condition, pk__in=ids).delete()[0]
+                batches += 1
+            self.stdout.write(f"Deleted {total} {what} in {batches} batch(es).")
 
     def _purge_redis(self, *, dry_run: bool, force: bool) -> None:
         prefix = conf.get().KEY_PREFIX
