@@ -3,9 +3,9 @@
 :func:`send_after_commit` records the intent (an :class:`~django_joblock.models.OutboxMessage`
 row, in the job's transaction) and calls ``handler(payload, idempotency_key=key)`` once it
 commits (in our workers, once the job has ended: :func:`after_job`): a run that dies or rolls
-back first has sent nothing. A failed delivery, or one whose
-process died after the commit, is retried with backoff (1 s doubling, at most :data:`RETRY_MAX`
-s) by :func:`deliver_due` (``manage.py joblock_outbox``). At least once, with the same key each
+back first has sent nothing. A failed delivery, or one whose process died after the commit, is
+retried with backoff (1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due`
+(``manage.py joblock_outbox``). At least once, with the same key each
 time (hand it to the provider); a delivery holds the row lock while its handler runs, so keep
 handlers short. The whole story: docs/idempotency.md.
 """

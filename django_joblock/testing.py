@@ -63,13 +63,11 @@ def _refuse_live_workers(queues: list[Any]) -> None:
     for queue in queues:
         if found := Worker.all(queue=queue):
             names = ", ".join(sorted(f"{each.name} (pid {each.pid})" for each in found))
-            where = queue.connection.connection_pool.connection_kwargs
-            server = f"{where.get('host', where.get('path'))}:{where.get('port', '')}"
             raise RuntimeError(
-                f"run_jobs(): queue {queue.name!r} on Redis {server} db {where.get('db', 0)} "
-                f"has live workers: {names}. They would take the test's jobs and run them "
-                "against their own database. Give the tests a Redis database of their own "
-                "(docs/testing.md, 'Settings for tests'), or stop those workers."
+                f"run_jobs(): queue {queue.name!r} has live workers on its Redis: {names}. "
+                "They would take the test's jobs and run them against their own database. "
+                "Give the tests a Redis database of their own (docs/testing.md, 'Settings "
+                "for tests'), or stop those workers."
             )
 
 

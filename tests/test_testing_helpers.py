@@ -84,7 +84,7 @@ def test_run_jobs_refuses_a_queue_that_live_workers_consume(settings, rconn):
     try:
         worker = crew.start("default")
         assert wait_for(lambda: Worker.all(connection=rconn), 30), crew.logs()
-        with pytest.raises(RuntimeError, match=r"queue 'default' .* has live workers: \S+ \(pid"):
+        with pytest.raises(RuntimeError, match=r"queue .default. has live workers on its Redis"):
             run_jobs("default")
         worker.send_signal(signal.SIGTERM)  # stopped as a developer would: it unregisters
         worker.wait(30)

@@ -79,9 +79,9 @@ def locked_job(
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
     """Decorate an RQ job function with the safe flow (:mod:`.runner`; every argument: the
-        table in docs/jobs.md). ``lock`` / ``idempotency_key``: ``str.format`` templates over the
-        bound arguments, callables taking them as keywords, or None; ``ttl`` / ``max_wait`` in
-        seconds; ``on_conflict``: :class:`OnConflict`; ``on_commit``: a ``.delay()`` inside a
+    table in docs/jobs.md). ``lock`` / ``idempotency_key``: ``str.format`` templates over the
+    bound arguments, callables taking them as keywords, or None; ``ttl`` / ``max_wait`` in
+    seconds; ``on_conflict``: :class:`OnConflict`; ``on_commit``: a ``.delay()`` inside a
     transaction of the default database enqueues when it commits (nothing on a rollback). Other
     keywords go to RQ's ``enqueue``."""
     if callable(queue):

@@ -2,8 +2,9 @@
 RQ id is ``joblock-<40 hex of sha256>`` of the dotted name and idempotency key, and ``.delay()``
 of a logical job whose RQ job is *live* returns it (with other arguments: raises
 :class:`IdempotencyKeyMismatch`, as the run would); one that ended (or expired) is enqueued
-again and its record replays. Check-and-enqueue is atomic per id through a guard key on the queue's
-connection (compare-and-delete; ``GUARD_TTL``): three more round trips, none at run time.
+again and its record replays. Check-and-enqueue is atomic per id through a guard key on the
+queue's connection (compare-and-delete; ``GUARD_TTL``): three more round trips, none at run
+time.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Without ``--redis``: delete expired idempotency records, except a ``running`` claim whose lease
 is live (a duplicate could claim the key afresh and run beside it), and outbox messages
-delivered more than ``IDEMPOTENCY_TTL`` ago. Batches of primary keys,
-each its own short transaction, the condition repeated in each ``DELETE`` (a record claimed
-between the read and the delete is kept).
+delivered more than ``IDEMPOTENCY_TTL`` ago. Batches of primary keys, each its own short
+transaction, the condition repeated in each ``DELETE`` (a record claimed between the read and
+the delete is kept).
 
 With ``--redis`` (uninstall): remove every key under ``KEY_PREFIX`` on the lock and queue
 Redis (:mod:`django_joblock.monitor.cleanup`); refused while locks are held unless ``--force``.
