@@ -26,15 +26,12 @@ same lock and fence back, and a repeated release finds its own release done.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import math
 import os
 import secrets
-import threading
 import time
-from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -101,24 +98,6 @@ class Lock(Holding):
         self.job_id = self.job_func = ""
         self._reset_view()
         self._context_token: contextvars.Token[Any] | None = None
-        self._calls = threading.Lock()  # one acquire() or release() at a time
-
-    @contextlib.contextmanager
-    def _one_call(self) -> Iterator[None]:
-        """Refuse a second thread's acquire/release while one runs: two acquires of one object
-        would both send its token, and both be told they hold the lock."""
-        if not self._calls.acquire(blocking=False):
-            raise LockError(
-                "Another thread is acquiring or releasing this Lock object: a Lock is one "
-                "holding, give each thread a Lock of its own",
-                resource=self.resource,
-                key=self.key,
-                owner=self.owner,
-            )
-        try:
-            yield
-        finally:
-            self._calls.release()
 
     # -- checks --------------------------------------------------------------------------
     def ensure_held(self) -> None:

@@ -9,17 +9,18 @@ process too: in a forked child the parent's lock is neither held nor lost, it is
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import metrics
-from ..exceptions import LockLost
+from ..exceptions import LockError, LockLost
 from ..logs import log_lock, logger
 from ..signals import lock_lost
 from .keys import owner_hash
@@ -70,11 +71,30 @@ class Holding:
     _hold_until: float  # max_hold as a monotonic deadline: no renewal after it
     _owner: tuple[str, str]
     _transition: threading.Lock
+    _calls: threading.Lock
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Refuse a second thread's acquire/release while one runs: two acquires of one object
+        would both send its token, and both be told they hold the lock."""
+        if not self._calls.acquire(blocking=False):
+            raise LockError(
+                "Another thread is acquiring or releasing this Lock object: a Lock is one "
+                "holding, give each thread a Lock of its own",
+                resource=self.resource,
+                key=self.key,
+                owner=self.owner,
+            )
+        try:
+            yield
+        finally:
+            self._calls.release()
 
     def _reset_view(self) -> None:
         # The owner's thread and the renewal thread can both find the lock lost at once: each
         # check-and-set runs under this guard, so a loss is marked (and announced) once.
         self._transition = threading.Lock()
+        self._calls = threading.Lock()  # one acquire() or release() at a time (_one_call)
         self.fence = None
         self.state = LockState.UNLOCKED
         self.lost_reason = ""
