@@ -105,6 +105,41 @@ def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(settings, pr
     assert held.release()
 
 
+def test_an_unresponsive_redis_bounds_every_acquire_without_socket_timeouts(settings, proxy):
+    """The README's CACHES set no SOCKET_TIMEOUT: on redis-py 5.0 an acquire against a Redis
+    that stopped answering had no time limit, and an interrupted waiting acquire blocked again
+    in its clean-up. The locks' own client bounds each by REDIS_TIMEOUT (1 s here)."""
+    readme = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": harness.proxy_url()}
+    settings.CACHES = {**settings.CACHES, "readme": readme}
+    settings.JOBLOCK = {"REDIS_TIMEOUT": 1}
+    holder = lock("silent:1", ttl=30, using="readme")
+    assert holder.acquire()  # connections made before the fault
+    threading.Timer(0.5, lambda: proxy.set("blackhole")).start()
+    interrupted_at = math.nan
+
+    def interrupt(*_args: Any) -> None:
+        nonlocal interrupted_at
+        interrupted_at = time.monotonic()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)  # in the wait, with Redis silent since 0.5 s
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock("silent:1", ttl=30, using="readme").acquire(wait=30)
+        assert time.monotonic() - interrupted_at < 1 + 2, "its clean-up is bounded too"
+        started = time.monotonic()
+        for wait in (0, 3):  # one try, and a waiting acquire
+            with pytest.raises(LockBackendUnavailable):
+                lock("silent:2", ttl=30, using="readme").acquire(wait=wait)
+        assert time.monotonic() - started < 2 * (1 + 1), "each within REDIS_TIMEOUT"
+        assert proxy.mode == "blackhole", "negative control: Redis was silent throughout"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        proxy.set("forward")
+
+
 # -- 2. Capped connection pool ---------------------------------------------------------------
 def test_threads_taking_locks_never_starve_a_capped_pool(settings, rconn):
     settings.CACHES = {
