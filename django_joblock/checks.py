@@ -20,6 +20,7 @@ W012  (deploy) no RQ scheduler runs for a queue whose jobs requeue with delays
 W013  ``ALERTS`` ``BASELINE`` not longer than ``WINDOW`` (``contention_spike`` never fires)
 W014  ``METRICS_RETENTION`` shorter than the alerts read back (``WINDOW`` + ``BASELINE``)
 W015  the records' database is SQLite without ``transaction_mode: IMMEDIATE``
+W016  (deploy) ``KEY_PREFIX`` on the locks' Redis belongs to another project
 
 Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
 per-call ``.enqueue(job_timeout=)`` is checked at enqueue time and logged with the same id.
@@ -38,6 +39,7 @@ from .exceptions import JoblockConfigError, LockBackendUnavailable
 from .jobs.decorator import job_timeout, registered_jobs, timeout_findings
 from .jobs.queues import get_queue
 from .jobs.spec import OnConflict
+from .monitor import cleanup
 from .monitor.active import has_scheduler, requeueing_queues
 
 DJANGO_REDIS_BACKEND = "django_redis.cache.RedisCache"
@@ -103,7 +105,8 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 
 @register(Tags.caches, TAG, deploy=True)
 def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W010: Redis answers; W011: its eviction policy cannot silently drop locks."""
+    """W010: Redis answers; W011: its eviction policy cannot silently drop locks; W016: its
+    ``KEY_PREFIX`` is this project's (claimed here if unclaimed)."""
     if _settings_broken() or check_redis_alias() or check_redis_client():
         return []
     alias = conf.get().REDIS_ALIAS
@@ -111,6 +114,7 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     try:
         client = dedicated(connection(alias), 2.0)
         memories = server_infos(client, "memory")
+        other = cleanup.other_project(client)
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
         message = f"Redis of cache {alias!r} does not answer: {exc}"
         return [_message("W010", message, "Check that Redis runs at the configured address.")]
@@ -118,6 +122,16 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         if client is not None:
             close(client)
     found = []
+    if other:
+        prefix = conf.get().KEY_PREFIX
+        message = (
+            f"KEY_PREFIX {prefix!r} on the Redis of cache {alias!r} belongs to another project "
+            f"({other}; its SECRET_KEY differs): each sees the other's locks, and a purge "
+            "removes the other's keys."
+        )
+        hint = "Give each project its own JOBLOCK['KEY_PREFIX'] (or Redis database); after "
+        hint += f"rotating SECRET_KEY, delete the key {prefix}:project."
+        found.append(_message("W016", message, hint))
     for server, memory in memories.items():
         policy = str(memory.get("maxmemory_policy", "noeviction"))
         maxmemory = int(memory.get("maxmemory", 0) or 0)

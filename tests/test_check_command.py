@@ -291,9 +291,10 @@ def test_all_checks_registered_under_the_app_tag(scratch_registry, settings, ser
         reported |= found
     # E008 needs a Redis Cluster client: tests/test_cluster.py makes it fire through
     # manage.py check (test_replica_acks_on_cluster_is_e008_and_refused); W015 needs other
-    # DATABASES (test_w015_for_sqlite_with_deferred_transactions, with the app's tag too).
+    # DATABASES (test_w015_for_sqlite_with_deferred_transactions, with the app's tag too);
+    # W016 another project's claim (test_w016_for_a_key_prefix_another_project_claimed).
     missing = documented - reported
-    assert missing == {"E008", "W015"}, f"documented, never reported: {missing}"
+    assert missing == {"E008", "W015", "W016"}, f"documented, never reported: {missing}"
 
 
 def test_w015_for_sqlite_with_deferred_transactions(settings):
@@ -309,3 +310,21 @@ def test_w015_for_sqlite_with_deferred_transactions(settings):
     settings.DATABASES["default"]["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
     printed, error = check()
     assert error is None and "W015" not in printed, printed
+
+
+def test_w016_for_a_key_prefix_another_project_claimed(rconn):
+    """Two projects on one Redis with the default KEY_PREFIX saw each other's locks, and a
+    purge removed the other's keys, without a word. The first to check claims the prefix."""
+    from django_joblock.monitor import cleanup
+
+    rconn.set("joblock:project", "0123456789ab")  # another project's SECRET_KEY hash
+    assert_warning("W016", "belongs to another project (0123456789ab", deploy=True)
+    tagged = StringIO()
+    call_command("check", tags=[checks.TAG], deploy=True, stdout=tagged, stderr=tagged)
+    assert "django_joblock.W016" in tagged.getvalue()
+    rconn.delete("joblock:project")
+    printed, _error = check(deploy=True)
+    assert "django_joblock.W016" not in printed, "negative control: unclaimed, claimed now"
+    assert rconn.get("joblock:project").decode() == cleanup.project_id()
+    printed, _error = check(deploy=True)
+    assert "django_joblock.W016" not in printed, "this project's own claim"

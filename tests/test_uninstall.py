@@ -101,3 +101,16 @@ def test_a_project_keeps_fencedmodel_after_removing_the_app(tmp_path):
         timeout=120,
     )  # fmt: skip
     assert "lock_fence" in shown.stdout, shown.stderr[-2000:]
+
+
+def test_purge_refuses_the_keys_of_another_project(rconn):
+    """Two projects sharing Redis and the default prefix: one's uninstall removed the other's
+    keys. Refused unless --force; --dry-run still shows them."""
+    rconn.set("joblock:project", "0123456789ab")  # another project claimed the prefix
+    rconn.set("joblock:{order:1}:fence", 5)
+    with pytest.raises(CommandError, match=r"another project \(0123456789ab"):
+        call_command("joblock_purge", "--redis")
+    assert rconn.exists("joblock:{order:1}:fence"), "nothing removed"
+    call_command("joblock_purge", "--redis", "--dry-run")
+    call_command("joblock_purge", "--redis", "--force")
+    assert not rconn.exists("joblock:{order:1}:fence", "joblock:project")

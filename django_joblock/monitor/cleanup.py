@@ -2,14 +2,18 @@
 every key under ``JOBLOCK["KEY_PREFIX"] + ":"`` (the index, families and metric totals never
 expire), on the lock Redis and every known queue's, each server and database once. The one
 keyspace walk of the package (``SCAN MATCH``, never ``KEYS``), an operator's one-off; keys
-outside the prefix (RQ's, the Django cache's) are never touched.
+outside the prefix (RQ's, the Django cache's) are never touched. ``P:project`` names the project
+that owns the prefix (:func:`other_project`): a purge, and ``check --deploy``, see another.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from django.conf import settings
 
 from .. import conf
 from ..backend import connection, text
@@ -39,6 +43,24 @@ def _kind(rest: str) -> str:
     if rest.startswith("{"):  # lock, fence, queue, tickets, wake, released (an operator's note)
         return rest.partition("}:")[2].split(":", 1)[0]
     return rest.split(":", 1)[0]  # active (the index), families
+
+
+def project_id() -> str:
+    """This project's name on the locks' Redis: a hash of its ``SECRET_KEY`` (the same for
+    every process of one project, another for another project; not reversible)."""
+    return hashlib.sha256(f"joblock-project:{settings.SECRET_KEY}".encode()).hexdigest()[:12]
+
+
+def other_project(client: Any, *, claim: bool = True) -> str | None:
+    """With ``claim``, claim ``KEY_PREFIX`` on ``client``'s Redis for this project
+    (``P:project``, set once, no expiry: it lives with the keys under the prefix). Returns the
+    id of another project that claimed it (its locks, metrics and purge would be shared with
+    this one), else None."""
+    key = f"{conf.get().KEY_PREFIX}:project"
+    if claim:
+        client.set(key, project_id(), nx=True)
+    found = client.get(key)
+    return None if found is None or text(found) == project_id() else text(found)
 
 
 def held_locks() -> int:

@@ -21,7 +21,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from django_joblock import conf
-from django_joblock.backend import REDIS_ERRORS, no_answer
+from django_joblock.backend import REDIS_ERRORS, connection, no_answer
 from django_joblock.choices import OutboxStatus
 from django_joblock.models import IdempotencyRecord, OutboxMessage
 from django_joblock.monitor import cleanup
@@ -84,6 +84,12 @@ class Command(BaseCommand):
             if held and not force and not dry_run:
                 raise CommandError(
                     f"{held} lock(s) are held right now: stop the workers first, or pass --force."
+                )
+            other = cleanup.other_project(connection(conf.get().REDIS_ALIAS), claim=False)
+            if other and not force and not dry_run:
+                raise CommandError(
+                    f"The keys under {prefix!r} belong to another project ({other}; its "
+                    "SECRET_KEY differs): not removed. Pass --force to remove them anyway."
                 )
             found = cleanup.purge_redis(dry_run=dry_run)
         except REDIS_ERRORS as exc:
