@@ -226,8 +226,9 @@ class JoblockWorker(_Loop, Worker):
         command, ``job_timeout`` or the OOM killer): the next job of its resource starts now,
         not after the lock's TTL (:func:`~django_joblock.jobs.liveness.release_ended`)."""
         super().monitor_work_horse(job, *args)
-        resource = (job.meta or {}).get("joblock", {}).get("resource")
-        if resource:
+        state = (job.meta or {}).get("joblock")
+        resource = state.get("resource") if isinstance(state, dict) else None
+        if isinstance(resource, str) and resource:
             try:
                 liveness.release_ended(resource, job.id)
             except REDIS_ERRORS as exc:  # the lock then expires after its TTL
