@@ -87,6 +87,7 @@ METRICS = (
     Metric("acquire_attempts", COUNTER, "Lock acquire calls."),
     Metric("acquired", COUNTER, "Acquire calls that got the lock."),
     Metric("contended", COUNTER, "Acquire calls that found the lock busy for the whole wait."),
+    Metric("parked", COUNTER, "Jobs parked at enqueue behind a busy resource (admission)."),
     Metric("acquire_errors", COUNTER, "Acquire calls that failed because Redis was unavailable."),
     Metric("renewed", COUNTER, "Successful heartbeat renewals."),
     Metric("renew_failed", COUNTER, "Failed heartbeat renewals (timeouts, dropped connections)."),
@@ -305,6 +306,11 @@ class Series:
         return sum(
             v for (fam, _f), v in self.counters[metric].items() if family is None or fam == family
         )
+
+    def busy(self, family: str | None = None) -> int:
+        """How often a resource was found busy: acquires that waited in vain, and jobs that
+        were parked behind it (admission; their own acquire then finds it free)."""
+        return self.total("contended", family) + self.total("parked", family)
 
     def merged_histogram(self, metric: str, family: str | None = None) -> list[int]:
         merged = [0] * (len(BOUNDS) + 1)

@@ -332,11 +332,14 @@ def test_a_maintenance_lock_left_by_a_dead_pass_is_released(crews, rconn):
 
 
 @slots
+@pytest.mark.parametrize("kill", ["stop command", "horse SIGKILL"])
 @pytest.mark.parametrize("ours", [True, False], ids=["joblock_worker", "negative control: rq"])
-def test_a_job_stopped_by_rqs_stop_command_frees_its_lock_at_once(ours, crews, rconn):
-    """RQ's stop-job command (django-rq's admin "Stop") SIGKILLs the horse of a job holding a
-    30 s lock. Our worker releases the lock the exited horse held, so the next job of the
-    resource starts at once; RQ's worker frees the slot, and the next job waits out the TTL."""
+def test_a_killed_horses_lock_is_released_at_once(ours, kill, crews, rconn):
+    """RQ's stop-job command (django-rq's admin "Stop"), or a SIGKILL (the OOM killer), ends the
+    horse of a job holding a 30 s lock. Our worker releases the lock the exited horse held, so
+    the next job of the resource starts at once. RQ's own worker frees the admission slot at
+    once too, but the next job then waits out the dead horse's lock TTL (the negative control:
+    the same fault on plain RQ with RateLimit, a lock in the job)."""
     crew = crews(ours)
     command = "joblock_worker" if ours else "rqworker"
     crew.start("default", command=command)
@@ -345,18 +348,21 @@ def test_a_job_stopped_by_rqs_stop_command_frees_its_lock_at_once(ours, crews, r
     crew.start("default", command=command)
     parked = admission_jobs.hot.delay(35, "next", 0.05)
     assert parked.get_status(refresh=True) == "rate_limited"
-    stopped_at = time.time()
-    send_stop_job_command(rconn, holder.id)
+    fault_at = time.time()
+    if kill == "stop command":
+        send_stop_job_command(rconn, holder.id)
+    else:
+        os.kill(horse, signal.SIGKILL)
     assert wait_for(lambda: exited(horse), 10), "negative control: the horse was killed"
     wait_for(lambda: "next" in intervals(rconn), WATCH)
     spans = intervals(rconn)
-    waited = spans["next"][0] - stopped_at if "next" in spans else None
-    assert holder.get_status(refresh=True) in (JobStatus.STOPPED, JobStatus.FAILED)
+    waited = spans["next"][0] - fault_at if "next" in spans else None
+    assert wait_status(holder, DONE | {JobStatus.STOPPED}, 10) != JobStatus.FINISHED
     if not ours:
-        assert waited is None, f"the next job started {waited} s after the stop, within the TTL"
+        assert waited is None, f"the next job started {waited} s after the {kill}, in the TTL"
         return
-    assert waited is not None and waited <= 5, f"waited {waited} s\n{crew.logs()}"
-    print(f"\nstop-job: the next job started {waited:.2f} s after the stop command")
+    assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
+    print(f"\n{kill}: the next job started {waited:.2f} s after it (lock TTL 30 s)")
 
 
 def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):

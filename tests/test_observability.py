@@ -389,3 +389,22 @@ def test_resources_without_a_colon_share_one_metrics_family(rconn):
     metrics.flush_now()
     assert metrics.totals().families() == {"other", "order"}
     assert active_index.active_counts() == {}
+
+
+def test_jobs_parked_behind_a_hot_resource_count_as_contention(rconn):
+    """With admission a job waits parked in RQ and its own acquire finds the lock free: a hot
+    key (30 jobs waiting up to 7 s each) showed 0% contention on the dashboard."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from django_joblock.testing import run_jobs
+
+    delayed = [jobs.hold_resource.delay(7, f"hot-{n}", 0.0) for n in range(3)]
+    assert [job.get_status(refresh=True) for job in delayed[1:]] == ["rate_limited"] * 2
+    assert run_jobs("default").statuses() == {job.id: JobStatus.FINISHED for job in delayed}
+    hour = metrics.window(3600)
+    assert (hour.total("parked", "res"), hour.total("acquire_attempts", "res")) == (2, 3)
+    client = Client()
+    client.force_login(User.objects.create_superuser("hot", password="pw"))
+    page = client.get("/admin/django_joblock/dashboard/").content.decode()
+    assert "67% (2/3)" in page, "the family's contention bar"

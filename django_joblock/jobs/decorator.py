@@ -16,8 +16,9 @@ from typing import Any, ParamSpec, Protocol, TypeVar, cast
 from django.db import transaction
 from django.utils.module_loading import autodiscover_modules
 
-from .. import conf
+from .. import conf, metrics
 from ..idempotency.inputs import fingerprint_of, key_family, validate_scope
+from ..locks.keys import family
 from ..logs import logger
 from . import admission as admission_mod
 from . import dedupe as dedupe_mod
@@ -187,7 +188,11 @@ def _enqueue(
 
     def put() -> Any:
         # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
-        return queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
+        job = queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
+        if resource is not None and job.get_status(refresh=False) == admission_mod.PARKED:
+            metrics.count("parked", family(resource), spec.name)  # contention the lock never sees
+            metrics.flush_now()  # an enqueuing web process may never flush otherwise
+        return job
 
     now = put
     if spec.dedupe:

@@ -65,14 +65,14 @@ def evaluate(now: float | None = None) -> list[Alert]:
     spikes: list[Alert] = []
     waits: list[Alert] = []
     for family in families:
-        attempts, busy = recent.total("acquire_attempts", family), recent.total("contended", family)
+        attempts, busy = recent.total("acquire_attempts", family), recent.busy(family)
         before = earlier.total("acquire_attempts", family)
         ratio = busy / attempts if attempts >= MIN_ATTEMPTS else 0.0
         if ratio and ratio >= limits["CONTENTION_RATIO"]:
             message = f"{busy} of {attempts} acquires of {family!r} found the lock busy {last}"
             fired.append(Alert("contention", family, message, ratio, limits["CONTENTION_RATIO"]))
         if ratio and before >= MIN_ATTEMPTS:
-            baseline = earlier.total("contended", family) / before
+            baseline = earlier.busy(family) / before
             threshold = limits["CONTENTION_SPIKE"] * baseline
             if ratio >= MIN_SPIKE and ratio >= threshold:
                 message = (

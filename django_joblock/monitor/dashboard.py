@@ -42,9 +42,9 @@ def build(
     hour = metrics.window(3600)
     counts = index.active_counts()
     active_total, total = sum(counts.values()), hour.total
-    attempts, contended = total("acquire_attempts"), total("contended")
+    attempts, contended = total("acquire_attempts"), hour.busy()
     fams = sorted(set(counts) | hour.families())
-    tries = {fam: (total("contended", fam), total("acquire_attempts", fam)) for fam in fams}
+    tries = {fam: (hour.busy(fam), total("acquire_attempts", fam)) for fam in fams}
     contention = [(f, b / t * 100, f"{b / t:.0%} ({b}/{t})") for f, (b, t) in tries.items() if t]
     everywhere = hour.merged_histogram("start_wait_seconds")
     wait_p50, wait_p99 = (metrics.percentile(everywhere, q) for q in (0.5, 0.99))
@@ -146,7 +146,7 @@ def _spread(hour: metrics.Series, metric: str, fams: list[str], low: int) -> lis
 
 def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
     """The family with the most contention in ``hour``, else the most active locks now."""
-    contended = {fam: hour.total("contended", fam) for fam in hour.families()}
+    contended = {fam: hour.busy(fam) for fam in hour.families()}
     ranked = contended if any(contended.values()) else counts
     return max(sorted(ranked), key=ranked.__getitem__, default="") or min(contended, default="")
 
@@ -179,7 +179,8 @@ def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
         attempts = counts["acquire_attempts"]
         wait = hour.histograms["start_wait_seconds"].get((fam, func))
         p99 = metrics.percentile(wait, 0.99) if wait else None
-        busy = f"{counts['contended'] / attempts * 100:.0f}%" if attempts else "-"
+        parked = hour.counters["parked"].get((fam, func), 0)
+        busy = f"{(counts['contended'] + parked) / attempts * 100:.0f}%" if attempts else "-"
         row = {"func": func or "(lock() outside a job)", "family": fam, **counts, "busy": busy}
         rows.append({**row, "wait_p99": f"≤ {p99:g}s" if p99 is not None else "-"})
     return sorted(rows, key=lambda row: (-row["contended"], -row["requeued"], row["func"]))
