@@ -307,3 +307,26 @@ def test_purge_deletes_messages_delivered_longer_ago_than_the_records_live(provi
     assert "Deleted 3 delivered outbox message(s) in 2 batch(es)" in out.getvalue()
     left = sorted(OutboxMessage.objects.values_list("key", flat=True))
     assert left == ["mail:pending", "mail:recent"]
+
+
+def test_a_handler_that_keeps_failing_raises_an_alert(provider):
+    """A handler that always fails stayed pending forever (13 attempts, every 300 s) with no
+    alert. After 5 failed deliveries the outbox_failing alert names it (and the dashboard
+    and joblock_alerts show it)."""
+    from django_joblock.monitor import alerts
+
+    provider.fail_next = 100
+    send_after_commit(jobs.mail_handler, {"order": 10}, key="mail:always")
+    for attempt in range(2, 6):
+        assert "outbox_failing" not in {a.name for a in alerts.evaluate()}, attempt
+        OutboxMessage.objects.update(next_attempt_at=timezone.now())
+        outbox.deliver_due()
+    message = OutboxMessage.objects.get(key="mail:always")
+    assert (message.status, message.attempts) == ("pending", 5)
+    fired = [a for a in alerts.evaluate() if a.name == "outbox_failing"]
+    assert len(fired) == 1 and "mail:always via tests.jobs.mail_handler" in fired[0].message
+    assert "503" in fired[0].message
+    out = StringIO()
+    with pytest.raises(SystemExit):
+        call_command("joblock_alerts", stdout=out)
+    assert "outbox_failing" in out.getvalue()

@@ -1,7 +1,8 @@
 """Alerts from the ``JOBLOCK["ALERTS"]`` thresholds over the last ``WINDOW`` seconds:
 contention (absolute, and a spike against the family's own ``BASELINE``), counted events, long
-waits, long holds, active-lock growth and queues without a scheduler. A ratio needs
-``MIN_ATTEMPTS`` attempts; docs/observability.md ("Alerts") gives each rule and default.
+waits, long holds, active-lock growth, queues without a scheduler and outbox messages that keep
+failing. A ratio needs ``MIN_ATTEMPTS`` attempts; docs/observability.md ("Alerts") gives each
+rule and default.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import conf, metrics
+from ..choices import OutboxStatus
 from ..locks import index
 from . import active
 
@@ -22,6 +24,7 @@ MIN_HOLD_SAMPLES = 20
 # Index entries per family the long-hold alert reads: all of them (a hung holder renews its
 # lock, so it is never among the soonest to expire), up to this bound.
 LONG_HOLD_SCAN = 100_000
+OUTBOX_ATTEMPTS = 5  # failed deliveries (about 30 s of retries) after which a message alerts
 
 # Alerts on a counter reaching the threshold ``alert.upper()``: (alert, metric, what the count
 # counts, whether the message lists the count of each family).
@@ -100,7 +103,27 @@ def evaluate(now: float | None = None) -> list[Alert]:
         if not active.has_scheduler(queue):
             message = f"no RQ scheduler for queue {name!r}, whose jobs requeue on contention"
             fired.append(Alert("no_scheduler", "", message, 1, 0))
+    fired += _outbox_failing()
     return fired
+
+
+def _outbox_failing() -> list[Alert]:
+    """Outbox messages still pending after :data:`OUTBOX_ATTEMPTS` failed deliveries (a handler
+    that always fails is retried every 300 s forever): the status index answers it."""
+    from ..models import OutboxMessage
+
+    failing = OutboxMessage.objects.filter(status=OutboxStatus.PENDING)
+    failing = failing.filter(attempts__gte=OUTBOX_ATTEMPTS).order_by("created_at")
+    count = failing.count()
+    if not count:
+        return []
+    first = failing.first()
+    assert first is not None
+    message = (
+        f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts; oldest "
+        f"{first.key} via {first.handler}: {first.last_error[:200]}"
+    )
+    return [Alert("outbox_failing", "", message, count, OUTBOX_ATTEMPTS)]
 
 
 def _long_holds(factor: float) -> list[Alert]:
