@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 from django_redis import get_redis_connection
 
-from django_joblock import locked_job
+from django_joblock import lock, locked_job
 from tests.testapp.models import Account
 
 
@@ -29,6 +29,14 @@ def _wait_for_go(label: str, limit: float = 60.0) -> None:
 def hold_until_told(n: int) -> int:
     """Holds its lock (TTL 30 s: no renewal within the first 10 s) until told to finish."""
     _wait_for_go(f"split{n}")
+    return n
+
+
+def hold_lock_in_a_plain_job(n: int) -> int:
+    """A plain RQ job holding ``lock("split:<n>")`` itself: its worker does not know the lock
+    (no ``@locked_job``), so a killed horse leaves it behind for the reaper."""
+    with lock(f"split:{n}", ttl=30):
+        _wait_for_go(f"split{n}")
     return n
 
 

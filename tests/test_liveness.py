@@ -188,13 +188,21 @@ def test_a_requeued_job_does_not_wait_on_a_dead_scheduler(ours, crews, rconn):
     dead_owner = _scheduler_owner(rconn)
     crew.start("default", scheduler=True, command=command)
     queue = Queue("default", connection=rconn)
+    scheduled: list[float] = []
+
+    def due_time() -> bool:  # read while it waits (a busy box may enqueue it soon after)
+        score = rconn.zscore(queue.scheduled_job_registry.key, job.id)
+        scheduled.extend([] if score is None else [float(score)])
+        return score is not None
+
     if ours:
         with lock("hot:33", ttl=30):  # busy outside admission: the job requeues with a backoff
             job = admission_jobs.hot_outside.delay(33, "next", 0.05)
-            assert wait_for(lambda: job.get_status(refresh=True) == "scheduled", 20), crew.logs()
+            assert wait_for(due_time, 20), crew.logs()
     else:
         job = queue.enqueue_in(timedelta(seconds=1), admission_jobs.plain_interval, "next", 0.05)
-    due = queue.scheduled_job_registry.get_scheduled_time(job).timestamp()
+        assert wait_for(due_time, 20)
+    due = scheduled[-1]
     os.killpg(first.pid, signal.SIGKILL)  # the worker and its scheduler process
     fault_at = time.time()
     assert wait_for(lambda: exited(first.pid), 10)

@@ -83,7 +83,9 @@ def test_run_jobs_refuses_a_queue_that_live_workers_consume(settings, rconn):
     crew = Workers(settings.JOBLOCK)
     try:
         worker = crew.start("default")
-        assert wait_for(lambda: Worker.all(connection=rconn), 30), crew.logs()
+        # Idle: past its start-up (RQ installs its SIGTERM handler after registering).
+        idle = lambda: [w.get_state() for w in Worker.all(connection=rconn)] == ["idle"]  # noqa: E731
+        assert wait_for(idle, 30), crew.logs()
         with pytest.raises(RuntimeError, match=r"queue .default. has live workers on its Redis"):
             run_jobs("default")
         worker.send_signal(signal.SIGTERM)  # stopped as a developer would: it unregisters

@@ -364,10 +364,12 @@ class Chaos:
         ]
         from django_redis import get_redis_connection
 
-        from django_joblock import metrics
+        from django_joblock import backend, metrics
 
-        # This process's pooled connections died with the Redis restart: start afresh.
+        # This process's pooled connections died with the Redis restart: start afresh (the
+        # cache's pool, and the locks' own clients, which the metrics read through).
         get_redis_connection("default").connection_pool.disconnect()
+        backend.forget()
         totals = metrics.totals()
         return {
             "mode": "safe" if self.safe else "negative control (no fencing, no idempotency)",
