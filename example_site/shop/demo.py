@@ -190,6 +190,9 @@ class Demo:
         pid, order = found
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
+        if not _is_stopped(pid):  # it had just ended (a zombie ignores SIGSTOP): next second
+            exclude.add(pid)
+            return None
         # Another refund of the same order, enqueued now. Admission parks it behind the paused
         # job, which keeps the order's slot: it runs once the paused job, resumed, has been
         # aborted (its lock expired meanwhile). A holder outside admission would take the
@@ -220,6 +223,7 @@ class Demo:
     def wait(self, limit: float) -> Counter[str]:
         started = time.monotonic()
         killed = paused = None
+        ended: set[int] = set()
         while True:
             counts = self.statuses()
             done = counts["finished"] + counts["failed"] + counts["missing"]
@@ -230,8 +234,9 @@ class Demo:
             )
             if killed is None and elapsed > 2:
                 killed = self.kill_one()
+                ended.update([killed] if killed else [])
             if killed is not None and paused is None and elapsed > 4:
-                paused = self.pause_one({killed})
+                paused = self.pause_one(ended)
             if done == len(self.jobs) and killed is not None and paused is not None:
                 return counts
             if done == len(self.jobs) and elapsed > 20:
@@ -376,3 +381,17 @@ class Demo:
             return self.report(counts, before, time.monotonic() - started)
         finally:
             self.provider.close()
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal now (Linux ``/proc``; elsewhere assumed)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return not os.path.isdir("/proc/self")  # ended, or no /proc to ask
+        if state in "tT" or time.monotonic() > deadline:
+            return state in "tT"
+        time.sleep(0.01)  # SIGSTOP is delivered asynchronously
