@@ -91,40 +91,28 @@ def setup(redis_url: str, pg_url: str) -> tuple[str, object]:
 
 
 def add_locks(start: int, stop: int) -> None:
-    """Hold locks ``start..stop-1`` the way real holders do (script + index + families)."""
+    """Hold locks ``start..stop-1`` the way real holders do (the acquire script, which writes
+    the index entry and the family in the same call), pipelined."""
     from django_joblock import conf
-    from django_joblock.backend import connection
-    from django_joblock.locks import scripts as lua
-    from django_joblock.locks.keys import LockKeys, families_key, index_member, owner_hash
+    from django_joblock.backend import client, send
+    from django_joblock.locks import index, waiting
+    from django_joblock.locks.keys import LockKeys, owner_hash
+    from django_joblock.locks.scripts import ACQUIRE, FENCE_COUNTER_TTL_MS
 
-    client = connection("default")
-    lua.load_all(client)
+    found = client("default")
     prefix = conf.get().KEY_PREFIX
-    expiry_ms = (time.time() + 600) * 1000
     for chunk in range(start, stop, 2000):
-        pipe = client.pipeline(transaction=False)
-        families = set()
+        calls = []
         for i in range(chunk, min(stop, chunk + 2000)):
             keys = LockKeys(prefix, f"fam{i % FAMILIES}:{i}")
-            token = f"{i:032x}"
-            pipe.evalsha(
-                lua.ACQUIRE_SHA,
-                2,
-                keys.lock,
-                keys.fence,
-                token,
-                600_000,
-                lua.FENCE_COUNTER_TTL_MS,
-                "bench-host",
-                1,
-                f"job-{i}",
-                "bench.job",
-                "",
+            token, job_id = f"{i:032x}", f"job-{i}"
+            entry = (keys.resource, owner_hash(token), 600.0, job_id)
+            index_keys, index_args = index.in_script(found, prefix, entry)
+            details = [token, 600_000, FENCE_COUNTER_TTL_MS, "bench-host", 1, job_id, "bench.job"]
+            calls.append(
+                (ACQUIRE, [*waiting.lock_keys(keys), *index_keys], [*details, "", *index_args])
             )
-            pipe.zadd(keys.index, {index_member(keys.resource, owner_hash(token)): expiry_ms})
-            families.add(keys.family)
-        pipe.sadd(families_key(prefix), *families)
-        pipe.execute()
+        send(found, calls)
 
 
 def add_metrics() -> None:
@@ -148,7 +136,7 @@ def add_records(count: int) -> None:
         cursor.execute(
             """
             INSERT INTO django_joblock_idempotencyrecord
-              (scope, key, fingerprint, status, result, error, owner, fence, lock_resource,
+              (scope, key, fingerprint, status, result, error, token, fence, lock_resource,
                rq_job_id, attempts, lease_expires_at, created_at, updated_at, finished_at,
                expires_at)
             SELECT 'bench.job', 'refund:' || g, '', CASE WHEN g %% 20 = 0 THEN 'running'

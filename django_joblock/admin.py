@@ -4,11 +4,11 @@ idempotency records and the lock audit log; thin over :mod:`dashboard` and :mod:
 Permissions (``django_joblock.*``): the dashboard, any active staff user (its stuck claims need
 ``view_idempotencyrecord``); records, ``view_idempotencyrecord``; the audit log,
 ``view_lockaudit``; force release, ``force_release_lock``. Reflected values are escaped; a bad
-parameter is a ``text/plain`` 400 naming it; a Redis that does not answer is a 503 page.
-"""
+parameter is a ``text/plain`` 400 naming it; a Redis that does not answer is a 503 page."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -33,13 +33,13 @@ from .backend import REDIS_ERRORS
 from .exceptions import LockBackendUnavailable
 from .jobs.decorator import idempotency_scopes
 from .jobs.history import Delivery, summary
+from .locks.info import lock_info
 from .locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
 from .models import Dashboard, IdempotencyRecord, LockAudit
 from .monitor import control, dashboard
 from .monitor.health import Health, job_queue, record_deliveries
 
-# Where the operations runbook lives (a pip install carries no docs/ folder).
-DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"
+DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"  # not in a wheel
 DASHBOARD = "admin:django_joblock_dashboard_changelist"
 
 
@@ -57,10 +57,8 @@ def rq_job_url(queue_name: str, job_id: str) -> str:
     except (ImportError, AttributeError, KeyError):
         return ""
     for name in ("admin:django_rq_job_detail", "rq_job_detail"):
-        try:
+        with contextlib.suppress(NoReverseMatch):
             return reverse(name, args=(index, job_id))
-        except NoReverseMatch:
-            continue
     return ""
 
 
@@ -181,9 +179,7 @@ class DashboardAdmin(ReadOnlyAdmin):
         started = time.perf_counter()
         claims = request.user.has_perm("django_joblock.view_idempotencyrecord")
         try:
-            data = dashboard.build(
-                family=family, health_filter=health, claims=claims, timeline_of=timeline
-            )
+            data = dashboard.build(family, health, claims=claims, timeline_of=timeline)
         except REDIS_ERRORS as exc:
             error = f"Redis did not answer ({type(exc).__name__}: {exc}); nothing was changed."
             return self._unavailable(request, "Job locks: Redis does not answer", error)
@@ -221,10 +217,9 @@ class DashboardAdmin(ReadOnlyAdmin):
         elif post and not owner:
             errors.append("The owner shown on the page is missing.")
         elif post:
-            user = request.user
-            try:
+            try:  # the actor is the user's name
                 result = control.force_release(
-                    resource, owner=owner, reason=reason, user=user, actor=user.get_username()
+                    resource, owner=owner, reason=reason, user=request.user
                 )
             except LockBackendUnavailable as exc:
                 error = f"{exc}. See the lock audit log for what was recorded."
@@ -240,7 +235,7 @@ class DashboardAdmin(ReadOnlyAdmin):
                     messages.error(request, f"Not released: {result.outcome}")
                 return redirect(DASHBOARD)
         try:
-            current = control.holder(resource)
+            current = lock_info(resource)
         except LockBackendUnavailable as exc:
             return self._unavailable(request, unavailable, f"{exc}. Nothing was changed.")
         title = f"Force-release {resource}?"
@@ -255,12 +250,7 @@ class LockAuditAdmin(ReadOnlyAdmin):
     list_display = ("created_at", "action", "resource", "owner", "released", "actor", "reason")
     list_filter = ("action", "released")
     search_fields = ("resource", "actor", "reason")
-    # fmt: off
-    readonly_fields = (
-        "created_at", "action", "resource", "owner", "fence", "holder", "reason", "released",
-        "outcome", "user", "actor",
-    )
-    # fmt: on
+    readonly_fields = tuple(field.name for field in LockAudit._meta.fields if not field.primary_key)
 
 
 from . import admin_outbox  # noqa: E402, F401 - registers the outbox's admin

@@ -18,15 +18,6 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-__all__ = [
-    "URL_LOOKUPS",
-    "EstimatedCountPaginator",
-    "ReadOnlyAdmin",
-    "bad_request",
-    "known_values_filter",
-    "pretty_json",
-]
-
 #: The lookups a changelist URL may use on a displayed field (``?attempts__gte=2``).
 URL_LOOKUPS = frozenset(
     "exact iexact contains icontains startswith istartswith endswith iendswith gt gte lt lte in "
@@ -47,13 +38,11 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     character), with the plain comparisons of :data:`URL_LOOKUPS` only (no regular expressions,
     JSON paths or transforms); a value the database refuses is a plain-text 400."""
 
-    def displayed_fields(self) -> set[str]:
-        shown = {*self.list_display, *(self.fields or ()), *self.readonly_fields}
-        return {f.name for f in self.model._meta.get_fields()} & shown
-
     def lookup_allowed(self, lookup: str, value: str, request: Any = None) -> bool:
         name, _, rest = lookup.partition(LOOKUP_SEP)
-        if name not in self.displayed_fields() or (rest and rest not in URL_LOOKUPS):
+        shown = {*self.list_display, *(self.fields or ()), *self.readonly_fields}
+        shown &= {f.name for f in self.model._meta.get_fields()}
+        if name not in shown or (rest and rest not in URL_LOOKUPS):
             return False
         field = self.model._meta.get_field(name)
         if rest and (field.is_relation or field.get_internal_type() == "JSONField"):
@@ -63,9 +52,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         try:
             response = super().changelist_view(request, extra_context)
-            render = getattr(response, "render", None)
-            if render is not None:
-                render()  # the page's own queries run here: inside the try too
+            if hasattr(response, "render"):
+                response.render()  # the page's own queries run here: inside the try too
         except (DatabaseError, OverflowError) as exc:
             return bad_request(f"This list cannot be filtered that way: {exc}")
         return response
@@ -90,11 +78,9 @@ class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
         if isinstance(queryset, QuerySet) and not queryset.query.where:
             connection = connections[queryset.db]
             if connection.vendor == "postgresql":
+                estimate = "SELECT reltuples::bigint FROM pg_class WHERE relname = %s"
                 with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT reltuples::bigint FROM pg_class WHERE relname = %s",
-                        [queryset.model._meta.db_table],
-                    )
+                    cursor.execute(estimate, [queryset.model._meta.db_table])
                     row = cursor.fetchone()
                 if row is not None and row[0] > 100_000:
                     return int(row[0])

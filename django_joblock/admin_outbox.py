@@ -14,8 +14,7 @@ from .models import OutboxMessage
 
 
 def _undelivered_handlers() -> list[str]:
-    """The handlers of messages not delivered yet, through the status index (delivered ones
-    are the bulk of the table)."""
+    """Handlers of undelivered messages, via the status index (delivered ones are the bulk)."""
     pending = OutboxMessage.objects.exclude(status=OutboxStatus.DELIVERED)
     return list(pending.values_list("handler", flat=True).distinct()[:200])
 

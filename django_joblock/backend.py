@@ -2,13 +2,13 @@
 
 The *base* of an alias is django-redis' ``get_redis_connection(alias, write=True)`` (never
 ``cache.lock()``), or the ``RedisCluster`` that ``JOBLOCK["REDIS_CLIENT"]`` makes. The locks
-never send on it: they get dedicated clients built with redis-py's public constructors from
-its connection class and arguments (TLS, passwords, Sentinel, Cluster carry over):
+never send on it but on dedicated clients made with redis-py's public constructors from its
+connection class and arguments (TLS, passwords, Sentinel, Cluster carry over):
 
-- :func:`client`: a pool of :data:`POOL_SIZE` connections that callers wait for, sockets
-  timing out after ``JOBLOCK["REDIS_TIMEOUT"]`` (less for short-TTL renewals), no retries:
-  Redis not answering raises within the timeout, and the user's pool is never starved. A
-  connection the server closed while idle is replaced before the next command is sent;
+- :func:`client`: :data:`POOL_SIZE` connections that callers wait for, sockets timing out
+  after ``JOBLOCK["REDIS_TIMEOUT"]`` (less for short-TTL renewals), no retries: Redis not
+  answering raises within the timeout, and the user's pool is never starved. A connection
+  the server closed while idle is replaced before the next command is sent;
 - :func:`blocking_client`: a connection per blocked waiter (``BLPOP``), its socket timeout
   longer than any block.
 
@@ -18,6 +18,7 @@ connections in a forked child.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Sequence
@@ -48,10 +49,10 @@ _UNAVAILABLE_PREFIXES = tuple(
     "OOM LOADING BUSY READONLY MASTERDOWN CLUSTERDOWN TRYAGAIN NOREPLICAS".split()
 )
 # redis-py maps some of those replies to classes of their own (without the prefix).
-_UNAVAILABLE_CLASSES = tuple(
-    getattr(redis_exceptions, name)
-    for name in ("OutOfMemoryError", "BusyLoadingError", "ReadOnlyError")
-    if hasattr(redis_exceptions, name)
+_UNAVAILABLE_CLASSES = (
+    redis_exceptions.OutOfMemoryError,
+    redis_exceptions.BusyLoadingError,
+    redis_exceptions.ReadOnlyError,
 )
 
 _bases: dict[str, Any] = {}
@@ -64,17 +65,14 @@ def connection(alias: str) -> Any:
     base = _bases.get(alias)
     if base is None:
         current = conf.get()
-        if current.REDIS_CLIENT is not None and alias == current.REDIS_ALIAS:
-            base = client_from_factory(current.REDIS_CLIENT)
-        else:
-            base = cache_connection(alias)
+        factory = current.REDIS_CLIENT if alias == current.REDIS_ALIAS else None
+        base = cache_connection(alias) if factory is None else client_from_factory(factory)
         _bases[alias] = base
     return base
 
 
 def client(alias: str, timeout: float | None = None) -> Any:
-    """The dedicated command client of ``alias`` with ``timeout``-second sockets (default
-    ``REDIS_TIMEOUT``)."""
+    """The command client of ``alias``: sockets time out after ``timeout`` s (``REDIS_TIMEOUT``)."""
     return _dedicated(alias, timeout or conf.get().REDIS_TIMEOUT, blocking=False)
 
 
@@ -95,9 +93,8 @@ def _dedicated(alias: str, timeout: float, *, blocking: bool) -> Any:
 
 
 def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
-    """A client on ``base``'s server(s): ``timeout``-second sockets, no retries; a pool of
-    :data:`POOL_SIZE` connections that callers wait for, or with ``grow`` one that opens a
-    connection per concurrent caller (blocked waiters)."""
+    """A client on ``base``'s server(s): ``timeout``-second sockets, no retries, and
+    :data:`POOL_SIZE` connections callers wait for (with ``grow``: one per concurrent caller)."""
     overrides: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -118,18 +115,12 @@ def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
         nodes = [ClusterNode(n.host, n.port) for n in base.get_nodes()]  # type: ignore[no-untyped-call]
         return redis.RedisCluster(startup_nodes=nodes, **{**kwargs, **overrides})
     pool = base.connection_pool
-    kwargs = {**pool.connection_kwargs, **overrides}
+    kwargs = {**pool.connection_kwargs, **overrides, "connection_class": pool.connection_class}
     for retries in ("retry_on_error", "retry_on_timeout"):  # no retries: ``retry`` says so
         kwargs.pop(retries, None)
     if grow:
-        new_pool = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-    else:
-        new_pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
-            connection_class=pool.connection_class,
-            max_connections=POOL_SIZE,
-            timeout=timeout,
-            **kwargs,
-        )
+        return redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
+    new_pool = redis.BlockingConnectionPool(max_connections=POOL_SIZE, timeout=timeout, **kwargs)  # type: ignore[no-untyped-call]
     return redis.Redis(connection_pool=new_pool)
 
 
@@ -160,11 +151,9 @@ def _on_setting_changed(setting: str, **kwargs: Any) -> None:
 def client_from_factory(path: str) -> Any:
     """The client made by the factory at dotted ``path`` (``JOBLOCK["REDIS_CLIENT"]``).
 
-    Raises :class:`JoblockConfigError` naming the setting when it cannot be imported, is not
-    callable, raises, or returns something that is not a redis-py client; and
-    :class:`LockBackendUnavailable` when it raised because Redis did not answer (a
-    ``RedisCluster`` asks its nodes for the slot map when it is made).
-    """
+    Raises :class:`JoblockConfigError` naming the setting when the factory cannot be imported
+    or called, raises, or returns no redis-py client; :class:`LockBackendUnavailable` when it
+    raised because Redis did not answer (a ``RedisCluster`` asks for the slot map when made)."""
     what = f"JOBLOCK['REDIS_CLIENT'] = {path!r}"
     try:
         factory = import_string(path)
@@ -224,12 +213,9 @@ def no_answer(exc: BaseException) -> str:
 def unavailable(
     exc: BaseException, action: str, *, resource: str, key: str, owner: str
 ) -> LockBackendUnavailable:
-    """The :class:`LockBackendUnavailable` to raise for ``exc`` (one of ``REDIS_ERRORS``).
-
-    Re-raises ``exc`` itself when it is not an availability problem (a WRONGTYPE reply: a bug
-    or a foreign key in our namespace, which must not be reported as "Redis down"). Use as
-    ``except REDIS_ERRORS as exc: raise unavailable(exc, ...) from exc``.
-    """
+    """The :class:`LockBackendUnavailable` to raise for ``exc`` (one of ``REDIS_ERRORS``), as
+    ``raise unavailable(exc, ...) from exc``. Re-raises ``exc`` itself when it is not about
+    availability (a WRONGTYPE reply: a bug or a foreign key in our namespace, never "down")."""
     if not is_unavailable(exc):
         raise exc
     return LockBackendUnavailable(
@@ -247,10 +233,8 @@ def is_cluster(found: Any) -> bool:
 
 def close(found: Any) -> None:
     """Close a client's connections."""
-    try:
+    with contextlib.suppress(*REDIS_ERRORS):
         found.close() if is_cluster(found) else found.connection_pool.disconnect()
-    except REDIS_ERRORS:
-        pass
 
 
 def server_infos(found: Any, section: str) -> dict[str, dict[str, Any]]:
@@ -264,9 +248,8 @@ def server_infos(found: Any, section: str) -> dict[str, dict[str, Any]]:
 
 
 class Script:
-    """A Lua script, sent by ``EVALSHA`` and loaded into the server's script cache when the
-    server does not know it (a restart, ``SCRIPT FLUSH``, a failover; on Redis Cluster,
-    ``SCRIPT LOAD`` goes to every primary)."""
+    """A Lua script, sent by ``EVALSHA`` and loaded when the server does not know it (a restart,
+    ``SCRIPT FLUSH``, a failover; on Redis Cluster, ``SCRIPT LOAD`` goes to every primary)."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -286,13 +269,11 @@ Call = tuple[Script, Sequence[str], Sequence[Any]] | Sequence[Any]
 
 
 def send(found: Any, calls: Sequence[Call]) -> list[Any]:
-    """Several commands in one round trip: a pipeline without ``MULTI`` (on Redis Cluster each
-    command goes to the node of its key).
-
-    Returns one reply per call, in order. A command the server refused gives its exception as
-    its reply (the others still ran); a script the server had forgotten is loaded and run
-    again on its own. A connection error raises (it is not known which commands ran).
-    """
+    """Several commands in one round trip (a pipeline without ``MULTI``; on Redis Cluster each
+    command goes to the node of its key): one reply per call, in order. A command the server
+    refused gives its exception as its reply (the others still ran); a script the server had
+    forgotten is loaded and run again on its own. A connection error raises (it is not known
+    which commands ran)."""
     if len(calls) == 1:  # no pipeline: redis-py's costs more than the command itself
         call = calls[0]
         try:
@@ -311,14 +292,5 @@ def send(found: Any, calls: Sequence[Call]) -> list[Any]:
     replies: list[Any] = pipe.execute(raise_on_error=False)
     for index, call in enumerate(calls):
         if isinstance(replies[index], NoScriptError) and isinstance(call, tuple):
-            script, keys, args = call
-            replies[index] = script(found, keys, args)
-    return replies
-
-
-def raise_refused(replies: list[Any]) -> list[Any]:
-    """``replies`` of :func:`send`, or the first refusal among them raised."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
+            replies[index] = call[0](found, call[1], call[2])
     return replies

@@ -14,8 +14,7 @@ def ceiling(attempt: int, *, base: float, factor: float, max_delay: float) -> fl
     if attempt < 0:
         raise ValueError(f"attempt must be >= 0, got {attempt}")
     # Avoid float overflow for a large attempt count: once past max_delay, stay there.
-    exponent = min(attempt, 64)
-    return float(min(max_delay, base * factor**exponent))
+    return float(min(max_delay, base * factor ** min(attempt, 64)))
 
 
 def full_jitter(attempt: int, *, base: float, factor: float, max_delay: float) -> float:

@@ -23,8 +23,7 @@ W015  the records' database is SQLite without ``transaction_mode: IMMEDIATE``
 W016  (deploy) ``KEY_PREFIX`` on the locks' Redis belongs to another project
 
 Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
-per-call ``.enqueue(job_timeout=)`` is checked at enqueue time and logged with the same id.
-"""
+per-call ``.enqueue(job_timeout=)`` is checked at enqueue time and logged with the same id."""
 
 from __future__ import annotations
 
@@ -90,13 +89,8 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     except LockBackendUnavailable:
         return []
     except JoblockConfigError as exc:
-        return [
-            _message(
-                "E007",
-                str(exc),
-                "Name a function returning a redis-py client; see docs/topologies.md.",
-            )
-        ]
+        hint = "Name a function returning a redis-py client; see docs/topologies.md."
+        return [_message("E007", str(exc), hint)]
     if not (backend.is_cluster(client) and conf.get().REPLICA_ACKS):
         return []
     message = "JOBLOCK['REPLICA_ACKS'] is set, but REDIS_CLIENT makes a Redis Cluster client."
@@ -110,25 +104,22 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     if _settings_broken() or check_redis_alias() or check_redis_client():
         return []
     alias = conf.get().REDIS_ALIAS
-    client = None
     try:
         client = dedicated(connection(alias), 2.0)
-        memories = server_infos(client, "memory")
-        other = cleanup.other_project(client)
+        try:
+            memories = server_infos(client, "memory")
+            other = cleanup.other_project(client)
+        finally:
+            close(client)
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
         message = f"Redis of cache {alias!r} does not answer: {exc}"
         return [_message("W010", message, "Check that Redis runs at the configured address.")]
-    finally:
-        if client is not None:
-            close(client)
     found = []
     if other:
         prefix = conf.get().KEY_PREFIX
-        message = (
-            f"KEY_PREFIX {prefix!r} on the Redis of cache {alias!r} belongs to another project "
-            f"({other}; its SECRET_KEY differs): each sees the other's locks, and a purge "
-            "removes the other's keys."
-        )
+        message = f"KEY_PREFIX {prefix!r} on the Redis of cache {alias!r} belongs to another "
+        message += f"project ({other}; its SECRET_KEY differs): each sees the other's locks, and a "
+        message += "purge removes the other's keys."
         hint = "Give each project its own JOBLOCK['KEY_PREFIX'] (or Redis database); after "
         hint += f"rotating SECRET_KEY, delete the key {prefix}:project."
         found.append(_message("W016", message, hint))
@@ -176,10 +167,8 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
     alias = router.db_for_write(IdempotencyRecord)
     database = settings.DATABASES.get(alias) or {}
-    options = database.get("OPTIONS") or {}
-    if not str(database.get("ENGINE", "")).endswith("sqlite3"):
-        return []
-    if str(options.get("transaction_mode", "")).upper() == "IMMEDIATE":
+    immediate = str((database.get("OPTIONS") or {}).get("transaction_mode", "")).upper()
+    if not str(database.get("ENGINE", "")).endswith("sqlite3") or immediate == "IMMEDIATE":
         return []
     message = (
         f"DATABASES[{alias!r}] is SQLite with deferred transactions: jobs running at once "

@@ -2,12 +2,11 @@
 ``setting_changed``.
 
 Each key is a field of :class:`JoblockSettings` with its default, rule
-(:mod:`~django_joblock.setting_rules`) and docs; validation, the system checks and the tables
-of ``docs/settings.md`` come from there. Durations are seconds. Every key is optional (one whose
-default is ``None`` may be set to ``None``); an unknown one (``LOCK_TLL``) is an error.
-:func:`get` validates on first use and raises :class:`JoblockConfigError` naming the bad key
-(never half-applied); :func:`problems` returns the same findings for the system checks.
-"""
+(:mod:`~django_joblock.setting_rules`) and docs; validation, the system checks and the tables of
+``docs/settings.md`` come from there. Durations are seconds. Every key is optional (one whose
+default is ``None`` may be set to ``None``); an unknown one (``LOCK_TLL``) is an error. :func:`get`
+validates on first use and raises :class:`JoblockConfigError` naming the bad key (never
+half-applied); :func:`problems` returns the same findings for the system checks."""
 
 from __future__ import annotations
 
@@ -159,8 +158,7 @@ class JoblockSettings:
         '`@locked_job` on a lost lock: `"abort"` raises `LockLost` in the job, `"flag"` only '
         "sets `lock.lost`",
     )
-    # _setting returns a dataclasses.field with a default_factory (a fresh dict per instance).
-    REQUEUE_BACKOFF: dict[str, float] = _setting(  # noqa: RUF009
+    REQUEUE_BACKOFF: dict[str, float] = _setting(  # noqa: RUF009 - a fresh dict per instance
         BACKOFF.defaults(), BACKOFF, "requeue delays on contention, see below"
     )
     REQUEUE_MAX_WAIT: float = _setting(
@@ -257,9 +255,8 @@ def problems(raw: object) -> list[Problem]:
             renamed = f" (renamed {RENAMED[key]!r})" if key in RENAMED else ""
             known = ", ".join(sorted(KEYS))
             found.append(Problem("E002", f"Unknown key JOBLOCK[{key!r}]{renamed}; known: {known}."))
-    if any(p.id.startswith("E") for p in found):
-        return found
-    return found + rules.between_keys(_merge(raw))
+    errors = any(p.id.startswith("E") for p in found)
+    return found if errors else found + rules.between_keys(_merge(raw))
 
 
 def _merge(raw: dict[str, Any]) -> dict[str, Any]:
@@ -284,12 +281,9 @@ def get() -> JoblockSettings:
     with _lock:
         if _cached is None:
             raw = getattr(django_settings, "JOBLOCK", None)
-            errors = [p for p in problems(raw) if p.id.startswith("E")]
-            if errors:
-                raise JoblockConfigError(
-                    "Invalid JOBLOCK setting: "
-                    + " ".join(f"[django_joblock.{p.id}] {p.message}" for p in errors)
-                )
+            if errors := [p for p in problems(raw) if p.id.startswith("E")]:
+                found = " ".join(f"[django_joblock.{p.id}] {p.message}" for p in errors)
+                raise JoblockConfigError(f"Invalid JOBLOCK setting: {found}")
             _cached = JoblockSettings(**_merge(dict(raw or {})), raw=dict(raw or {}))
         return _cached
 

@@ -2,12 +2,11 @@
 
 Every lock event (acquired, contended, renewed, renew_failed, released, lost) is logged by
 :func:`log_lock` with the same ``extra`` fields, so that a log pipeline can follow one lock:
-``job_id``, ``resource``, ``lock_key``, ``lock_owner`` (a short hash of the token, never the
-token), ``lock_ttl`` (seconds), ``fence``, ``outcome`` and ``reason``. A job run's one line
-(:mod:`django_joblock.outcomes`) has its own: ``job_id``, ``resource``, ``idempotency_key``,
+``job_id``, ``resource``, ``lock_key``, ``lock_owner`` (a short hash of the token, never the token),
+``lock_ttl`` (seconds), ``fence``, ``outcome`` and ``reason``. A job run's one line
+(:mod:`django_joblock.jobs.outcomes`) has its own: ``job_id``, ``resource``, ``idempotency_key``,
 ``outcome``, ``reason``, ``holder`` and ``waited``; a lock dropped while held, ``resource``,
-``lock_key`` and ``outcome="dropped"``.
-"""
+``lock_key`` and ``outcome="dropped"``."""
 
 from __future__ import annotations
 
@@ -34,22 +33,8 @@ def log_lock(level: int, outcome: str, lock: Logged, message: str, reason: str =
     """Log one lock event with the structured ``extra`` fields."""
     if not logger.isEnabledFor(level):
         return
-    logger.log(
-        level,
-        "%s: %s (resource=%s owner=%s fence=%s)",
-        outcome,
-        message,
-        lock.resource,
-        lock.owner,
-        lock.fence,
-        extra={
-            "job_id": lock.job_id or None,
-            "resource": lock.resource,
-            "lock_key": lock.key,
-            "lock_owner": lock.owner,
-            "lock_ttl": lock.ttl,
-            "fence": lock.fence,
-            "outcome": outcome,
-            "reason": reason,
-        },
-    )
+    extra: dict[str, object] = {"job_id": lock.job_id or None, "resource": lock.resource}
+    extra.update(lock_key=lock.key, lock_owner=lock.owner, lock_ttl=lock.ttl, fence=lock.fence)
+    extra.update(outcome=outcome, reason=reason)
+    line = "%s: %s (resource=%s owner=%s fence=%s)"
+    logger.log(level, line, outcome, message, lock.resource, lock.owner, lock.fence, extra=extra)

@@ -1,27 +1,22 @@
-"""Counters and histograms stored in Redis, per family and job function (never per resource).
+"""Counters and histograms in Redis, per family and job function (never per resource).
 
-This module owns the metric structures: :data:`METRICS` is the one table of metrics (name,
-kind, help), read by the recorder here and by the Prometheus exporter; the field format below
-is written and parsed only here.
+The owner of the metric structures: :data:`METRICS` is the one table (name, kind, help), read by
+the recorder here and by the Prometheus exporter. Events go to a per-process buffer (no I/O on
+the hot path), flushed by one Lua call (:data:`FLUSH`; both keys share the ``{metrics}`` hash
+tag) into ``P:{metrics}:b:<minute>`` (expires after ``METRICS_RETENTION``: windows, rates,
+percentiles) and ``P:{metrics}:total`` (all-time, for Prometheus). In an RQ job a flush rides
+the lock release's round trip and ends every run (:func:`flush_now`), so a work horse that
+``os._exit``\\ s loses nothing; outside jobs, a release or the renewal thread flushes at most
+every ``FLUSH_INTERVAL`` seconds, and so does the exit.
 
-Events go to a per-process buffer (no I/O on the hot path), flushed by one Lua call
-(:data:`FLUSH`, Redis-Cluster-safe: both keys share the ``{metrics}`` hash tag) into
-``P:{metrics}:b:<minute>``, the minute's bucket (expires after ``METRICS_RETENTION``: windows,
-rates, percentiles), and ``P:{metrics}:total`` (all-time totals, for Prometheus).
-
-Flushed inside an RQ job with the lock release's round trip and at the end of every run
-(:func:`flush_now`), so a work horse that ``os._exit``\\ s loses nothing; outside jobs at most
-every ``FLUSH_INTERVAL`` seconds with a release or by the renewal thread, and at exit.
-
-Field names: ``<metric>|<family>|<function>`` for counters, ``<metric>:b<i>|...`` for the count
-of observations in histogram bucket ``i`` (upper bounds :data:`BOUNDS`, in seconds) and
-``<metric>:sum_us|...`` for their sum in microseconds.
-"""
+Fields: ``<metric>|<family>|<function>`` for a counter; ``<metric>:b<i>|...`` counts observations
+in histogram bucket ``i`` (bounds :data:`BOUNDS`, in s), ``<metric>:sum_us|...`` sums them (µs)."""
 
 from __future__ import annotations
 
 import atexit
 import bisect
+import contextlib
 import enum
 import os
 import threading
@@ -112,11 +107,8 @@ METRICS = (
 COUNTERS = frozenset(m.name for m in METRICS if m.kind is COUNTER)
 HISTOGRAMS = frozenset(m.name for m in METRICS if m.kind is HISTOGRAM)
 
-# Histogram bucket upper bounds in seconds (the last bucket is +Inf).
-BOUNDS = tuple(
-    map(float, "0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10 25 60 150 300 600 "
-    "1800 3600".split())
-)  # fmt: skip
+_BOUNDS = "0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10 25 60 150 300 600 1800 3600"
+BOUNDS = tuple(map(float, _BOUNDS.split()))  # histogram bucket upper bounds (s); the last is +Inf
 BUCKET_SECONDS = 60
 FLUSH_INTERVAL = 1.0
 
@@ -170,32 +162,26 @@ def count(metric: str, family: str, func: str = "", n: int = 1) -> None:
         _add({f"{metric}|{family}|{func}": n})
 
 
+def _observation(metric: str, labels: str, seconds: float) -> dict[str, int]:
+    bucket = f"{metric}:b{bucket_of(seconds)}{labels}"
+    return {bucket: 1, f"{metric}:sum_us{labels}": int(seconds * 1e6)}
+
+
 def observe(metric: str, family: str, func: str, seconds: float) -> None:
     """Record one observation of histogram ``metric`` (buffered)."""
     if metric not in HISTOGRAMS:
         raise ValueError(f"{metric!r} is not a histogram in django_joblock.metrics.METRICS")
     if enabled():
-        labels = f"|{family}|{func}"
-        _add(
-            {
-                f"{metric}:b{bucket_of(seconds)}{labels}": 1,
-                f"{metric}:sum_us{labels}": int(seconds * 1e6),
-            }
-        )
+        _add(_observation(metric, f"|{family}|{func}", seconds))
 
 
 def record_acquire(family: str, func: str, waited: float, *, acquired: bool) -> None:
     """One ``acquire()`` call's counters and wait time (buffered)."""
     if enabled():
         labels = f"|{family}|{func}"
-        _add(
-            {
-                "acquire_attempts" + labels: 1,
-                ("acquired" if acquired else "contended") + labels: 1,
-                f"wait_seconds:b{bucket_of(waited)}{labels}": 1,
-                "wait_seconds:sum_us" + labels: int(waited * 1e6),
-            }
-        )
+        outcome = "acquired" if acquired else "contended"
+        counts = {"acquire_attempts" + labels: 1, outcome + labels: 1}
+        _add(counts | _observation("wait_seconds", labels, waited))
 
 
 def pending() -> bool:
@@ -224,10 +210,8 @@ def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
     settings = conf.get()
     prefix = settings.KEY_PREFIX
     keys = [bucket_key(prefix, _minute(time.time() if at is None else at)), totals_key(prefix)]
-    args: list[Any] = [int(settings.METRICS_RETENTION)]
-    for name, n in taken.items():
-        args += [name, n]
-    return (FLUSH, keys, args)
+    pairs = [value for item in taken.items() for value in item]
+    return (FLUSH, keys, [int(settings.METRICS_RETENTION), *pairs])
 
 
 def flush_due(make_client: Callable[[], Any]) -> None:
@@ -247,9 +231,8 @@ def _flush(found: Any, taken: dict[str, int], at: float | None = None) -> None:
 
 
 def flush_now(at: float | None = None) -> None:
-    """Flush whatever is buffered, now, in this thread (where the process may end next: the
-    end of every job run), into the bucket of the minute of ``at`` (Unix seconds, default
-    now). One round trip when there is something to flush, none otherwise."""
+    """Flush the buffer now, in this thread (the process may end next: at the end of every job
+    run), into the minute of ``at`` (Unix seconds, default now); no round trip if empty."""
     taken = take_for_flush(force=True) if enabled() else {}
     if taken:
         _flush(client(conf.get().REDIS_ALIAS), taken, at)
@@ -258,10 +241,8 @@ def flush_now(at: float | None = None) -> None:
 @atexit.register
 def _flush_at_exit() -> None:
     if _recorder.pid == os.getpid() and _recorder.pending:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: settings or Redis may be gone
             flush_now()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: settings or Redis may be gone
-            pass
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -303,9 +284,8 @@ class Series:
                 counts[int(part[1:])] += value
 
     def total(self, metric: str, family: str | None = None) -> int:
-        return sum(
-            v for (fam, _f), v in self.counters[metric].items() if family is None or fam == family
-        )
+        counts = self.counters[metric].items()
+        return sum(v for (fam, _f), v in counts if family is None or fam == family)
 
     def busy(self, family: str | None = None) -> int:
         """How often a resource was found busy: acquires that waited in vain, and jobs that
@@ -320,16 +300,13 @@ class Series:
         return merged
 
     def families(self) -> set[str]:
-        found = {fam for per in self.counters.values() for fam, _ in per}
-        found |= {fam for per in self.histograms.values() for fam, _ in per}
-        return found
+        labelled: list[dict[Labels, Any]] = [*self.counters.values(), *self.histograms.values()]
+        return {fam for per in labelled for fam, _ in per}
 
 
 def percentile(counts: list[int], q: float) -> float | None:
-    """Upper bound (seconds) of the bucket holding the ``q`` quantile (0..1); None if empty.
-
-    Accurate to one bucket by construction; the +Inf bucket reports the last finite bound.
-    """
+    """Upper bound (seconds) of the bucket holding the ``q`` quantile (0..1), None if empty:
+    accurate to one bucket by construction; the +Inf bucket reports the last finite bound."""
     total = sum(counts)
     if not total:
         return None
@@ -342,41 +319,38 @@ def percentile(counts: list[int], q: float) -> float | None:
     return BOUNDS[-1]
 
 
-def _buckets(starts: list[int]) -> list[dict[Any, Any]]:
+def _series(*raws: dict[Any, Any]) -> Series:
+    series = Series()
+    for raw in raws:
+        series.add(raw)
+    return series
+
+
+def _buckets(minutes: int, now: float | None) -> list[tuple[int, dict[Any, Any]]]:
+    """``[(minute_start, raw bucket)]`` of the last ``minutes`` minutes, newest first."""
+    now = time.time() if now is None else now
+    starts = [_minute(now - back * BUCKET_SECONDS) for back in range(minutes)]
     prefix = conf.get().KEY_PREFIX
     pipe = _client().pipeline(transaction=False)
     for start in starts:
         pipe.hgetall(bucket_key(prefix, start))
-    return list(pipe.execute())
+    return list(zip(starts, pipe.execute(), strict=True))
 
 
 def window(seconds: float, now: float | None = None) -> Series:
     """Metrics summed over the last ``seconds`` (whole minutes, current one included)."""
-    now = time.time() if now is None else now
-    minutes = max(1, int(seconds // BUCKET_SECONDS) + 1)
-    series = Series()
-    for raw in _buckets([_minute(now - back * BUCKET_SECONDS) for back in range(minutes)]):
-        series.add(raw)
-    return series
+    buckets = _buckets(max(1, int(seconds // BUCKET_SECONDS) + 1), now)
+    return _series(*(raw for _start, raw in buckets))
 
 
 def per_minute(metric: str, minutes: int, now: float | None = None) -> list[tuple[int, int]]:
     """``[(minute_start, total)]`` of one counter, oldest first (for charts)."""
-    now = time.time() if now is None else now
-    starts = [_minute(now - back * BUCKET_SECONDS) for back in range(minutes)]
-    out = []
-    for start, raw in zip(starts, _buckets(starts), strict=True):
-        series = Series()
-        series.add(raw)
-        out.append((start, series.total(metric)))
-    return list(reversed(out))
+    return [(start, _series(raw).total(metric)) for start, raw in reversed(_buckets(minutes, now))]
 
 
 def totals() -> Series:
     """All-time totals (Prometheus counters)."""
-    series = Series()
-    series.add(_client().hgetall(totals_key(conf.get().KEY_PREFIX)))
-    return series
+    return _series(_client().hgetall(totals_key(conf.get().KEY_PREFIX)))
 
 
 def record_active_sample(total: int, now: float | None = None) -> None:
@@ -394,8 +368,5 @@ def record_active_sample(total: int, now: float | None = None) -> None:
 def active_samples(since: float) -> list[tuple[float, int]]:
     """``[(unix time, active locks)]`` recorded since ``since``, oldest first."""
     raw = _client().zrangebyscore(samples_key(conf.get().KEY_PREFIX), since, "+inf")
-    out = []
-    for member in raw:
-        at, _, total = text(member).partition(":")
-        out.append((float(at), int(total)))
-    return out
+    members = (text(member).partition(":") for member in raw)
+    return [(float(at), int(total)) for at, _, total in members]

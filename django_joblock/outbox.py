@@ -1,21 +1,18 @@
 """Side effects outside the database, made once per key: the outbox.
 
-:func:`send_after_commit` records the intent (an :class:`~django_joblock.models.OutboxMessage`
-row, in the job's transaction) and calls ``handler(payload, idempotency_key=key)`` once it
-commits (in our workers, once the job has ended: :func:`after_job`): a run that dies or rolls
-back first has sent nothing. A failed delivery, or one whose process died after the commit, is
-retried with backoff (1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due`
-(``manage.py joblock_outbox``). At least once, with the same key each
-time (hand it to the provider); a delivery holds the row lock while its handler runs, so keep
-handlers short. The whole story: docs/idempotency.md.
-"""
+:func:`send_after_commit` records the intent (an :class:`~django_joblock.models.OutboxMessage` row,
+in the job's transaction) and calls ``handler(payload, idempotency_key=key)`` once it commits (in
+our workers, once the job has ended: :func:`after_job`): a run that dies or rolls back first has
+sent nothing. A failed delivery, or one whose process died after the commit, is retried with backoff
+(1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due` (``manage.py joblock_outbox``).
+At least once, with the same key each time (hand it to the provider); a delivery holds the row lock
+while its handler runs, so keep handlers short. The whole story: docs/idempotency.md."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import logging
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,18 +25,7 @@ from .backoff import ceiling
 from .choices import OutboxStatus
 from .idempotency.inputs import storable_json
 from .locks.info import job_context
-
-__all__ = [
-    "RETRY_MAX",
-    "OutboxReport",
-    "after_job",
-    "deliver",
-    "deliver_due",
-    "describe",
-    "send_after_commit",
-]
-
-logger = logging.getLogger("django_joblock")
+from .logs import logger
 
 #: The longest wait between two delivery attempts of one message, in seconds.
 RETRY_MAX = 300.0
@@ -92,9 +78,7 @@ def send_after_commit(
 
 
 # The deliveries a worker's job recorded, held until the job ended (see after_job).
-_held: contextvars.ContextVar[list[tuple[int, str]] | None] = contextvars.ContextVar(
-    "joblock_outbox_held", default=None
-)
+_held: ContextVar[list[tuple[int, str]] | None] = ContextVar("joblock_outbox_held", default=None)
 
 
 def _deliver_or_hold(pk: int, database: str) -> None:
@@ -107,10 +91,9 @@ def _deliver_or_hold(pk: int, database: str) -> None:
 
 @contextlib.contextmanager
 def after_job() -> Iterator[None]:
-    """Hold the deliveries that the block's commits release until the block ends: around a
-    worker's run of a job (the workers of :mod:`django_joblock.worker`), so that a handler's
-    network time is not lock hold time, and runs after the job's lock is released and RQ has
-    handed its admission slot on. A failed delivery stays pending for ``joblock_outbox``."""
+    """Hold the deliveries the block's commits release until it ends, around a worker's run of a
+    job: a handler's network time is then not lock hold time, and it runs once the lock is released
+    and RQ handed the admission slot on. A failed delivery stays pending for ``joblock_outbox``."""
     held: list[tuple[int, str]] = []
     token = _held.set(held)
     try:
@@ -120,7 +103,7 @@ def after_job() -> Iterator[None]:
         for pk, database in held:
             try:
                 deliver(pk, using=database)
-            except Exception:  # the job ended well; joblock_outbox retries the message
+            except Exception:  # noqa: BLE001 - the job ended well; joblock_outbox retries it
                 logger.warning("outbox: delivery of message %s failed", pk, exc_info=True)
 
 

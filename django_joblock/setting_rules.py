@@ -1,10 +1,9 @@
 """The kinds of value a ``JOBLOCK`` key can take, and the rules between keys.
 
-:mod:`django_joblock.conf` declares every key with a rule: :meth:`~Rule.problem` says why a
-value is refused ("" if fine), :meth:`~Rule.allowed` how the settings reference describes what
-it allows, :meth:`~Rule.clean` how a valid value is stored. :class:`Range` also checks the
-arguments standing in for a setting (``lock(ttl=)``...): finite and in range.
-"""
+:mod:`django_joblock.conf` declares every key with a rule: :meth:`~Rule.problem` says why a value is
+refused ("" if fine), :meth:`~Rule.allowed` how the settings reference describes what it allows,
+:meth:`~Rule.clean` how a valid value is stored. :class:`Range` also checks the arguments standing
+in for a setting (``lock(ttl=)``...): finite and in range."""
 
 from __future__ import annotations
 

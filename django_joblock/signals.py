@@ -10,8 +10,7 @@ be quick and must not block on the lock itself.
   validity deadline, or ``max_hold`` reached.
 - ``lock_released(lock, released, held_for)``: ``released`` is False when it was no longer ours.
 - ``job_requeued(job, lock, delay)``: an RQ job was requeued because its lock was busy.
-- ``duplicate_blocked(key, scope, record)``: an idempotency key was found already done.
-"""
+- ``duplicate_blocked(key, scope, record)``: an idempotency key was found already done."""
 
 from __future__ import annotations
 

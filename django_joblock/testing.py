@@ -17,8 +17,6 @@ from .jobs.admission import PARKED
 from .jobs.queues import get_queue
 from .locks.renewal import renewer
 
-MAX_ROUNDS = 100
-
 
 class InProcessWorker(SimpleWorker):
     """RQ's in-process worker, leaving the test case's database connections open; ``seen`` is
@@ -57,18 +55,15 @@ class Run:
 
 
 def _refuse_live_workers(queues: list[Any]) -> None:
-    """A worker process on a queue :func:`run_jobs` drains would race the test for its jobs and
-    run them against *its* database (a development worker left running: the test's jobs
-    changed development data). Refused with the workers named (docs/testing.md)."""
+    """Refuse (naming them) workers on the drained queues: they would race the test for its jobs
+    and run them against *their* database (docs/testing.md)."""
     for queue in queues:
         if found := Worker.all(queue=queue):
             names = ", ".join(sorted(f"{each.name} (pid {each.pid})" for each in found))
-            raise RuntimeError(
-                f"run_jobs(): queue {queue.name!r} has live workers on its Redis: {names}. "
-                "They would take the test's jobs and run them against their own database. "
-                "Give the tests a Redis database of their own (docs/testing.md, 'Settings "
-                "for tests'), or stop those workers."
-            )
+            why = f"run_jobs(): queue {queue.name!r} has live workers on its Redis: {names}. "
+            why += "They would take the test's jobs and run them against their own database. "
+            why += "Give the tests a Redis database of their own (docs/testing.md, 'Settings for "
+            raise RuntimeError(why + "tests'), or stop those workers.")
 
 
 def _fast_forward(queue: Any) -> int:
@@ -86,7 +81,7 @@ def _fast_forward(queue: Any) -> int:
     return moved
 
 
-def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUNDS) -> Run:
+def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = 100) -> Run:
     """Run every job waiting on ``queues`` (names or ``rq.Queue``; default ``"default"``) here,
     in rounds: an in-process worker drains them (burst), then, with ``fast_forward``, what RQ
     scheduled meanwhile (requeues, ``Retry``, ``enqueue_in``) goes back onto its queue. Stops
@@ -107,8 +102,7 @@ def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = MAX_ROUN
 
     while run.rounds < max_rounds:
         for queue in resolved:
-            scheduled = queue.scheduled_job_registry.get_job_ids()
-            note([*queue.get_job_ids(), *scheduled])
+            note([*queue.get_job_ids(), *queue.scheduled_job_registry.get_job_ids()])
         run.rounds += 1
         worker = InProcessWorker(resolved, connection=connection)
         worker.seen = note

@@ -1,22 +1,13 @@
 """RQ workers (docs/jobs.md, "Workers and database connections" and "When the slot frees").
 
 ``JoblockWorker`` closes Django's database connections before each fork, ``JoblockSimpleWorker``
-drops stale ones around each job. Both:
-
-- run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s, and while idle never block in a
-  dequeue longer than the liveness interval (1 s);
-- once per interval, free the admission slot of a job whose lock ended without a release
-  (:mod:`django_joblock.jobs.liveness`) and, with ``--with-scheduler``, take RQ's scheduler
-  over from a worker that stopped renewing its lock (:meth:`take_over_scheduler`), and
-  release RQ's maintenance lock left by a pass that died (:meth:`free_stale_maintenance`);
-- ride out a Redis outage: between jobs, where RQ quits (heartbeat, suspension check,
-  maintenance, state, the dequeue's set-up) these log a warning and go on to the dequeue,
-  which waits with backoff; during a job, the forking worker's parent keeps watching its horse,
-  and the job's end is recorded once Redis answers again (waiting up to ``OUTAGE_WAIT`` s).
-
-Each override of RQ's worker exists because a test in tests/test_liveness.py or
-tests/test_workers.py fails without it.
-"""
+drops stale ones around each job. Both run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s and,
+while idle, sweep once per liveness interval (:meth:`~_Loop.sweep`: slots of dead holders, stale
+maintenance locks, a dead scheduler). They ride out a Redis outage: between jobs, where RQ quits,
+they log a warning and go on to the dequeue, which waits with backoff; during a job, the forking
+worker's parent keeps watching its horse, and the job's end is recorded once Redis answers again
+(waiting up to ``OUTAGE_WAIT`` s). Each override of RQ's worker exists because a test in
+tests/test_liveness.py or tests/test_workers.py fails without it."""
 
 from __future__ import annotations
 
@@ -55,6 +46,7 @@ class _Loop:
     connection: Any
     exponential_backoff_factor: float
     max_connection_wait_time: float
+    scheduler: RQScheduler | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # RQ's CLI (`rq worker --worker-class ...`) passes RQ's 600 s default explicitly: an
@@ -64,6 +56,11 @@ class _Loop:
             kwargs["maintenance_interval"] = MAINTENANCE_INTERVAL
         super().__init__(*args, **kwargs)
         self._liveness_due = 0.0  # monotonic time of the next sweep
+        self._burst = False
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        self._burst = bool(kwargs.get("burst", args[0] if args else False))
+        return super().work(*args, **kwargs)  # type: ignore[misc, no-any-return]
 
     @property
     def dequeue_timeout(self) -> int:
@@ -79,34 +76,28 @@ class _Loop:
             message = "worker %s: Redis unavailable in its %s (%s); going on without it"
             logger.warning(message, self.name, step, exc)
 
-    def wait_for_redis(self) -> None:
-        """Wait until this worker's Redis answers, for up to :data:`OUTAGE_WAIT` seconds (then
-        return, and let RQ's next call fail as it would)."""
+    def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
+        """Before RQ records a job's end (in the work horse, or a ``SimpleWorker``), wait up to
+        :data:`OUTAGE_WAIT` s for Redis: an outage when a job ends delays its outcome instead of
+        losing it (RQ would record a success as a failure, or nothing, and quit)."""
         deadline, pause = time.monotonic() + OUTAGE_WAIT, 0.25
         while True:
             try:
                 self.connection.ping()
-                return
+                break
             except OUTAGE as exc:
                 if time.monotonic() >= deadline:
-                    return
+                    break  # RQ's next call fails as it would
                 if pause == 0.25:
                     message = "worker %s: Redis unavailable (%s); waiting up to %ss for it"
                     logger.warning(message, self.name, exc, OUTAGE_WAIT)
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
-
-    def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
-        """Before RQ records a job's end (in the work horse, or a ``SimpleWorker``), wait for
-        Redis: an outage when a job ends delays its outcome instead of losing it (RQ would
-        record a success as a failure, or nothing, and quit)."""
-        self.wait_for_redis()
         super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc]
 
-    def maintain_heartbeats(self, *args: Any) -> None:
+    def maintain_heartbeats(self, *args: Any) -> None:  # (job, execution) on rq 3, (job) on rq 2
         # The forking worker's parent while its horse runs: RQ quits on a Redis error here and
         # orphans the horse; the execution's heartbeat TTL (>= 60 s) covers a short outage.
-        # (job, execution) on rq 3, (job) on rq 2.
         with self._outage("heartbeat during a job"):
             super().maintain_heartbeats(*args)  # type: ignore[misc]
 
@@ -134,21 +125,17 @@ class _Loop:
             self.sweep()
 
     def sweep(self) -> None:
-        """The liveness sweep (:func:`django_joblock.jobs.liveness.sweep`) on this worker's
-        Redis when no worker swept within the interval, and :meth:`take_over_scheduler`. A
-        failure is logged, never raised."""
+        """:func:`~django_joblock.jobs.liveness.sweep` on this worker's Redis and
+        :meth:`free_stale_maintenance` unless another worker swept within the interval, then
+        :meth:`take_over_scheduler`; failures are logged."""
         try:
             if liveness.claim_turn():
                 liveness.sweep(self.connection)
                 self.free_stale_maintenance()
             self.take_over_scheduler()
         except REDIS_ERRORS as exc:
-            logger.warning(
-                "worker %s: liveness sweep failed (%s); next one in %gs",
-                self.name,
-                exc,
-                liveness.INTERVAL,
-            )
+            message = "worker %s: liveness sweep failed (%s); next one in %gs"
+            logger.warning(message, self.name, exc, liveness.INTERVAL)
 
     def check_for_suspension(self, burst: bool) -> None:
         with self._outage("suspension check"):
@@ -161,14 +148,19 @@ class _Loop:
             return super().perform_job(job, queue, *args)  # type: ignore[misc]
 
     def run_maintenance_tasks(self) -> None:
+        """RQ's, riding out an outage. A burst worker drops its scheduler first: RQ's burst
+        start-up already enqueued the due jobs, and the pass (like :meth:`take_over_scheduler`)
+        would start a scheduler process that the worker's exit then waits on, forever when
+        the SIGTERM reaches it before its own signal handlers."""
+        if self._burst:
+            self.scheduler = None
         with self._outage("maintenance"):
             super().run_maintenance_tasks()  # type: ignore[misc]
 
     def free_stale_maintenance(self) -> None:
-        """Release RQ's maintenance lock of a queue when its holder has been at it for
-        :data:`MAINTENANCE_STALE` seconds: a pass takes well under a second, and a worker that
-        died (or lost Redis) during one leaves the lock for RQ's 899 s, while jobs a Redis
-        restart left in RQ's intermediate queue wait for that maintenance."""
+        """Release a queue's RQ maintenance lock held for :data:`MAINTENANCE_STALE` seconds: a
+        pass takes well under a second, and one that died (or lost Redis) leaves it for RQ's 899 s
+        while jobs a Redis restart left in RQ's intermediate queue wait for that maintenance."""
         queues = self.queues  # type: ignore[attr-defined]
         pipe = self.connection.pipeline(transaction=False)
         for queue in queues:
@@ -180,13 +172,12 @@ class _Loop:
                 queue.release_maintenance_lock()
 
     def take_over_scheduler(self) -> None:
-        """Run RQ's scheduler here when the one holding a queue's scheduler lock stopped
-        renewing it for :data:`SCHEDULER_STALE` seconds (a live one renews it every second),
-        instead of after the lock's 61 s and the next maintenance: requeued jobs do not wait
-        on a dead scheduler. Only with ``--with-scheduler``. The stale lock is deleted by its
-        owner's name (RQ's compare-and-delete): of two workers taking over, one wins."""
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is None:
+        """Run RQ's scheduler here when the holder of a queue's scheduler lock stopped renewing
+        it for :data:`SCHEDULER_STALE` seconds (a live one renews it every second), not after the
+        lock's 61 s and the next maintenance. The stale lock is deleted by its owner's name (RQ's
+        compare-and-delete): of two workers taking over, one wins."""
+        scheduler = self.scheduler
+        if scheduler is None or self._burst:  # a burst worker runs no scheduler process
             return
         names = self.queue_names()  # type: ignore[attr-defined]
         pipe = self.connection.pipeline(transaction=False)
@@ -200,18 +191,13 @@ class _Loop:
             if owner is None:
                 vacant = True
             elif ttl < renewed_to - SCHEDULER_STALE:
+                message = "worker %s: the scheduler lock of queue %s was not renewed for %ss: its "
+                message += "holder %s is gone; taking over"
+                logger.warning(message, self.name, name, renewed_to - ttl, text(owner))
                 key = RQScheduler.get_locking_key(name)
-                logger.warning(
-                    "worker %s: the scheduler lock of queue %s was not renewed for %ss: its "
-                    "holder %s is gone; taking over",
-                    self.name,
-                    name,
-                    renewed_to - ttl,
-                    text(owner),
-                )
                 vacant |= bool(release_lock(self.connection, key, text(owner)))
         if vacant:
-            scheduler.acquire_locks(auto_start=True)
+            scheduler.acquire_locks(auto_start=True)  # type: ignore[no-untyped-call]
 
 
 class JoblockWorker(_Loop, Worker):

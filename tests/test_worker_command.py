@@ -139,3 +139,33 @@ def rq_cli_worker_kwargs() -> dict[str, object]:
 
     option = next(p for p in rq_cli.worker.params if p.name == "maintenance_interval")
     return {"maintenance_interval": option.default}
+
+
+@pytest.mark.parametrize("worker_class", ["JoblockWorker", "JoblockSimpleWorker"])
+def test_a_burst_worker_with_the_scheduler_starts_no_scheduler_process(worker_class, rconn):
+    """``--with-scheduler --burst`` enqueues the due scheduled jobs once and quits (RQ). The
+    scheduler take-over of the liveness sweep once started a scheduler *process* after the
+    first job of such a worker: its exit then waited on that process, forever when the
+    SIGTERM reached the fork before the scheduler's own handler (README's tour hung in CI)."""
+    crew = Workers()
+    try:
+        job = jobs.hold_resource.delay(7, "burst-scheduler", 0.0)
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "django", "joblock_worker", "default"),
+                *("--with-scheduler", "--burst", "--worker-class"),
+                f"django_joblock.worker.{worker_class}",
+            ],
+            cwd=ROOT,
+            env=crew.env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output
+        assert job.get_status(refresh=True) is JobStatus.FINISHED, output
+        assert "done, quitting" in output, "negative control: the worker ran its burst"
+        assert "Scheduler for default started" not in output, output
+    finally:
+        crew.stop()

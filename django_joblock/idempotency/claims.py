@@ -13,8 +13,7 @@ The first claimer of a key owns it (insert-or-read, :mod:`.store`). A success is
 ``failed`` or expired claim is taken over by a compare-and-set. ``succeed()`` writes in the
 caller's transaction, only while this claim owns the record (else :class:`IdempotencyClaimLost`);
 an exception leaves it ``failed``; no ``succeed()`` succeeds with ``None``. The protocol, leases
-and replays: docs/idempotency.md. Needs SQLite >= 3.35 (``RETURNING``).
-"""
+and replays: docs/idempotency.md. Needs SQLite >= 3.35 (``RETURNING``)."""
 
 from __future__ import annotations
 
@@ -134,16 +133,8 @@ class Idempotent:
             self.claim.end(exc)
 
 
-def idempotent(
-    key: str,
-    *,
-    scope: str = "",
-    fingerprint: Any = None,
-    lease: float | None = None,
-    using: str | None = None,
-) -> Idempotent:
-    """``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:``; see below."""
-    return Idempotent(key, scope=scope, fingerprint=fingerprint, lease=lease, using=using)
+#: ``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:``, the public name.
+idempotent = Idempotent
 
 
 def claim(
@@ -168,25 +159,23 @@ def claim(
         # A takeover too lives a full TTL from now.
         return {**owner, **held_by, **times, "expires_at": store.expiry(now)}
 
-    def made(record_id: int, attempts: int, fingerprint: str, **extra: Any) -> Claim:
-        return Claim(
-            spec.key, spec.scope, fingerprint, token, record_id, attempts, spec.using, **extra
-        )
+    def made(pk: int, attempts: int, fingerprint: str, **extra: Any) -> Claim:
+        return Claim(spec.key, spec.scope, fingerprint, token, pk, attempts, spec.using, **extra)
 
     now = timezone.now()
     values: dict[str, Any] = {"scope": spec.scope, "key": spec.key, "created_at": now}
     values.update(fingerprint=spec.fingerprint, **claimed(now))
     lock_key = under.key if guard and under is not None else None
     for _ in range(_TAKEOVER_TRIES):
-        found, record_id, row = store.insert_or_read(
+        found, pk, row = store.insert_or_read(
             model, spec.using, values, guard=guard, lock_key=lock_key
         )
         if found == store.RESOURCE_GUARDED:
             assert under is not None
             raise refused(under)
         if found == store.INSERTED:
-            assert record_id is not None
-            return made(record_id, 1, spec.fingerprint)
+            assert pk is not None
+            return made(pk, 1, spec.fingerprint)
         if found == store.ABSENT:  # guarded, nothing there: the row is inserted at the end
             return made(0, 1, spec.fingerprint, pending=values)
         if found == store.GUARDED:

@@ -1,14 +1,12 @@
-"""The resource's transaction guard (PostgreSQL): a lock holder does not read the resource's rows
-while its previous holder, which lost the lock before its commit, is still in its transaction
-(reads do not wait for row locks: a write computed from them would be a lost update).
+"""The resource's transaction guard (PostgreSQL; docs/jobs.md): a lock holder does not read the
+resource's rows while its previous holder, which lost the lock before its commit, is still in its
+transaction (reads do not wait for row locks: a write computed from them would be a lost update).
 
 Under a held lock, ``@locked_job``'s transaction on the records' database first takes an advisory
 lock named after the lock's Redis key, never waiting: in the claim statement (:mod:`.store`) or
 before a lock-only job's first query (:func:`before_first_query`). A run that finds it taken ran
-nothing (:class:`ResourceInTransaction`, ``on_conflict`` applies). Assumes READ COMMITTED; not
-on SQLite (its write lock serialises), other databases, ``atomic=False`` jobs or ``lock()``
-blocks. The whole story: docs/jobs.md.
-"""
+nothing (:class:`ResourceInTransaction`, ``on_conflict`` applies). Assumes READ COMMITTED; not on
+SQLite (its write lock serialises), other databases, ``atomic=False`` jobs or ``lock()`` blocks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""What an idempotency claim accepts: keys, scopes, fingerprints and results. Bad keys and
-scopes are a ``ValueError`` naming them (``idempotent()``; ``@locked_job`` at enqueue); results
-are checked with the encoder the record stores them with (docs/idempotency.md).
-"""
+"""What an idempotency claim accepts: keys, scopes, fingerprints and results. Bad keys and scopes
+are a ``ValueError`` naming them (``idempotent()``; ``@locked_job`` at enqueue); results are checked
+with the encoder the record stores them with (docs/idempotency.md)."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def error_for(kind: type[_Error], key: str, scope: str, why: str) -> _Error:
 
 
 def check_result(result: Any, *, key: str, scope: str) -> None:
-    """Raise :class:`IdempotencyError` unless ``result`` can be stored as the record stores it
-    (:func:`storable_json`)."""
+    """Raise :class:`IdempotencyError` unless :func:`storable_json` can store ``result``."""
     try:
         storable_json(result)
     except (TypeError, ValueError) as exc:
@@ -74,9 +72,8 @@ _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def storable_json(value: Any) -> str:
-    """``value`` as JSON (Django's encoder) that a ``JSONField`` on any backend stores: no NaN
-    or infinity, and no NUL in a string (PostgreSQL cannot hold one). Else ``ValueError`` (or
-    ``TypeError`` for what JSON cannot encode)."""
+    """``value`` as JSON (Django's encoder) that a ``JSONField`` stores on any backend: no NaN,
+    infinity or NUL (PostgreSQL cannot hold one); else ``ValueError`` (``TypeError``: not JSON)."""
     encoded = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     if _NUL.search(encoded):
         raise ValueError("a string in it contains NUL (\\x00), which PostgreSQL cannot store")

@@ -1,12 +1,10 @@
 """One commit per job: under a held lock, ``@locked_job`` claims the key with
-:func:`claim_in_transaction` as the first statement of the job's transaction and records the
-result with :func:`record_result` before its one commit; a run that raised leaves a ``failed``
-record with :func:`record_failure` after its rollback (docs/idempotency.md).
-"""
+:func:`claim_in_transaction` as the first statement of the job's transaction and records the result
+with :func:`record_result` before its one commit; a run that raised leaves a ``failed`` record with
+:func:`record_failure` after its rollback (docs/idempotency.md)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from django.db import DatabaseError, connections, transaction
@@ -17,11 +15,10 @@ from ..choices import RecordStatus
 from ..exceptions import IdempotencyClaimLost, IdempotencyError, IdempotencyInProgress
 from ..locks.info import job_context
 from ..locks.lock import Lock
+from ..logs import logger
 from .claims import Claim, Idempotent, claim
 from .inputs import check_result, error_for
 from .store import expiry, in_progress_on_busy, insert, record_model, try_guard
-
-logger = logging.getLogger("django_joblock")
 
 
 def claim_in_transaction(spec: Idempotent, held: Lock | None = None) -> Claim:

@@ -2,12 +2,11 @@
 
 :func:`insert_or_read`: ``INSERT ... ON CONFLICT (scope, key) DO NOTHING``, then a read of an
 existing row; one statement on PostgreSQL (a first claim and a replay are one query each), two on
-SQLite, a savepoint elsewhere. With ``guard=True`` (inside a job's transaction) a second
-transaction on the key never waits for the first's uncommitted row: on PostgreSQL one read-only
-statement takes the key's advisory lock (and with ``lock_key`` the resource's, :mod:`.guard`)
-without waiting and reads the row, inserted at the commit (the unique key decides); on SQLite
-:func:`in_progress_on_busy` turns the busy timeout into :class:`IdempotencyInProgress`.
-"""
+SQLite, a savepoint elsewhere. With ``guard=True`` (inside a job's transaction) a second transaction
+on the key never waits for the first's uncommitted row: on PostgreSQL one read-only statement takes
+the key's advisory lock (and with ``lock_key`` the resource's, :mod:`.guard`) without waiting and
+reads the row, inserted at the commit (the unique key decides); on SQLite
+:func:`in_progress_on_busy` turns the busy timeout into :class:`IdempotencyInProgress`."""
 
 from __future__ import annotations
 
@@ -101,8 +100,7 @@ def _columns(model: Any, connection: Any, names: Any, prefix: str = "") -> str:
 
 
 def _insert_sql(model: Any, connection: Any, values: Row) -> tuple[str, list[Any]]:
-    """``INSERT ... ON CONFLICT (scope, key) DO NOTHING RETURNING id`` of ``values``, and its
-    parameters."""
+    """``INSERT ... ON CONFLICT (scope, key) DO NOTHING RETURNING id`` of ``values``, and params."""
     meta = model._meta
     defaults = {f.name: f.get_default() for f in meta.concrete_fields if not f.primary_key}
     values = {**defaults, **values}
@@ -171,12 +169,10 @@ def _guard_and_read_postgresql(
     if not ok:
         return GUARDED, None, None
     if rest[0] is None:
+        columns = _columns(model, connection, ROW_FIELDS)
+        by_key = f"{_table(model, connection)} WHERE {_by_key(model, connection)}"
         with connection.cursor() as cursor:
-            cursor.execute(
-                f"SELECT {_columns(model, connection, ROW_FIELDS)} FROM "
-                f"{_table(model, connection)} WHERE {_by_key(model, connection)}",
-                [scope, key],
-            )
+            cursor.execute(f"SELECT {columns} FROM {by_key}", [scope, key])
             rest = cursor.fetchone()
         if rest is None:
             return ABSENT, None, None

@@ -1,9 +1,8 @@
-"""Interrupt the running job when its lock is lost (``ON_LOCK_LOST = "abort"``; docs/jobs.md):
-the renewal thread sends ``SIGUSR2`` (unused by RQ) to the main thread, whose handler raises
+"""Interrupt the running job when its lock is lost (``ON_LOCK_LOST = "abort"``; docs/jobs.md): the
+renewal thread sends ``SIGUSR2`` (unused by RQ) to the main thread, whose handler raises
 :class:`LockLost` even in a blocking call, so the transaction rolls back and the job fails. The
-previous handler is restored after each job, a late signal drained first (never the default
-action: exit). Outside the main thread the lock is only flagged; fences still refuse writes.
-"""
+previous handler is restored after each job, a late signal drained first (never the default action:
+exit). Outside the main thread the lock is only flagged; fences still refuse writes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Admission (§4.8; docs/jobs.md): a job whose resource is busy waits parked in RQ, not in a
-requeue loop. On rq >= 3.0 a job with a lock is enqueued with RQ's ``RateLimit(key=<its lock
-key>, concurrency=1)``: RQ parks the others, using no worker nor retry budget, until the slot
-frees (a killed horse's at once, a dead worker's at RQ's next maintenance); time-sorted job ids
-keep them FIFO. Admission decides only *when* a job starts; the lock stays the safety.
-"""
+"""Admission (§4.8; docs/jobs.md): a job whose resource is busy waits parked in RQ, not in a requeue
+loop. On rq >= 3.0 a job with a lock is enqueued with RQ's ``RateLimit(key=<its lock key>,
+concurrency=1)``: RQ parks the others, using no worker nor retry budget, until the slot frees (a
+killed horse's at once, a dead worker's at RQ's next maintenance); time-sorted job ids keep them
+FIFO. Admission decides only *when* a job starts; the lock stays the safety."""
 
 from __future__ import annotations
 

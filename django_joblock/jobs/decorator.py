@@ -1,9 +1,8 @@
-"""``@locked_job``: RQ jobs that run the safe flow of :mod:`.runner` (docs/jobs.md); a
-decorated function is called inline or ``.delay(...)``-ed / ``.enqueue(args, kwargs, **rq)``-ed
-onto its queue. Mistakes fail in the caller, never in a worker: template fields at decoration;
-resource, key, scope, queue and RQ options at enqueue, where a per-call ``job_timeout`` is also
-checked like W002 / W006 (a finding is logged as a warning with its id; the call goes ahead).
-"""
+"""``@locked_job``: RQ jobs that run the safe flow of :mod:`.runner` (docs/jobs.md); a decorated
+function is called inline or ``.delay(...)``-ed / ``.enqueue(args, kwargs, **rq)``-ed onto its
+queue. Mistakes fail in the caller, never in a worker: template fields at decoration; resource, key,
+scope, queue and RQ options at enqueue, where a per-call ``job_timeout`` is also checked like W002 /
+W006 (a finding is logged as a warning with its id; the call goes ahead)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from ..idempotency.inputs import fingerprint_of, key_family, validate_scope
 from ..locks.keys import family
 from ..logs import logger
 from . import admission as admission_mod
-from . import dedupe as dedupe_mod
 from . import runner
+from .dedupe import enqueue_once, job_id_for
 from .queues import get_queue
 from .spec import CONFLICT_POLICIES, JobSpec, OnConflict, Template, check_rq_options, check_template
 from .spec import job_timeout as job_timeout  # re-exported for the system checks
@@ -58,8 +57,7 @@ def registered_jobs() -> list[JobSpec[Any, Any]]:
 
 
 def idempotency_scopes() -> set[str]:
-    """The idempotency scopes the ``@locked_job`` jobs record under, and ``idempotent()``'s
-    default ``""``."""
+    """The scopes the ``@locked_job`` jobs record under, and ``idempotent()``'s default ``""``."""
     return {spec.scope for spec in registered_jobs() if spec.idempotency_key} | {""}
 
 
@@ -86,10 +84,9 @@ def locked_job(
     transaction of the default database enqueues when it commits (nothing on a rollback). Other
     keywords go to RQ's ``enqueue``."""
     if callable(queue):
-        raise TypeError(
-            "@locked_job takes the queue first, then keywords: @locked_job('default', "
-            f"lock='order:{{order_id}}'); got the function {getattr(queue, '__qualname__', '')!r}"
-        )
+        why = "@locked_job takes the queue first, then keywords: @locked_job('default', "
+        name = getattr(queue, "__qualname__", "")
+        raise TypeError(f"{why}lock='order:{{order_id}}'); got the function {name!r}")
     flags = {"heartbeat": heartbeat, "atomic": atomic, "admission": admission, "dedupe": dedupe}
     flags["on_commit"] = on_commit
     why = ""  # the first refusal, in this order
@@ -198,20 +195,16 @@ def _enqueue(
     if spec.dedupe:
         assert key is not None
         if "job_id" in per_call:
-            raise ValueError(
-                f"{spec.name}: dedupe=True derives the RQ job id; got job_id={per_call['job_id']!r}"
-            )
-        options["job_id"] = job_id = dedupe_mod.job_id_for(spec.scope, key)
+            why = f"dedupe=True derives the RQ job id; got job_id={per_call['job_id']!r}"
+            raise ValueError(f"{spec.name}: {why}")
+        options["job_id"] = job_id = job_id_for(spec.scope, key)
         fingerprint = fingerprint_of(arguments)
 
-        def same_call(live: Any) -> bool:
+        def is_same(live: Any) -> bool:
             return fingerprint_of(spec.bind(tuple(live.args), dict(live.kwargs))) == fingerprint
 
         def now() -> Any:
-            family = key_family(key)
-            return dedupe_mod.enqueue_once(
-                queue, job_id, put, same_call, family=family, func=spec.name
-            )
+            return enqueue_once(queue, job_id, put, is_same, family=key_family(key), func=spec.name)
 
     if not (spec.on_commit and transaction.get_connection().in_atomic_block):
         return now()

@@ -1,11 +1,9 @@
-"""Duplicates stopped at enqueue, ``@locked_job(..., dedupe=True)`` (§4.10; docs/jobs.md): the
-RQ id is ``joblock-<40 hex of sha256>`` of the dotted name and idempotency key, and ``.delay()``
-of a logical job whose RQ job is *live* returns it (with other arguments: raises
-:class:`IdempotencyKeyMismatch`, as the run would); one that ended (or expired) is enqueued
-again and its record replays. Check-and-enqueue is atomic per id through a guard key on the
-queue's connection (compare-and-delete; ``GUARD_TTL``): three more round trips, none at run
-time.
-"""
+"""Duplicates stopped at enqueue, ``@locked_job(..., dedupe=True)`` (§4.10; docs/jobs.md): the RQ id
+is ``joblock-<40 hex of sha256>`` of the dotted name and idempotency key, and ``.delay()`` of a
+logical job whose RQ job is *live* returns it (with other arguments: raises
+:class:`IdempotencyKeyMismatch`, as the run would); one that ended (or expired) is enqueued again
+and its record replays. Check-and-enqueue is atomic per id through a guard key on the queue's
+connection (compare-and-delete; ``GUARD_TTL``): three more round trips, none at run time."""
 
 from __future__ import annotations
 
@@ -82,17 +80,18 @@ def enqueue_once(
         if existing is not None and existing.get_status(refresh=False) in LIVE:
             if not same_call(existing):
                 key = existing.meta.get("joblock", {}).get("idempotency_key")
-                raise IdempotencyKeyMismatch(
-                    f"{func}: idempotency key {key!r} is live as job {existing.id} with other "
-                    "arguments; not enqueued (the job's run would refuse them too)",
-                    key=key,
-                )
-            return _blocked(existing, family, func)
+                why = f"{func}: idempotency key {key!r} is live as job {existing.id} with other "
+                why += "arguments; not enqueued (the job's run would refuse them too)"
+                raise IdempotencyKeyMismatch(why, key=key)
+            metrics.count("blocked_at_enqueue", family, func)
+            metrics.flush_now()  # an enqueuing web process may never flush otherwise
+            fields = {"job_id": existing.id, "outcome": "blocked_at_enqueue", "reason": "live job"}
+            line = "duplicate .delay() of %s blocked at enqueue: job %s is %s"
+            logger.info(line, func, existing.id, existing.get_status(refresh=False), extra=fields)
+            return existing
         if time.monotonic() > deadline:
-            raise JoblockError(
-                f"Could not enqueue job {job_id} of {func}: another process kept its enqueue "
-                f"guard {guard!r} for {2 * GUARD_TTL:g}s."
-            )
+            why = f"Could not enqueue job {job_id} of {func}: another process kept its enqueue "
+            raise JoblockError(f"{why}guard {guard!r} for {2 * GUARD_TTL:g}s.")
         time.sleep(_POLL)
 
 
@@ -108,12 +107,3 @@ def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
     for key in (old.key, old.dependents_key, old.dependencies_key):
         pipe.persist(key)
     pipe.execute()
-
-
-def _blocked(job: Any, family: str, func: str) -> Any:
-    metrics.count("blocked_at_enqueue", family, func)
-    metrics.flush_now()  # an enqueuing web process may never flush otherwise
-    fields = {"job_id": job.id, "outcome": "blocked_at_enqueue", "reason": "live job"}
-    message = "duplicate .delay() of %s blocked at enqueue: job %s is %s"
-    logger.info(message, func, job.id, job.get_status(refresh=False), extra=fields)
-    return job

@@ -1,9 +1,8 @@
-"""The recent runs of each family (its resource's, else its idempotency key's), for the doctor
-and the dashboard's timeline: a Redis LIST ``P:runs:<family>`` on the *queue's* connection gets
-one :class:`Delivery` per worker run in its outcome round trip (:mod:`.outcomes`), keeps the
-last :data:`KEPT` and expires :data:`TTL` s after its last write. Losing it loses history,
-never correctness (the idempotency record stops a second effect).
-"""
+"""The recent runs of each family (its resource's, else its idempotency key's), for the doctor and
+the dashboard's timeline: a Redis LIST ``P:runs:<family>`` on the *queue's* connection gets one
+:class:`Delivery` per worker run in its outcome round trip (:mod:`.outcomes`), keeps the last
+:data:`KEPT` and expires :data:`TTL` s after its last write. Losing it loses history, never
+correctness (the idempotency record stops a second effect)."""
 
 from __future__ import annotations
 
@@ -109,11 +108,8 @@ def entry(
 def add_calls(run: Delivery) -> list[list[Any]]:
     """The commands appending ``run`` to its family's history (sent with the job's outcome)."""
     name = _list_key(family_of(run.resource, run.key))
-    return [
-        ["RPUSH", name, json.dumps(asdict(run), separators=(",", ":"))],
-        ["LTRIM", name, -KEPT, -1],
-        ["EXPIRE", name, TTL],
-    ]
+    encoded = json.dumps(asdict(run), separators=(",", ":"))
+    return [["RPUSH", name, encoded], ["LTRIM", name, -KEPT, -1], ["EXPIRE", name, TTL]]
 
 
 def read(clients: list[Any], name: str, *, since: float = 0.0) -> list[Delivery]:

@@ -1,29 +1,20 @@
 """A slot follows its lock (docs/jobs.md, "When the slot frees"): a parked job never waits on a
 holder that is gone for longer than that holder's lock TTL and one sweep interval.
 
-A job's lock is its work horse's heartbeat: renewed every TTL / 3 while the horse runs, its
-active-lock index entry (:mod:`..locks.index`) scored by its expiry. An entry whose score has
-passed while its lock hash is gone (or another owner's) is a holding that ended *without* a
-release: the horse was killed with its worker, stopped past its TTL, or cut off from Redis.
-:func:`sweep` then frees that job's admission slot through RQ's public
-``RateLimitRegistry.release_and_enqueue`` (RQ pushes the oldest parked job onto its queue)
-and removes the entry, whatever state RQ's maintenance lock, scheduler or started registry
-are in. The dead job itself stays RQ's to settle: "started" until RQ's maintenance fails it
-(``AbandonedJobError``) or retries it, visibly; RQ's own release of its slot then finds
-nothing to free. A stopped horse that wakes up finds its lock lost and aborts (the fence
-refuses its writes meanwhile).
+A job's lock is its work horse's heartbeat, its active-lock index entry (:mod:`..locks.index`)
+scored by its expiry. An entry whose score has passed while its lock hash is gone (or another
+owner's) is a holding that ended *without* a release (the horse was killed with its worker,
+stopped past its TTL, or cut off from Redis): :func:`sweep` frees that job's admission slot with
+RQ's public ``RateLimitRegistry.release_and_enqueue`` and removes the entry, whatever state RQ's
+maintenance lock, scheduler or started registry are in. The dead job stays RQ's to settle; a
+stopped horse that wakes up finds its lock lost and aborts (the fence refuses its writes).
 
-The workers of :mod:`django_joblock.worker` sweep every :data:`INTERVAL` seconds while idle,
-one at a time: a sweeper takes ``<prefix>:sweep`` for one interval (``SET NX PX``; a dead
-sweeper delays the next sweep by one interval at most). An entry of a job that is not on the
-sweeping worker's Redis is left for the workers of that job's server, and forgotten after
-:data:`FORGET_AFTER` seconds (its job was deleted). A sweep costs three round trips when nothing
-expired (its turn, the families, their expired entries), one per step more otherwise.
-
-A lock whose job's work horse has exited without releasing it (RQ's stop-job command,
-``job_timeout``, the OOM killer) is released by the worker that watched the horse
-(:func:`release_ended`), at once rather than at its expiry.
-"""
+The workers of :mod:`django_joblock.worker` sweep every :data:`INTERVAL` seconds while idle, one at
+a time (``<prefix>:sweep``, ``SET NX PX`` for one interval: a dead sweeper delays the next sweep
+by one interval at most). An entry of a job not on the sweeping worker's Redis is left to that
+job's workers, and forgotten after :data:`FORGET_AFTER` seconds (its job was deleted). A sweep
+costs three round trips when nothing expired. A lock whose job's horse exited holding it is
+released at once by the worker that watched the horse (:func:`release_ended`)."""
 
 from __future__ import annotations
 
@@ -46,15 +37,11 @@ LIMIT = 100  # expired entries looked at per family and sweep
 FORGET_AFTER = 600.0  # seconds after its expiry an entry of a job found nowhere is dropped
 
 
-def _sweep_key() -> str:
-    return f"{conf.get().KEY_PREFIX}:sweep"
-
-
 def claim_turn() -> bool:
-    """Take the next sweep for this process (one ``SET NX PX``): False while another process
-    swept less than :data:`INTERVAL` ago."""
-    found = client(conf.get().REDIS_ALIAS)
-    return bool(found.set(_sweep_key(), 1, nx=True, px=int(INTERVAL * 1000)))
+    """Take the next sweep (one ``SET NX PX``): False if another process swept within INTERVAL."""
+    settings = conf.get()
+    turn = f"{settings.KEY_PREFIX}:sweep"
+    return bool(client(settings.REDIS_ALIAS).set(turn, 1, nx=True, px=int(INTERVAL * 1000)))
 
 
 def sweep(queue_connection: Any) -> list[index.Member]:
@@ -65,8 +52,7 @@ def sweep(queue_connection: Any) -> list[index.Member]:
     found = index.expired(index.families(), LIMIT)
     if not found:
         return []
-    locks = client(settings.REDIS_ALIAS)
-    pipe = locks.pipeline(transaction=False)
+    pipe = client(settings.REDIS_ALIAS).pipeline(transaction=False)
     for entry in found:
         pipe.hget(LockKeys(settings.KEY_PREFIX, entry.resource).lock, "token")
     tokens = pipe.execute()
@@ -100,22 +86,17 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
 
     key = LockKeys(prefix, entry.resource).lock  # admission's RateLimit key
     promoted = RateLimitRegistry(key, queue_connection).release_and_enqueue(entry.job_id)
-    logger.warning(
-        "job %s held %s and its lock expired without a release (its worker died, stopped or "
-        "lost Redis): its admission slot is freed%s; RQ settles the job itself",
-        entry.job_id,
-        entry.resource,
-        f", job {', '.join(promoted)} starts next" if promoted else "",
-        extra={"job_id": entry.job_id, "resource": entry.resource, "outcome": "slot_freed"},
-    )
+    message = "job %s held %s and its lock expired without a release (its worker died, stopped "
+    message += "or lost Redis): its admission slot is freed%s; RQ settles the job itself"
+    next_job = f", job {', '.join(promoted)} starts next" if promoted else ""
+    fields = {"job_id": entry.job_id, "resource": entry.resource, "outcome": "slot_freed"}
+    logger.warning(message, entry.job_id, entry.resource, next_job, extra=fields)
 
 
 def release_ended(resource: str, job_id: str) -> bool:
-    """Release ``resource``'s lock if RQ job ``job_id`` holds it, once that job's work horse has
-    exited: a lock it still holds is then a dead holding (the horse was killed). The holder's
-    own release, with its token read from the lock (it hands the lock to the first waiter);
-    nothing if the lock changed hands. One round trip, two when it releases. Redis errors
-    propagate."""
+    """Release ``resource``'s lock if RQ job ``job_id``, whose work horse has exited, still holds
+    it (a dead holding: the horse was killed), as the holder would, with the lock's token (it hands
+    the lock to the first waiter). One round trip, two when it releases; Redis errors propagate."""
     locks = client(conf.get().REDIS_ALIAS)
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
     found = LockHash.decode(locks.hgetall(keys.lock))

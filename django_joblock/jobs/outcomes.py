@@ -1,9 +1,8 @@
 """How one run of a ``@locked_job`` ends (:func:`finish`; docs/jobs.md, "Outcomes"): its
 :class:`JobOutcome`, ``reason`` and ``waited`` go to ``job.meta["joblock"]``, written after the
-job's commit with its :mod:`.history` entry in one transaction (only our key: meta written by
-others stays; a failed write is logged, never a job failure), and it logs **one** line on
-``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``.
-"""
+job's commit with its :mod:`.history` entry in one transaction (only our key: meta written by others
+stays; a failed write is logged, never a job failure), and it logs **one** line on
+``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``."""
 
 from __future__ import annotations
 
@@ -102,9 +101,8 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
 
 
 def _write(pipe: Any, job: Any, state: dict[str, Any], calls: list[Any]) -> None:
-    """Our key of ``job.meta`` merged into the stored meta (read under ``WATCH``: what others
-    wrote meanwhile stays, as RQ leaves meta alone at a job's end; meta we cannot read is not
-    ours to overwrite), and ``calls``, in one ``MULTI``."""
+    """Our key merged into the stored ``job.meta`` (read under ``WATCH``: others' writes stay;
+    meta we cannot read is not ours to overwrite), and ``calls``, in one ``MULTI``."""
     stored = pipe.hget(job.key, "meta")
     try:
         meta = job.serializer.loads(stored) if stored else {}

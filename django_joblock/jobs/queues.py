@@ -41,9 +41,8 @@ def get_queue(queue: Any) -> Queue:
     # When to enqueue is @locked_job's own (on_commit=): django-rq's COMMIT_MODE (4.x:
     # "on_db_commit") would defer it a second time and hand the caller None for the job.
     at_once = "commit_mode" in inspect.signature(django_rq.get_queue).parameters
-    found: Queue = django_rq.get_queue(
-        queue, **({"commit_mode": "auto"} if at_once else {"autocommit": True})
-    )
+    mode = {"commit_mode": "auto"} if at_once else {"autocommit": True}
+    found: Queue = django_rq.get_queue(queue, **mode)
     return found
 
 

@@ -1,11 +1,10 @@
-"""Contention (docs/jobs.md, "Conflicts"): what a job does when its lock, a live claim of its
-key or its resource's transaction guard is busy. ``"requeue"`` returns ``rq.Retry`` for the
-*same job id* after whole seconds of jittered backoff (at least the remaining TTL of a holder
-that stopped renewing; no retry budget spent), also when the lock's Redis does not answer, and
-after ``max_wait`` raises :class:`LockContentionTimeout`: the job fails, visibly. ``"skip"``
-finishes without running; ``"fail"``, and ``"requeue"`` in a run that cannot requeue (inline,
-a synchronous queue), raise :class:`LockNotAcquired` (or the claim's or guard's exception).
-"""
+"""Contention (docs/jobs.md, "Conflicts"): what a job does when its lock, a live claim of its key or
+its resource's transaction guard is busy. ``"requeue"`` returns ``rq.Retry`` for the *same job id*
+after whole seconds of jittered backoff (at least the remaining TTL of a holder that stopped
+renewing; no retry budget spent), also when the lock's Redis does not answer, and after ``max_wait``
+raises :class:`LockContentionTimeout`: the job fails, visibly. ``"skip"`` finishes without running;
+``"fail"``, and ``"requeue"`` in a run that cannot requeue (inline, a synchronous queue), raise
+:class:`LockNotAcquired` (or the claim's or guard's exception)."""
 
 from __future__ import annotations
 
@@ -72,19 +71,12 @@ def conflict(
         assert held is not None
         why = "" if fail else " (a run without a worker cannot requeue)"
         holder = f"; held by {run.holder}" if run.holder else ""
-        raise LockNotAcquired(
-            f"{spec.name}: lock busy{why}{holder}", resource=held.resource, key=held.key
-        )
-    ending = _requeue(run, held, what, info)
+        message = f"{spec.name}: lock busy{why}{holder}"
+        raise LockNotAcquired(message, resource=held.resource, key=held.key)
+    ending = requeue(run, held, what, info)
     if twin is not None:
         ending[2]["duplicate_of"] = twin
     return ending
-
-
-def unavailable(run: Run, held: Lock, exc: LockBackendUnavailable) -> Ending:
-    """The lock's Redis did not answer a worker's ``"requeue"`` job: requeue it as if busy
-    (failing it would free its slot, and RQ would promote and fail the next parked job)."""
-    return _requeue(run, held, f"the lock's Redis did not answer ({exc})", None)
 
 
 def in_flight(run: Run, info: LockInfo | None) -> str | None:
@@ -106,17 +98,16 @@ def in_flight(run: Run, info: LockInfo | None) -> str | None:
 def delay_for(attempt: int, info: LockInfo | None, limit_left: float) -> int:
     """Seconds until the next try of a requeued job: whole (RQ schedules in seconds), >= 1,
     never far past the limit; ``info``: the holder's lock, if known (see the module docs)."""
-    backoff = conf.get().REQUEUE_BACKOFF
-    delay = full_jitter(
-        attempt, base=backoff["base"], factor=backoff["factor"], max_delay=backoff["max"]
-    )
+    curve = conf.get().REQUEUE_BACKOFF
+    delay = full_jitter(attempt, base=curve["base"], factor=curve["factor"], max_delay=curve["max"])
     # Not renewed for over half its TTL (renewals come every TTL/3): free by its expiry.
     if info and info.ttl > 0 and info.ttl - info.expires_in > info.ttl / 2 + STALE_MARGIN:
         delay = max(delay, info.expires_in)
     return int(min(max(1, math.ceil(delay)), max(1, math.ceil(limit_left))))
 
 
-def _requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> Ending:
+def requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> Ending:
+    """Requeue a worker's job busy because of ``what``, or give up after ``max_wait``."""
     spec, job = run.spec, run.job
     state = job.meta.setdefault("joblock", {})
     now = time.time()

@@ -1,13 +1,12 @@
 """The flow of one ``@locked_job`` run, in the work horse or inline (docs/jobs.md, "The flow"):
 acquire the lock on the *resource* (heartbeated), claim the idempotency key (an earlier success
 replays), run the function, ``ensure_held()`` and record the success in one transaction, then
-release the lock if still ours. Under a lock, claim, effect and record **commit once**, so a
-crash leaves no claim behind and of two runs of one key (after a lock loss) at most one
-commits; without a lock the claim commits first, so duplicates never both run. A locked run
-first takes the resource's transaction guard (:mod:`django_joblock.idempotency.guard`): it never
-reads rows a holder that lost the lock still writes. Inline or on a synchronous queue, lock and
-guard are waited for up to ``ACQUIRE_WAIT``. An operator's release is named in ``LockLost``.
-"""
+release the lock if still ours. Under a lock, claim, effect and record **commit once**, so a crash
+leaves no claim behind and of two runs of one key (after a lock loss) at most one commits; without a
+lock the claim commits first, so duplicates never both run. A locked run first takes the resource's
+transaction guard (:mod:`django_joblock.idempotency.guard`): it never reads rows a holder that lost
+the lock still writes. Inline or on a synchronous queue, lock and guard are waited for up to
+``ACQUIRE_WAIT``. An operator's release is named in ``LockLost``."""
 
 from __future__ import annotations
 
@@ -34,13 +33,14 @@ from ..exceptions import (
 from ..idempotency import guard
 from ..idempotency.claims import Idempotent, fingerprint_of, idempotent
 from ..idempotency.one_commit import claim_in_transaction, record_failure, record_result
+from ..idempotency.store import record_model
 from ..locks import notes
 from ..locks.info import lock_info
 from ..locks.lock import Lock, reset_current_lock, set_current_lock
 from ..logs import logger
 from .abort import Abort
 from .outcomes import JobOutcome, Run, finish
-from .requeue import Ending, conflict, unavailable
+from .requeue import Ending, conflict, requeue
 from .spec import JobSpec, OnConflict
 
 # Reading the operator's note on the loss path: never wait long for a Redis that may be gone.
@@ -61,7 +61,10 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
             call = functools.partial(spec.func, *args, **kwargs)
             outcome, result, extra = _flow(state, arguments, call)
         except Exception as exc:
-            finish(state, _failure(exc), reason=f"{type(exc).__name__}: {exc}")
+            failed = JobOutcome.ABORTED if isinstance(exc, LockLost) else JobOutcome.FAILED
+            if isinstance(exc, LockContentionTimeout):
+                failed = JobOutcome.GAVE_UP
+            finish(state, failed, reason=f"{type(exc).__name__}: {exc}")
             raise
         finish(state, outcome, **extra)
         return result
@@ -69,12 +72,6 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
         state.note_duration()
         # Whatever this run counted and no lock release carried: the horse may os._exit next.
         metrics.flush_now()
-
-
-def _failure(exc: BaseException) -> JobOutcome:
-    if isinstance(exc, LockContentionTimeout):
-        return JobOutcome.GAVE_UP
-    return JobOutcome.ABORTED if isinstance(exc, LockLost) else JobOutcome.FAILED
 
 
 def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> Ending:
@@ -94,7 +91,8 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
     except LockBackendUnavailable as exc:
         if not state.worker or spec.on_conflict is not OnConflict.REQUEUE:
             raise
-        return unavailable(state, held, exc)
+        # As if busy: failing would free its slot, and RQ would promote and fail the next job.
+        return requeue(state, held, f"the lock's Redis did not answer ({exc})", None)
     if not acquired:
         return conflict(state, held, None)
     state.started()
@@ -121,15 +119,12 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
 
 
 def _orphan_wait(state: Run, held: Lock) -> float:
-    """How long a run holding its resource's admission slot waits in line for a busy lock
-    before it requeues: until the lock expires when its holder is an RQ job that has ended
-    (the horse of a job its worker already failed: its lock is left to expire, and requeueing
-    would hand the slot to each parked job in turn, each finding the lock busy), else 0."""
-    job = state.job
-    if getattr(job, "rate_limit_key", None) != held.key or job is None:  # rq >= 3.0 admission
-        return 0.0
-    if state.spec.on_conflict is not OnConflict.REQUEUE:
-        return 0.0
+    """How long a run holding its resource's admission slot waits for a busy lock before it
+    requeues: until the lock expires when its holder is an RQ job that has ended (its lock is left
+    to expire, and requeueing would hand the slot to each parked job in turn), else 0."""
+    job, requeues = state.job, state.spec.on_conflict is OnConflict.REQUEUE
+    if job is None or not requeues or getattr(job, "rate_limit_key", None) != held.key:
+        return 0.0  # not parked by admission (rq >= 3.0), or no requeue
     try:
         info = lock_info(held.resource, using=held.alias)
     except LockBackendUnavailable:
@@ -160,12 +155,6 @@ def _operator_note(held: Lock) -> notes.OperatorRelease | None:
         return None  # Redis is gone too: the plain loss reason stands
 
 
-def _database() -> str:
-    from ..models import IdempotencyRecord
-
-    return str(router.db_for_write(IdempotencyRecord))
-
-
 def _guard_wait(state: Run) -> float:  # a worker's run requeues instead, like for the lock
     return 0.0 if state.worker else conf.get().ACQUIRE_WAIT
 
@@ -176,20 +165,18 @@ def _claim_and_run(
     spec, key = state.spec, state.key
     if key is None and not spec.atomic:
         return JobOutcome.RAN, call(), {}  # its own transactions: fenced
+    using = str(router.db_for_write(record_model()))
     if key is None:
-        using = _database()
         with transaction.atomic(using=using):
             with guard.before_first_query(using, held, wait=_guard_wait(state)):
                 result = call()
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
         return JobOutcome.RAN, result, {}
-    claim_spec = idempotent(
-        key, scope=spec.scope, fingerprint=fingerprint_of(arguments), using=_database()
-    )
+    claiming = idempotent(key, scope=spec.scope, fingerprint=fingerprint_of(arguments), using=using)
     if held is not None:
-        return _one_commit(state, claim_spec, call, held)
-    with claim_spec as claim:  # no lock: the claim commits on its own first (module docs)
+        return _one_commit(state, claiming, call, held)
+    with claiming as claim:  # no lock: the claim commits on its own first (module docs)
         if claim.done:
             return JobOutcome.REPLAYED, claim.result, {}
         with transaction.atomic(using=claim.using):

@@ -87,10 +87,8 @@ class JobSpec(Generic[P, R]):
         try:
             value = template(**arguments) if callable(template) else template.format(**arguments)
         except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"@locked_job {self.name}: cannot build the {what} from "
-                f"{template!r} with arguments {sorted(arguments)}: {exc!r}"
-            ) from exc
+            why = f"cannot build the {what} from {template!r} with arguments {sorted(arguments)}"
+            raise ValueError(f"@locked_job {self.name}: {why}: {exc!r}") from exc
         if not isinstance(value, str):
             raise ValueError(f"@locked_job {self.name}: the {what} must be a str, got {value!r}")
         return value
@@ -103,10 +101,7 @@ class JobSpec(Generic[P, R]):
         value = self.render(self.idempotency_key, arguments, "idempotency key")
         return None if value is None else validate_key(value, what=f"@locked_job {self.name}")
 
-    @property
-    def scope(self) -> str:
-        """Scope of the job's idempotency records: its dotted name."""
-        return self.name
+    scope = name  # the scope of the job's idempotency records: its dotted name
 
 
 def check_template(func: Callable[..., Any], template: Template, what: str) -> None:
@@ -156,11 +151,9 @@ def check_rq_options(options: dict[str, Any], what: str) -> None:
     unknown = sorted(set(options) - rq_option_names())
     if unknown:
         verb = "is not an option" if len(unknown) == 1 else "are not options"
-        raise ValueError(
-            f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
-            f"{', '.join(sorted(rq_option_names()))}); the job's own arguments go in "
-            ".delay(...) or .enqueue(args=(...), kwargs={...})."
-        )
+        why = f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
+        why += f"{', '.join(sorted(rq_option_names()))}); the job's own arguments go in "
+        raise ValueError(why + ".delay(...) or .enqueue(args=(...), kwargs={...}).")
     value = options.get("job_timeout")
     if value is None:
         return
@@ -170,10 +163,8 @@ def check_rq_options(options: dict[str, Any], what: str) -> None:
         with contextlib.suppress(TimeoutFormatError, ValueError, OverflowError):
             seconds = parse_timeout(value)
     if seconds is None or (seconds != -1 and seconds < 1):
-        raise ValueError(
-            f"{what}: job_timeout must be whole seconds of at least 1 (an int, or a str such as "
-            f"'90', '10m', '2h'), or -1 for none; got {value!r}"
-        )
+        why = "must be whole seconds of at least 1 (an int, or a str such as '90', '10m', '2h')"
+        raise ValueError(f"{what}: job_timeout {why}, or -1 for none; got {value!r}")
 
 
 def job_timeout(value: Any, queue: Any) -> float:
@@ -195,10 +186,8 @@ def timeout_findings(spec: JobSpec[Any, Any], timeout: float) -> list[TimeoutFin
         message = f"TTL {ttl:g}s < job_timeout {shown} and no heartbeat: a slow run loses its lock"
         found.append(("W002", message, "Turn heartbeat on, or make ttl longer than job_timeout."))
     if spec.lock is None and spec.idempotency_key is not None and timeout > lease:
-        message = (
-            f"RQ job timeout {shown} > IDEMPOTENCY_LEASE {lease:g}s and no lock: a duplicate "
-            "delivered after the lease takes the claim over and runs beside the first run."
-        )
+        message = f"RQ job timeout {shown} > IDEMPOTENCY_LEASE {lease:g}s and no lock: a duplicate "
+        message += "delivered after the lease takes the claim over and runs beside the first run."
         hint = "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower it, or add a lock."
         found.append(("W006", message, hint))
     return [TimeoutFinding(id, f"{spec.name}: {message}", hint) for id, message, hint in found]

@@ -12,8 +12,7 @@ _current: contextvars.ContextVar[Any] = contextvars.ContextVar(
 
 
 def current_lock() -> Any:
-    """The lock entered by the code (or RQ job) running in this thread/context, if any: a
-    :class:`~django_joblock.Lock` or None."""
+    """The :class:`~django_joblock.Lock` entered by the code running in this context, or None."""
     return _current.get()
 
 
@@ -23,10 +22,9 @@ def set_current_lock(held: Any) -> contextvars.Token[Any]:
 
 
 def reset_current_lock(token: contextvars.Token[Any], held: Any = None) -> None:
-    """Undo :func:`set_current_lock`, in whatever context: ``ContextVar.reset`` refuses a
-    token made in another context (a lock's ``__enter__`` and ``__exit__`` run by two
-    ``sync_to_async`` calls, each in a copy of the caller's context); then, if ``held`` (when
-    given) is still current, the previous value is restored by hand, and nothing is raised."""
+    """Undo :func:`set_current_lock` in whatever context, never raising: ``ContextVar.reset``
+    refuses a token made in another (``__enter__`` and ``__exit__`` run by two ``sync_to_async``
+    calls); then, if ``held`` (when given) is still current, the previous value is put back."""
     try:
         _current.reset(token)
     except ValueError:

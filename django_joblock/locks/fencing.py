@@ -26,12 +26,10 @@ _M = TypeVar("_M", bound=models.Model)
 def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> int:
     """``UPDATE`` the rows of ``queryset`` whose ``lock_fence`` is NULL or at most ``fence``.
 
-    Sets ``lock_fence = fence`` together with ``values`` in one statement and returns the number
-    of rows updated. Raises :class:`StaleFence` when no row qualified (a newer holder wrote
-    them, or the queryset matched nothing); the error carries the highest fence found.
-    Raises ``ValueError`` for a fence that is not a positive int (e.g. ``None`` from a lock that
-    was never acquired).
-    """
+    Sets ``lock_fence = fence`` with ``values`` in one statement; returns the rows updated.
+    Raises :class:`StaleFence` (carrying the highest fence found) when no row qualified: a newer
+    holder wrote them, or the queryset matched nothing; ``ValueError`` for a fence that is not
+    a positive int (``None`` from a lock never acquired)."""
     if isinstance(fence, bool) or not isinstance(fence, int) or fence <= 0:
         raise ValueError(f"fenced_update: fence must be a positive int, got {fence!r}.")
     if "lock_fence" in values:
@@ -42,24 +40,18 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
         lock_fence=fence, **values
     )
     if updated == 0:
-        _count_rejection()
+        held = current_lock()
+        family = held.family if held is not None else ""
+        metrics.count("stale_fence_rejections", family, job_context()[1])
         # Only on the rejection path: one more query so the error says what won.
         current = queryset.aggregate(current=Max("lock_fence"))["current"]
-        model = queryset.model._meta.label
         if current is None and not queryset.exists():
             detail = "no row matched the queryset"
         else:
             detail = f"rows already carry fence {current}"
         raise StaleFence(
-            f"Stale fence {fence} rejected for {model}: {detail}",
+            f"Stale fence {fence} rejected for {queryset.model._meta.label}: {detail}",
             fence=fence,
             current=current,
         )
     return updated
-
-
-def _count_rejection() -> None:
-    held = current_lock()
-    metrics.count(
-        "stale_fence_rejections", held.family if held is not None else "", job_context()[1]
-    )

@@ -2,16 +2,14 @@
 
 - ``P:active:<family>`` (ZSET): one member ``resource#owner`` (``resource#owner#job_id``
   for an RQ job's lock) per holding, scored by its expiry (Unix ms). The ACQUIRE script
-  writes it and RELEASE removes it (:func:`in_script`; on Redis Cluster, in the same
-  pipeline: :func:`add_calls`, :func:`remove_call`); every renewal refreshes its score. A
-  holder that dies or stops leaves its entry behind: once its score passed, it is the proof
-  that the holding ended without a release. Readers skip expired entries; only the liveness
-  sweep (:mod:`django_joblock.jobs.liveness`, through :func:`expired` and :func:`drop`) removes
-  them, after freeing the job's admission slot. Readers drop unexpired entries of lock-only
-  holdings whose lock hash is gone or someone else's.
+  writes it and RELEASE removes it (on Redis Cluster, in the same pipeline); every renewal
+  refreshes its score. An entry whose score passed proves that its holding ended without a
+  release: readers skip it, and only the liveness sweep (:mod:`django_joblock.jobs.liveness`)
+  removes it, after freeing the job's admission slot. Readers drop unexpired entries of
+  lock-only holdings whose lock hash is gone or someone else's.
 - ``P:families`` (SET): the families that have entries, added with every acquire and renewal
-  (so it comes back after a ``FLUSHDB`` or a restart without persistence), pruned by
-  :func:`active_counts` when a family has no entry left.
+  (so it comes back after a ``FLUSHDB``), pruned by :func:`active_counts` when a family has no
+  entry left.
 
 Members are per owner, so removing ours never removes the next holder's entry. No ``KEYS``,
 no ``SCAN``: a reader walks the families set and, per family, at most the entries it shows.
@@ -48,20 +46,12 @@ def families_key(prefix: str) -> str:
 
 
 def member(resource: str, owner: str, job_id: str = "") -> str:
-    """The index member of one holding (``owner`` is the token's short hash). A resource has
-    no ``#``; neither has an RQ job id."""
+    """The index member of one holding (a resource has no ``#``; neither has an RQ job id)."""
     return f"{resource}#{owner}#{job_id}" if job_id else f"{resource}#{owner}"
 
 
-def _decode(family: str, raw: Any, score: float) -> Member:
-    resource, _, rest = text(raw).partition("#")
-    owner, _, job_id = rest.partition("#")
-    return Member(family, resource, owner, job_id, int(score))
-
-
 def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
-    """Commands that (re)index holdings, scored by their expiry: one ``ZADD`` per family, then
-    one ``SADD`` of the families."""
+    """Commands that (re)index holdings by expiry: a ``ZADD`` per family, a ``SADD`` of them."""
     now_ms = time.time() * 1000
     scores: dict[str, list[Any]] = {}
     for resource, owner, ttl, job_id in entries:
@@ -78,20 +68,16 @@ def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
 
 
 def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[Any]]:
-    """The entry as extra KEYS and ARGV of the ACQUIRE script, which then writes it itself
-    (one command, not a pipeline: cheaper per lock); the first KEYS and ARGV[2] of them serve
-    RELEASE, to remove it. ``([], [])`` on Redis Cluster, where the index lives in other slots
-    than the lock: there :func:`add_calls` and :func:`remove_call` ride in a pipeline."""
+    """The entry as extra KEYS and ARGV of ACQUIRE, which then writes it (one command: cheaper
+    than a pipeline); its first KEYS and ARGV[2] let RELEASE remove it. ``([], [])`` on Redis
+    Cluster (the index is in other slots): :func:`add_calls` and :func:`remove_call` instead."""
     if is_cluster(found):
         return [], []
     resource, owner, ttl, job_id = entry
     family = resource.split(":", 1)[0]
     score = int(time.time() * 1000 + ttl * 1000)
-    return [_index_key(prefix, family), families_key(prefix)], [
-        score,
-        member(resource, owner, job_id),
-        family,
-    ]
+    keys = [_index_key(prefix, family), families_key(prefix)]
+    return keys, [score, member(resource, owner, job_id), family]
 
 
 def remove_call(prefix: str, resource: str, owner: str, job_id: str = "") -> list[Any]:
@@ -110,9 +96,8 @@ def families() -> list[str]:
 
 
 def _read(names: list[str], *, live: bool, limit: int = -1) -> list[list[Any]]:
-    """Per family in ``names``, in one round trip: ``[unexpired count, entry count]`` without
-    ``limit``, else up to ``limit`` unexpired (``live``) or expired entries with their scores,
-    soonest to expire first."""
+    """Per family in ``names``, in one round trip: ``[unexpired count, entry count]``, or with
+    ``limit`` up to that many unexpired (``live``) or expired entries and scores, oldest first."""
     prefix = conf.get().KEY_PREFIX
     now_ms = int(time.time() * 1000)
     low, high = (f"({now_ms}", "+inf") if live else ("-inf", now_ms)
@@ -140,11 +125,13 @@ def active_counts() -> dict[str, int]:
 
 
 def _decoded(names: list[str], replies: list[Any]) -> list[Member]:
-    return [
-        _decode(name, raw, score)
-        for name, pairs in zip(names, replies, strict=True)
-        for raw, score in pairs
-    ]
+    decoded = []
+    for family, pairs in zip(names, replies, strict=True):
+        for raw, score in pairs:
+            resource, _, rest = text(raw).partition("#")  # the inverse of member()
+            owner, _, job_id = rest.partition("#")
+            decoded.append(Member(family, resource, owner, job_id, int(score)))
+    return decoded
 
 
 def members(names: list[str], limit: int) -> list[Member]:
@@ -153,9 +140,8 @@ def members(names: list[str], limit: int) -> list[Member]:
 
 
 def expired(names: list[str], limit: int) -> list[Member]:
-    """Up to ``limit`` entries per family in ``names`` whose score (their holding's expiry by
-    the holder's clock) has passed: holdings that ended without a release, or whose renewals
-    are late. Oldest first."""
+    """Up to ``limit`` entries per family in ``names`` whose score (expiry by the holder's clock)
+    has passed: holdings that ended without a release, or whose renewals are late. Oldest first."""
     return _decoded(names, _read(names, live=False, limit=limit))
 
 

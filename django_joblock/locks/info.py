@@ -37,16 +37,14 @@ def job_context() -> tuple[str, str, str]:
 
 
 def holder_details() -> tuple[str, str, list[str | int]]:
-    """(job id, job function, the ACQUIRE script's holder arguments: host, pid, job id, job
-    function, worker name) for a lock taken now, in this process and thread."""
+    """(job id, job function, ACQUIRE's holder arguments) for a lock taken now, right here."""
     job_id, job_func, worker = job_context()
     return job_id, job_func, [HOST, os.getpid(), job_id, job_func, worker]
 
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a lock, as its hash records it (no token). Times are Unix ms on the Redis
-    server's clock."""
+    """Who holds a lock, as its hash records it (no token); times in Unix ms, server clock."""
 
     fence: int | None
     host: str
@@ -115,8 +113,7 @@ class LockInfo:
 
     ``acquired_at`` / ``renewed_at`` come from the Redis server clock (UTC), ``expires_in`` from
     the key's remaining TTL (seconds, when read). ``owner`` is the short hash of the holder's
-    token (compare with ``Lock.owner``); the job fields are empty outside RQ.
-    """
+    token (compare with ``Lock.owner``); the job fields are empty outside RQ."""
 
     resource: str
     owner: str
@@ -141,9 +138,8 @@ Snapshot = tuple[LockHash | None, int, int]  # (the hash or None, its PTTL in ms
 
 
 def read_many(found: Any, resources: list[str]) -> list[Snapshot]:
-    """A :data:`Snapshot` per resource, in one round trip: the READ script per lock, each an
-    atomic read on the server that holds it, with that server's clock. Raises redis-py's
-    errors (callers map them with :func:`~django_joblock.backend.unavailable`)."""
+    """A :data:`Snapshot` per resource in one round trip (READ: an atomic read on the lock's own
+    server, with its clock). Raises redis-py's errors (map them with ``backend.unavailable``)."""
     prefix = conf.get().KEY_PREFIX
     calls: list[Call] = [(READ, [LockKeys(prefix, r).lock], []) for r in resources]
     snapshots = []
@@ -157,8 +153,21 @@ def read_many(found: Any, resources: list[str]) -> list[Snapshot]:
     return snapshots
 
 
-def info(resource: str, found: LockHash, pttl: int, server_ms: int) -> LockInfo:
-    """The :class:`LockInfo` of a lock hash read by :func:`read_many`."""
+def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
+    """Who holds ``resource`` now, or None when it is free: a snapshot (the lock may change
+    hands a moment later) in one read-only round trip, which never takes or extends the lock.
+
+    Raises :class:`~django_joblock.InvalidResource` for a bad resource and
+    :class:`~django_joblock.LockBackendUnavailable` when Redis cannot be asked."""
+    settings = conf.get()
+    resource = validate_resource(resource)
+    try:
+        ((found, pttl, server_ms),) = read_many(client(using or settings.REDIS_ALIAS), [resource])
+    except REDIS_ERRORS as exc:
+        key = LockKeys(settings.KEY_PREFIX, resource).lock
+        raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
+    if found is None:
+        return None
     return LockInfo(
         resource=resource,
         owner=found.owner,
@@ -175,23 +184,6 @@ def info(resource: str, found: LockHash, pttl: int, server_ms: int) -> LockInfo:
         renewals=found.renewals,
         held_for=found.seconds_held(server_ms),
     )
-
-
-def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
-    """Who holds ``resource`` now, or None when it is free. One read-only round trip: never
-    takes, renews or extends the lock. A snapshot: the lock may change hands a moment later.
-
-    Raises :class:`~django_joblock.InvalidResource` for a bad resource and
-    :class:`~django_joblock.LockBackendUnavailable` when Redis cannot be asked.
-    """
-    settings = conf.get()
-    resource = validate_resource(resource)
-    try:
-        ((found, pttl, server_ms),) = read_many(client(using or settings.REDIS_ALIAS), [resource])
-    except REDIS_ERRORS as exc:
-        key = LockKeys(settings.KEY_PREFIX, resource).lock
-        raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
-    return None if found is None else info(resource, found, pttl, server_ms)
 
 
 def _int(value: str | None) -> int | None:

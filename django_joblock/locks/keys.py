@@ -14,9 +14,6 @@ key a script touches is in one Redis Cluster slot (a resource cannot contain bra
     P:{order:123}:tickets   HASH    ticket -> its expiry and the details of a handed-over lock
     P:{order:123}:wake:T    LIST    "fence next-ticket", pushed when the lock is handed to T
     P:{order:123}:released  STRING  an operator's note on a release (locks/notes.py)
-
-Owners: the lock hash and fence counter :mod:`.scripts`, the line :mod:`.waiting`, the note
-:mod:`.notes`, the active-lock index (``P:active:<family>``, ``P:families``) :mod:`.index`.
 """
 
 from __future__ import annotations
@@ -76,12 +73,9 @@ def owner_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:12]
 
 
-_OWNER_RE = re.compile(r"[0-9a-f]{12}\Z")
-
-
 def is_owner_hash(value: object) -> bool:
     """True for a string shaped like :func:`owner_hash`'s result."""
-    return isinstance(value, str) and bool(_OWNER_RE.match(value))
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{12}", value) is not None
 
 
 @dataclass(frozen=True)

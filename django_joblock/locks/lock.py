@@ -11,11 +11,10 @@ Guarantees (with a single Redis primary whose clock does not step):
 A lock belongs to the *process* that acquired it (a forked child never touches it in Redis);
 leaving a ``with`` block releases it in whatever ``contextvars`` context, and raises
 :class:`LockLost` if it had been lost and the block raised nothing; a ``Lock`` nobody
-references any more is not renewed and expires (docs/locks.md).
-
-An uncontended acquire, a ``wait=0`` try on a free lock and a release nobody waits for are one
-round trip each, the holding's entry in the active-lock index (:mod:`.index`) included. A busy
-lock is waited for in line and handed over by the release (:mod:`.waiting`).
+references any more is not renewed and expires (docs/locks.md). An uncontended acquire, a
+``wait=0`` try on a free lock and a release nobody waits for are one round trip each, the
+active-lock index (:mod:`.index`) included; a busy lock is waited for in line and handed over
+by the release (:mod:`.waiting`).
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
 (never "busy") within ``JOBLOCK["REDIS_TIMEOUT"]``; so does a reply that arrives after the
@@ -26,6 +25,7 @@ same lock and fence back, and a repeated release finds its own release done.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
@@ -38,8 +38,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, Call, client, send, unavailable
-from ..exceptions import LockBackendUnavailable, LockError, LockNotAcquired
+from ..backend import REDIS_ERRORS, Call, client, send, text, unavailable
+from ..exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
 from ..logs import log_lock, logger
 from ..signals import lock_acquired, lock_contended, lock_released
 from . import index, replicas, waiting
@@ -47,7 +47,7 @@ from .current import current_lock, reset_current_lock, set_current_lock
 from .info import holder_details
 from .keys import LockKeys, validate_resource
 from .renewal import renewer
-from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, RENEW, Outcome, busy_pttl_ms
+from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, RENEW, Outcome
 from .state import Holding, LockState, OnLost, drift
 
 __all__ = ["Lock", "LockState", "current_lock", "lock", "reset_current_lock", "set_current_lock"]
@@ -60,10 +60,9 @@ class Lock(Holding):
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
     waits in line for a busy lock (default ``JOBLOCK["ACQUIRE_WAIT"]``, 0 = one try,
-    ``math.inf`` = until it gets it). With ``heartbeat`` the process's renewal thread renews
-    the lock every ``HEARTBEAT_INTERVAL`` (default ttl/3); ``max_hold`` (s) stops renewing
-    after that long. ``on_lost(lock, reason)`` is called (from the renewal thread) when the
-    lock is found lost. ``using`` names the django-redis cache.
+    ``math.inf`` = until it gets it). With ``heartbeat`` the renewal thread renews the lock
+    every ``HEARTBEAT_INTERVAL`` (default ttl/3) until ``max_hold`` (s), and calls
+    ``on_lost(lock, reason)`` when it finds it lost. ``using`` names the django-redis cache.
     """
 
     def __init__(
@@ -99,7 +98,6 @@ class Lock(Holding):
         self._reset_view()
         self._context_token: contextvars.Token[Any] | None = None
 
-    # -- checks --------------------------------------------------------------------------
     def ensure_held(self) -> None:
         """Raise :class:`LockLost` unless this lock is still validly held by this process.
 
@@ -107,9 +105,10 @@ class Lock(Holding):
         (signal, log, metric, ``on_lost``). In a forked child it raises without touching Redis.
         """
         if self._foreign():
-            raise self._lost_error(
+            raise self._error(
+                LockLost,
                 f"Lock is held by process {self.pid}, not by this one ({os.getpid()}): a "
-                "forked child does not hold its parent's locks"
+                "forked child does not hold its parent's locks",
             )
         if not self.held:
             self._declare_lost("validity deadline passed")
@@ -117,37 +116,29 @@ class Lock(Holding):
             reason = self.lost_reason or (
                 "already released" if released else "validity deadline passed"
             )
-            raise self._lost_error(f"Lock is no longer held: {reason}")
+            raise self._error(LockLost, f"Lock is no longer held: {reason}")
 
     def owned(self) -> bool:
         """Ask Redis whether the lock still carries this object's token, without renewing it.
 
         One read. Finding it gone or taken marks a held lock LOST (as a renewal would). False
-        without asking when this object does not hold it here. The lock may still be owned on
-        the server after its local deadline passed: act on ``held`` / :meth:`ensure_held`.
-        """
+        without asking when not held here. It may still be owned on the server after its local
+        deadline passed: act on ``held`` / :meth:`ensure_held`."""
         if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
             return False
         try:
-            stored = self._client().hget(self.key, "token")
+            stored = client(self.alias).hget(self.key, "token")
         except REDIS_ERRORS as exc:
             raise self._unavailable(exc, "check the lock") from exc
-        if isinstance(stored, bytes):
-            stored = stored.decode()
-        if stored == self.token:
+        if stored is not None and text(stored) == self.token:
             return True
         self._declare_lost((Outcome.GONE if stored is None else Outcome.OTHER_OWNER).reason)
         return False
 
-    # -- loss: the renewal thread decides when; the lock changes its own state -------------
     def _declare_lost(self, reason: str) -> None:
         renewer().remove(self)
         if self.mark_lost(reason):
             self.announce_lost(reason)
-
-    # -- Redis ---------------------------------------------------------------------------
-    def _client(self) -> Any:
-        return client(self.alias)
 
     def _unavailable(self, exc: BaseException, action: str) -> LockBackendUnavailable:
         return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
@@ -159,22 +150,16 @@ class Lock(Holding):
         interruptible). While others wait, a free lock is theirs and a newcomer is refused.
         Returns False if still busy (or reserved for earlier waiters) after ``wait``.
 
-        Raises :class:`LockBackendUnavailable` if Redis cannot be asked or answered too late,
-        :class:`LockError` if this object already holds the lock. A failed call can be
-        repeated: the object keeps its token (and its place in line) until it acquires.
-        :class:`LockError` too while another thread is in this object's acquire or release.
-        """
+        Raises :class:`LockBackendUnavailable` if Redis cannot be asked or answered too late (a
+        failed call can be repeated: the object keeps its token and its place in line), and
+        :class:`LockError` if this object already holds the lock or another thread is in this
+        object's acquire or release."""
         with self._one_call():
             return self._acquire(wait)
 
     def _acquire(self, wait: float | None) -> bool:
         if self.state in _HOLDING and not self._foreign():
-            raise LockError(
-                "This Lock object already holds the lock",
-                resource=self.resource,
-                key=self.key,
-                owner=self.owner,
-            )
+            raise self._error(LockError, "This Lock object already holds the lock")
         wait = self.wait if wait is None else _check_wait(f"lock({self.resource!r}):", wait)
         if self.state is not LockState.UNLOCKED:
             # A fresh token per acquisition: a late renew of the previous holding can never
@@ -182,7 +167,7 @@ class Lock(Holding):
             self.token = secrets.token_hex(16)
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
-        found = self._client()
+        found = client(self.alias)
         entry = (self.resource, self.owner, self.ttl, self.job_id)
         started = time.monotonic()
         try:
@@ -218,7 +203,7 @@ class Lock(Holding):
         metrics.record_acquire(self.family, self.job_func, waited, acquired=turn.reply > 0)
         if turn.reply <= 0:
             lock_contended.send(sender=Lock, lock=self, waited=waited)
-            pttl = busy_pttl_ms(turn.reply)
+            pttl = -1 - turn.reply  # "busy": -1 - the holder's PTTL in ms
             log_lock(logging.INFO, "contended", self, "lock busy", reason=f"held, pttl={pttl}ms")
             return False
         valid_for = self.ttl if turn.valid_for is None else turn.valid_for
@@ -233,7 +218,7 @@ class Lock(Holding):
             if short:
                 raise self._given_back(found, short)
         self._next_ticket = turn.next_ticket
-        self._begin(turn.reply, turn.sent, valid_for=turn.valid_for)
+        self._begin(turn.reply, turn.sent, valid_for)
         renewer().add(self, renew_within=math.inf if turn.valid_for is None else valid_for / 3)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
         log_lock(logging.DEBUG, "acquired", self, "lock acquired")
@@ -248,28 +233,21 @@ class Lock(Holding):
         lock given back (best effort: else it expires on its own), and the error to raise."""
         metrics.count("acquire_attempts", self.family, self.job_func)
         metrics.count("acquire_errors", self.family, self.job_func)
-        unindex = self._unindex()
-        try:
-            waiting.release(found, self.keys, self.token, "", [unindex])
-        except REDIS_ERRORS:
-            pass
-        return LockBackendUnavailable(
-            f"{why}; not acquired", resource=self.resource, key=self.key, owner=self.owner
-        )
+        with contextlib.suppress(*REDIS_ERRORS):
+            waiting.release(found, self.keys, self.token, "", [self._unindex()])
+        return self._error(LockBackendUnavailable, f"{why}; not acquired")
 
     def renew(self) -> bool:
-        """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours.
-
-        Also False, without asking Redis or marking it lost, once ``max_hold`` has passed (the
-        lock then runs out, as with the heartbeat), when not held, and in a forked child.
-        """
+        """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours;
+        False without asking Redis when not held, in a forked child, and once ``max_hold`` has
+        passed (the lock then runs out, as with the heartbeat)."""
         if self.state not in _HOLDING or self._foreign():
             return False
         sent = time.monotonic()
         if sent >= self.hold_until:
             return False
         try:
-            code = Outcome(RENEW(self._client(), [self.key], [self.token, self.ttl_ms]))
+            code = Outcome(RENEW(client(self.alias), [self.key], [self.token, self.ttl_ms]))
         except REDIS_ERRORS as exc:
             raise self._unavailable(exc, "renew the lock") from exc
         if code is not Outcome.OK:
@@ -284,9 +262,9 @@ class Lock(Holding):
 
         A lock found lost here is marked LOST first (signal, log, metric, ``on_lost``), and
         ``lost`` / ``lost_reason`` keep saying so. Raises :class:`LockBackendUnavailable` if
-        Redis cannot be asked (the lock then expires after its TTL). In a forked child: False,
-        and Redis is not touched (the lock is the parent's). :class:`LockError` while another
-        thread is in this object's acquire or release.
+        Redis cannot be asked (the lock then expires after its TTL), :class:`LockError` while
+        another thread is in this object's acquire or release. In a forked child: False,
+        without touching Redis (the lock is the parent's).
         """
         with self._one_call():
             return self._release()
@@ -301,7 +279,7 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        found, retried = self._client(), False
+        found, retried = client(self.alias), False
         entry = (self.resource, self.owner, self.ttl, self.job_id)
         index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
         unindex = (index_keys[:1], index_args[1:2])  # Cluster: ZREM in the pipeline instead
@@ -340,7 +318,6 @@ class Lock(Holding):
             log_lock(logging.WARNING, "released", self, message, reason=code.reason)
         return released
 
-    # -- context manager -----------------------------------------------------------------
     def __enter__(self) -> Lock:
         if not self.acquire():
             raise LockNotAcquired(
@@ -370,8 +347,8 @@ class Lock(Holding):
             logger.warning("could not release %s after an error in the block", self.key)
             return
         if exc is None and not released_in_block and self.lost_reason:
-            raise self._lost_error(
-                f"Lock was lost before the end of the with block: {self.lost_reason}"
+            raise self._error(
+                LockLost, f"Lock was lost before the end of the with block: {self.lost_reason}"
             )
 
 
@@ -396,10 +373,8 @@ def lock(
     on_lost: OnLost | None = None,
     using: str | None = None,
 ) -> Lock:
-    """A :class:`Lock` on ``resource`` (same keywords): ``with lock("order:1") as held: ...``.
-
-    Entering raises :class:`LockNotAcquired` if the lock stayed busy for ``wait`` seconds.
-    """
+    """A :class:`Lock` on ``resource`` (same keywords): ``with lock("order:1") as held: ...``;
+    entering raises :class:`LockNotAcquired` if the lock stayed busy for ``wait`` seconds."""
     return Lock(
         resource,
         ttl=ttl,

@@ -2,14 +2,12 @@
 
 An operator release (admin force release, ``joblock_release``, ``joblock_reap``) writes, just
 before its compare-and-delete (and takes back if nothing was released), a short-lived note
-under the resource's hash tag, ``P:{order:123}:released``: JSON ``{"owner", "action", "actor",
-"reason", "audit"}``. A holder noticing the loss can never look before the note exists.
-``owner`` is the hash of the released token, so a note speaks about that holding only (tokens
-are never reused); the audit row's id is added once the row is written. The note lives
-``max(2 x lock TTL, 60 s)``: a holder notices a loss within one TTL.
-
-The holder reads it on its loss path only (in the job's thread, never the renewal thread), to
-report "released by an operator (... audit #12)" instead of "expired".
+``P:{order:123}:released``: JSON ``{"owner", "action", "actor", "reason", "audit"}``, so a
+holder noticing the loss can never look before the note exists. ``owner`` is the hash of the
+released token: a note speaks about that holding only. The audit row's id is added once the
+row is written. The note lives ``max(2 x lock TTL, 60 s)``: a holder notices a loss within
+one TTL, and reads the note on its loss path only (in the job's thread, never the renewal
+thread), to report "released by an operator (... audit #12)" instead of "expired".
 """
 
 from __future__ import annotations
@@ -18,12 +16,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MIN_TTL_MS = 60_000
-
 
 def ttl_ms(lock_ttl_ms: int | None) -> int:
-    """How long a note lives for a lock of ``lock_ttl_ms``."""
-    return max(2 * int(lock_ttl_ms or 0), MIN_TTL_MS)
+    """How long a note lives for a lock of ``lock_ttl_ms``: twice that, at least a minute."""
+    return max(2 * int(lock_ttl_ms or 0), 60_000)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The one-per-process renewal thread: heartbeats, loss detection and index refreshes.
 
-One daemon thread keeps every lock the process holds, however many:
+It keeps every lock the process holds, however many:
 
 - renews each heartbeat lock every ``heartbeat_interval``, batching the renewals due within a
   quarter interval into one round trip per alias (at most :data:`BATCH`), earliest deadline
@@ -9,8 +9,7 @@ One daemon thread keeps every lock the process holds, however many:
   LOST when its token is gone or another's, when no renewal can be confirmed before its local
   deadline (declared one socket timeout *before* it: never after the server may have let
   another holder in), or when ``max_hold`` stopped the renewals and it ran out;
-- refers to the locks weakly: a ``Lock`` nobody references any more is not renewed, expires
-  after its TTL, and a warning names it;
+- refers to locks weakly: an unreferenced ``Lock`` is not renewed (it expires), with a warning;
 - flushes the process's buffered metrics once a second while there are any.
 
 Its sockets time out after ``min(REDIS_TIMEOUT, TTL / 5)`` without retries, so a black-holed
@@ -70,6 +69,7 @@ class Entry:
 
 
 _Work = tuple[Entry, Holding]
+_Lost = tuple[Holding, str]  # a lock found lost, and why
 
 
 class Renewer:
@@ -77,8 +77,7 @@ class Renewer:
 
     Scheduling is a heap of ``(when, seq, entry)``; an entry is pushed again whenever its next
     moment changes and stale heap items are skipped, so a wake-up costs O(k log n) for the k
-    locks due, and registering a lock wakes the thread only if it is due first.
-    """
+    locks due, and registering a lock wakes the thread only if it is due first."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -92,21 +91,12 @@ class Renewer:
         self._timeouts: dict[str, float] = {}  # alias -> socket timeout of its renewals
         self._stats = RenewalStats()
 
-    # -- registry -------------------------------------------------------------------------
     def add(self, held: Holding, *, renew_within: float = math.inf) -> None:
-        """Start keeping ``held`` (just acquired); renew it first within ``renew_within``
-        seconds if that is sooner than its interval (a lock handed over by a release is valid
-        for less than its TTL until renewed)."""
-        now = time.monotonic()
+        """Start keeping ``held`` (just acquired); renew it first within ``renew_within`` s if
+        sooner than its interval (a handed-over lock is valid for less than its TTL)."""
         interval = held.heartbeat_interval
-        entry = Entry(
-            ref=weakref.ref(held),
-            lock_id=id(held),
-            key=held.key,
-            alias=held.alias,
-            interval=interval,
-            renew_due=now + min(interval, renew_within) if held.heartbeat else math.inf,
-        )
+        due = time.monotonic() + min(interval, renew_within) if held.heartbeat else math.inf
+        entry = Entry(weakref.ref(held), id(held), held.key, held.alias, interval, due)
         wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5))
         with self._cond:
             self._entries[id(held)] = entry
@@ -137,7 +127,6 @@ class Renewer:
         with self._cond:
             return replace(self._stats)
 
-    # -- thread ---------------------------------------------------------------------------
     def _schedule(self, entry: Entry, held: Holding) -> float:
         """Push ``entry`` at its next moment (caller holds the condition)."""
         when = min(self._give_up_at(entry, held), entry.renew_due)
@@ -146,8 +135,7 @@ class Renewer:
 
     def _give_up_at(self, entry: Entry, held: Holding) -> float:
         """When a lock must be declared lost at the latest: its local deadline, or, while its
-        renewals fail, one socket timeout before it (a renewal sent later could not be
-        confirmed in time)."""
+        renewals fail, one socket timeout before it (a later renewal could not be confirmed)."""
         if held.state is LockState.SUSPECT:
             return held.valid_until - self._timeouts.get(entry.alias, 0.0)
         return held.valid_until
@@ -198,16 +186,11 @@ class Renewer:
             self._stats.cpu_seconds += time.thread_time() - started_cpu
         return True
 
-    def _gather(
-        self, now: float
-    ) -> tuple[list[tuple[Holding, str]], dict[str, list[_Work]], list[str]]:
+    def _gather(self, now: float) -> tuple[list[_Lost], dict[str, list[_Work]], list[str]]:
         """Pop what is due (caller holds the condition): (lost, work per alias, dropped keys).
-
-        Everything due within a quarter interval of the first due lock joins one batch:
-        renewing a little early is harmless (renew replaces the TTL) and turns a stream of
-        deadlines into a few pipelines per interval. The batch is ordered by deadline.
-        """
-        lost: list[tuple[Holding, str]] = []
+        Everything due within a quarter interval of the first due lock joins one batch: early
+        renewal is harmless (it replaces the TTL) and turns many deadlines into few pipelines."""
+        lost: list[_Lost] = []
         work: dict[str, list[_Work]] = defaultdict(list)
         dropped: list[str] = []
         later: list[_Work] = []
@@ -243,13 +226,9 @@ class Renewer:
         return lost, work, dropped
 
     def _sleep(self, now: float) -> None:
-        """Wait for the next due entry (caller holds the condition).
-
-        Stale heap items (released locks) are dropped first, so a stream of short holds does
-        not wake the thread. With nothing held it still wakes every ``IDLE_POLL`` seconds for
-        a while: registering a lock (due a heartbeat interval later) then need not
-        ``notify``, which keeps a thread switch off the acquire's hot path.
-        """
+        """Wait for the next due entry (caller holds the condition), stale heap items dropped
+        first. With nothing held it still wakes every ``IDLE_POLL`` s for a while, so that
+        registering a lock need not ``notify``: no thread switch on the acquire's path."""
         heap = self._heap
         while heap and self._entries.get(heap[0][2].lock_id) is not heap[0][2]:
             heapq.heappop(heap)
@@ -289,7 +268,7 @@ class Renewer:
             replies = send(client(alias, self._timeouts[alias]), calls)
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             replies = [exc] * len(items)
-        lost: list[tuple[Holding, str]] = []
+        lost: list[_Lost] = []
         renewed: dict[tuple[str, str], int] = defaultdict(int)
         with self._cond:
             self._stats.round_trips += 1

@@ -18,11 +18,8 @@ from .scripts import RENEW, Outcome
 
 def shortfall(found: Any, key: str, token: str, ttl_ms: int) -> str:
     """Why the lock at ``key`` (held with ``token``) did not reach ``REPLICA_ACKS`` replicas
-    within ``REPLICA_ACK_TIMEOUT``, or "" when it did.
-
-    One round trip: a RENEW (a write of *this* connection after the acquire or the hand-over,
-    which is what ``WAIT`` counts), then ``WAIT acks timeout``.
-    """
+    within ``REPLICA_ACK_TIMEOUT``, or "" when it did. One round trip: a RENEW (a write of
+    *this* connection, which is what ``WAIT`` counts), then ``WAIT acks timeout``."""
     settings = conf.get()
     acks, timeout = settings.REPLICA_ACKS, settings.REPLICA_ACK_TIMEOUT
     if is_cluster(found):

@@ -1,5 +1,4 @@
-"""The lock's Lua scripts, each with a KEYS/ARGV/Returns header, and the meaning of their
-return codes (:class:`Outcome`, :func:`busy_pttl_ms`).
+"""The lock's Lua scripts, each with a KEYS/ARGV/Returns header, and :class:`Outcome`.
 
 Each script is atomic on the server, touches only the keys in its KEYS (one resource's keys,
 under its hash tag: Redis-Cluster-safe) and reads the server clock with ``TIME`` (Redis >= 5
@@ -8,11 +7,9 @@ does not roll a script back, so a bad TTL must fail before the lock hash is writ
 between ``HSET`` and ``PEXPIRE`` (a lock without expiry).
 
 Waiting in line (WAIT, LEAVE and RELEASE's hand-over; the protocol is told in
-:mod:`.waiting`): a busy lock's waiters hold *tickets*, a sorted set in arrival order plus a hash
-of each ticket's expiry (server ms) and the details its lock is written with. A ticket whose
-waiter stopped refreshing it is dropped by the next script that finds it first in line. While
-live tickets wait, a free lock is theirs: ACQUIRE refuses newcomers, RELEASE hands the lock
-straight to the first live ticket.
+:mod:`.waiting`): waiters hold *tickets*, a sorted set in arrival order plus a hash of each
+ticket's expiry (server ms) and the details its lock is written with. The next script that
+finds an expired ticket first in line drops it.
 """
 
 from __future__ import annotations
@@ -39,11 +36,6 @@ class Outcome(enum.IntEnum):
     @property
     def reason(self) -> str:
         return {1: "ok", 0: "expired", -1: "taken by another owner"}[self.value]
-
-
-def busy_pttl_ms(reply: int) -> int:
-    """The holder's remaining TTL (ms) encoded in a negative ACQUIRE reply."""
-    return -reply - 1
 
 
 def _check_ms(name: str, variable: str, argument: str) -> str:

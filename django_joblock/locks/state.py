@@ -1,10 +1,10 @@
 """A lock's local view of one holding: its state and deadlines, by the local monotonic clock.
 
 :class:`~django_joblock.Lock` extends this with the Redis operations; it alone changes its
-state (the renewal thread decides *when*, and calls it). The view is conservative: validity
-counts from the *send* time of the last confirmed acquire or renew, minus a clock-drift
-margin, so the holder believes the lock gone before the server lets anyone else in. It is per
-process too: in a forked child the parent's lock is neither held nor lost, it is the parent's.
+state (the renewal thread decides *when*). The view is conservative: validity counts from the
+*send* time of the last confirmed acquire or renew, minus a clock-drift margin, so the holder
+believes the lock gone before the server lets anyone else in. In a forked child the parent's
+lock is neither held nor lost.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import metrics
-from ..exceptions import LockError, LockLost
+from ..exceptions import LockError
 from ..logs import log_lock, logger
 from ..signals import lock_lost
 from .keys import owner_hash
 
 OnLost = Callable[[Any, str], Any]  # on_lost(lock, reason)
+_E = TypeVar("_E", bound=LockError)
 
 
 class LockState(enum.Enum):
@@ -58,32 +59,16 @@ class Holding:
     ttl: float
     max_hold: float | None
     token: str
-    fence: int | None
-    state: LockState
-    lost_reason: str
-    acquired_at: float | None  # monotonic send time of the acquire that took the lock
-    # The process that acquired the lock (0: never). Another pid is a forked child holding a
-    # copy of this object: the lock is its parent's, not its own.
-    pid: int
-    # Local validity deadline (monotonic): send time of the last confirmed acquire/renew +
-    # ttl - drift. Written by the renewal thread, read by the owner (float stores are atomic).
-    _valid_until: float
-    _hold_until: float  # max_hold as a monotonic deadline: no renewal after it
-    _owner: tuple[str, str]
-    _transition: threading.Lock
-    _calls: threading.Lock
 
     @contextlib.contextmanager
     def _one_call(self) -> Iterator[None]:
         """Refuse a second thread's acquire/release while one runs: two acquires of one object
         would both send its token, and both be told they hold the lock."""
         if not self._calls.acquire(blocking=False):
-            raise LockError(
+            raise self._error(
+                LockError,
                 "Another thread is acquiring or releasing this Lock object: a Lock is one "
                 "holding, give each thread a Lock of its own",
-                resource=self.resource,
-                key=self.key,
-                owner=self.owner,
             )
         try:
             yield
@@ -95,20 +80,22 @@ class Holding:
         # check-and-set runs under this guard, so a loss is marked (and announced) once.
         self._transition = threading.Lock()
         self._calls = threading.Lock()  # one acquire() or release() at a time (_one_call)
-        self.fence = None
+        self.fence: int | None = None
         self.state = LockState.UNLOCKED
         self.lost_reason = ""
-        self.acquired_at = None
+        self.acquired_at: float | None = None  # monotonic send time of the acquire
+        # The process that acquired the lock (0: never). Another pid is a forked child holding
+        # a copy of this object: the lock is its parent's, not its own.
         self.pid = 0
-        self._valid_until = 0.0
-        self._hold_until = math.inf
+        # Local validity deadline (monotonic): send time of the last confirmed acquire/renew +
+        # ttl - drift. Written by the renewal thread, read by the owner (float stores are atomic).
+        self.valid_until = 0.0
+        self.hold_until = math.inf  # max_hold as a monotonic deadline: no renewal after it
         self._owner = ("", "")
 
-    def _begin(self, fence: int, sent: float, *, valid_for: float | None = None) -> None:
-        """Record an acquisition confirmed by Redis, sent at monotonic time ``sent``, valid for
-        ``valid_for`` seconds when not its TTL (a lock handed over by a release lives a
-        shorter hand-over TTL until its first renewal)."""
-        valid_for = self.ttl if valid_for is None else valid_for
+    def _begin(self, fence: int, sent: float, valid_for: float) -> None:
+        """Record an acquisition confirmed by Redis, sent at monotonic ``sent``, valid for
+        ``valid_for`` s (less than the TTL for a handed-over lock, until its first renewal)."""
         if self.pid != os.getpid():
             # First holding in this process: a forked child may have copied the guard while
             # the parent's renewal thread held it.
@@ -116,15 +103,15 @@ class Holding:
         self.fence = fence
         self.acquired_at = sent
         self.pid = os.getpid()
-        self._valid_until = sent + valid_for - drift(valid_for)
-        self._hold_until = math.inf if self.max_hold is None else sent + self.max_hold
+        self.valid_until = sent + valid_for - drift(valid_for)
+        self.hold_until = math.inf if self.max_hold is None else sent + self.max_hold
         self.lost_reason = ""
         self.state = LockState.HELD
 
     def confirm_renewed(self, sent: float) -> None:
         """Record a renewal confirmed by Redis, sent at monotonic ``sent`` (SUSPECT -> HELD)."""
         with self._transition:
-            self._valid_until = max(self._valid_until, sent + self.ttl - drift(self.ttl))
+            self.valid_until = max(self.valid_until, sent + self.ttl - drift(self.ttl))
             if self.state is LockState.SUSPECT:
                 self.state = LockState.HELD
 
@@ -163,8 +150,7 @@ class Holding:
                 logger.exception("on_lost callback failed for %s", self.key)
 
     def renewal_failed(self, exc: BaseException) -> None:
-        """A renewal could not be confirmed (it is retried soon): HELD -> SUSPECT, logged once
-        with the cause."""
+        """A renewal failed (retried soon): HELD -> SUSPECT, logged once with the cause."""
         if self.mark_suspect():
             cause = f"{type(exc).__name__}: {exc}"
             message = f"renewal failed ({cause}); retrying for {self.remaining():.2f}s"
@@ -174,16 +160,6 @@ class Holding:
         """Any state -> RELEASED (``lost_reason`` is kept: ``lost`` still says so)."""
         with self._transition:
             self.state = LockState.RELEASED
-
-    @property
-    def valid_until(self) -> float:
-        """The local validity deadline (monotonic seconds)."""
-        return self._valid_until
-
-    @property
-    def hold_until(self) -> float:
-        """``max_hold`` as a monotonic deadline (``inf`` without one)."""
-        return self._hold_until
 
     @property
     def ttl_ms(self) -> int:
@@ -197,28 +173,26 @@ class Holding:
         """Seconds of validity left by the local monotonic clock (0 when not held here)."""
         if self.state not in (LockState.HELD, LockState.SUSPECT) or self._foreign():
             return 0.0
-        return max(0.0, self._valid_until - time.monotonic())
+        return max(0.0, self.valid_until - time.monotonic())
 
     @property
     def held(self) -> bool:
-        """True while acquired by this process, not released, not lost, and the local deadline
-        has not passed."""
+        """True while acquired by this process, neither released nor lost, before its deadline."""
         return self.remaining() > 0.0
 
     @property
     def lost(self) -> bool:
         """True once the lock is known lost, or its local validity deadline has passed; stays
         True after :meth:`release` (``lost_reason`` says why). False in a forked child."""
-        if self._foreign():
+        if self._foreign() or self.state is LockState.UNLOCKED:
             return False
-        if self.state is LockState.LOST:
-            return True
         if self.state is LockState.RELEASED:
             return bool(self.lost_reason)
-        return self.state in (LockState.HELD, LockState.SUSPECT) and self.remaining() <= 0.0
+        return self.state is LockState.LOST or self.remaining() <= 0.0
 
-    def _lost_error(self, reason: str) -> LockLost:
-        return LockLost(reason, resource=self.resource, key=self.key, owner=self.owner)
+    def _error(self, kind: type[_E], message: str) -> _E:
+        """A ``kind`` error naming this lock's resource, key and owner (never its token)."""
+        return kind(message, resource=self.resource, key=self.key, owner=self.owner)
 
     @property
     def owner(self) -> str:
@@ -228,7 +202,5 @@ class Holding:
         return self._owner[1]
 
     def __repr__(self) -> str:
-        return (
-            f"<Lock resource={self.resource!r} state={self.state.value} "
-            f"owner={self.owner} fence={self.fence}>"
-        )
+        state, fence = self.state.value, self.fence
+        return f"<Lock resource={self.resource!r} state={state} owner={self.owner} fence={fence}>"

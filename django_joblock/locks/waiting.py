@@ -1,33 +1,31 @@
 """Waiting for a busy lock: a line of tickets in arrival order, handed the lock on release.
 
 A waiting acquire takes the lock if it is free and nobody waits; otherwise it takes a *ticket*
-(the WAIT script) and blocks in ``BLPOP`` on its own wake list (a connection of
-:func:`~django_joblock.backend.blocking_client`):
+(the WAIT script) and blocks in ``BLPOP`` on its own wake list:
 
 - **Arrival order.** While tickets are in line a free lock is theirs: a newcomer, even with
   ``wait=0``, is refused and joins the end. A wait is bounded by the work ahead of it.
 - **Handed over, not polled for.** The release script gives the lock to the first live ticket
-  (its token and details, a fresh fence) and pushes "fence next-ticket" to its wake list: the
-  waiter wakes holding the lock, and a release wakes exactly one waiter. The releaser names
-  that wake list in KEYS, so it must know who is first (the ticket behind it when it got the
-  lock); if someone else is first by then, the script changes nothing and says who, and
-  :func:`release` asks again. An uncontended release stays one round trip.
+  (its token and details, a fresh fence) and pushes "fence next-ticket" to its wake list: a
+  release wakes exactly one waiter, holding the lock. The releaser must name that wake list
+  (the ticket behind it when it got the lock); if another is first by then, the script
+  changes nothing and says who, and :func:`release` asks again.
 - **Every block is bounded**: by the remaining wait, by a quarter of ``WAITER_TTL`` (at most
   a second; then the ticket is refreshed) and, first in line, by the holder's remaining TTL (a
   dead holder hands nothing over; its lock expires and the first in line takes it).
 - **A waiter never blocks the line for long.** One that gives up or is interrupted leaves at
-  once; one that dies or stops past ``WAITER_TTL`` stops refreshing its ticket, which then
-  drops out. A lock handed to it meanwhile has a TTL of at most ``WAITER_TTL`` until renewed.
+  once; one that dies drops out after ``WAITER_TTL``, and a lock handed to it meanwhile has a
+  TTL of at most ``WAITER_TTL`` until renewed.
 
 A handed-over lock's validity counts from the send time of the waiter's last WAIT, which
-empties the wake list: whatever is popped later was pushed by a hand-over after it. Redis
-errors propagate; the ticket stays until it expires, and the same ``Lock`` acquiring again
-keeps its place (its ticket is its owner hash). A releaser that dies cannot lose a wake-up:
-the hand-over is part of the release script.
+empties the wake list: whatever is popped later was pushed by a later hand-over. Redis errors
+propagate; the same ``Lock`` acquiring again keeps its place (its ticket is its owner hash). A
+dying releaser cannot lose a wake-up: the hand-over is part of the release script.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, NamedTuple
@@ -37,30 +35,23 @@ from ..backend import MAX_BLOCK, REDIS_ERRORS, blocking_client, is_cluster, send
 from .keys import LockKeys
 from .scripts import LEAVE, RELEASE, RENEW, WAIT, Outcome
 
-# A release finding someone unexpected first in line asks again at most this many times (each
-# time the line changed under it), then releases without handing over: the first in line
-# then notices within a quarter of WAITER_TTL.
+# A release finding someone unexpected first in line asks again at most this many times, then
+# releases without handing over: the first in line notices within a quarter of WAITER_TTL.
 HAND_OVER_TRIES = 3
 
-# Waiters blocked right now in this process, per alias: the last one to leave closes the idle
-# blocking connections (one was opened per concurrent waiter).
+# Waiters blocked now in this process, per alias: the last to leave closes the idle blocking
+# connections (one was opened per concurrent waiter).
 _waiters: dict[str, int] = {}
 _waiters_guard = threading.Lock()
 
 
 class Turn(NamedTuple):
-    """What :func:`wait_in_line` ended with.
+    """What :func:`wait_in_line` ended with."""
 
-    ``reply``: the fence (> 0) when acquired, else ACQUIRE's "busy" code (-1 - holder's PTTL in
-    ms). ``sent``: monotonic send time of the call from which the lock's validity counts.
-    ``valid_for``: seconds of validity from ``sent`` (the hand-over TTL), or None for the
-    lock's full TTL. ``next_ticket``: who was first in line behind this holder ("" if nobody).
-    """
-
-    reply: int
-    sent: float
-    valid_for: float | None
-    next_ticket: str
+    reply: int  # the fence (> 0) when acquired, else ACQUIRE's "busy" code (-1 - holder's PTTL)
+    sent: float  # monotonic send time of the call from which the lock's validity counts
+    valid_for: float | None  # seconds valid from ``sent`` (the hand-over TTL); None: the TTL
+    next_ticket: str  # who was first in line behind this holder ("" if nobody)
 
 
 def lock_keys(keys: LockKeys) -> list[str]:
@@ -80,13 +71,11 @@ def wait_in_line(
 ) -> Turn:
     """Take the lock of ``keys``, waiting in line until the monotonic ``deadline``.
 
-    ``ticket`` names this waiter in line (the lock's owner hash); ``args`` are the ACQUIRE
-    script's arguments (token, ttl in ms, fence ttl, holder details). A lock handed over with a
-    shorter TTL than its own is renewed to its TTL before returning when ``confirm`` (no
-    heartbeat), else the caller's heartbeat must renew it within ``Turn.valid_for``. When the
-    wait runs out, the last try also leaves the line. Redis errors propagate; anything else
-    raised while waiting (a signal handler's exception, ``KeyboardInterrupt``) leaves the line
-    first, giving back a lock handed over meanwhile.
+    ``ticket`` names this waiter (the lock's owner hash); ``args`` are ACQUIRE's arguments. A
+    lock handed over with a shorter TTL than its own is renewed before returning when
+    ``confirm`` (no heartbeat will), else within ``Turn.valid_for`` by the caller's heartbeat.
+    The last try also leaves the line. Redis errors propagate; anything else raised while
+    waiting (``KeyboardInterrupt``) leaves the line first, giving back a lock handed over.
     """
     waiter_ttl = conf.get().WAITER_TTL
     waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
@@ -118,9 +107,8 @@ def wait_in_line(
                 popped = blocking.blpop([wake], timeout=max(0.001, round(block, 3)))
                 failed_blocks = 0
             except REDIS_ERRORS:
-                # The connection failed while blocked (a restart, say): the next WAIT tells
-                # whether Redis is back (and finds a lock handed over meanwhile). Twice in a
-                # row while WAIT works: give up.
+                # Failed while blocked (a restart, say): the next WAIT tells whether Redis is
+                # back (and finds a lock handed over meanwhile). Twice in a row: give up.
                 failed_blocks += 1
                 if failed_blocks > 1:
                     raise
@@ -141,10 +129,8 @@ def wait_in_line(
     except REDIS_ERRORS:
         raise  # the ticket expires on its own; a retry by the same Lock keeps the place
     except BaseException:
-        try:  # leave the line now; a ticket left behind expires after WAITER_TTL
+        with contextlib.suppress(*REDIS_ERRORS):  # else the ticket expires after WAITER_TTL
             LEAVE(client, [keys.lock, keys.queue, keys.tickets, wake], [args[0], ticket])
-        except REDIS_ERRORS:
-            pass
         raise
     finally:
         with _waiters_guard:
@@ -164,12 +150,10 @@ def release(
 ) -> Outcome:
     """Release the lock held with ``token``, handing it to the first live ticket in line.
 
-    ``expected`` is the ticket the holder believes first in line ("" if none known); ``also``
-    are commands (:func:`~django_joblock.backend.send` calls) sent in the first round trip,
-    ``unindex`` the index key and member RELEASE removes itself (:func:`.index.in_script`).
-    One round trip when nobody waits or ``expected`` is right; one more each time the line
-    changed under it.
-    """
+    ``expected`` is the ticket the holder believes first ("" if none known); ``also`` are
+    commands sent in the first round trip, ``unindex`` the index key and member RELEASE removes
+    (:func:`.index.in_script`). One round trip when nobody waits or ``expected`` is right; one
+    more each time the line changed under it."""
     for attempt in range(HAND_OVER_TRIES + 1):
         args = [token, expected]
         if attempt == HAND_OVER_TRIES:  # give up handing over: the first in line notices

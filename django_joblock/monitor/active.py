@@ -1,13 +1,12 @@
 """The active locks, and the queues of the ``@locked_job`` functions, as pages, commands and
 alerts show them. Locks are read from the active-lock index (:mod:`~django_joblock.locks.index`)
 and the lock hashes; an entry whose hash is gone or another owner's is dropped from the index
-here. No ``KEYS``, no ``SCAN``: the cost is bounded by what is shown.
-"""
+here. No ``KEYS``, no ``SCAN``: the cost is bounded by what is shown."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from rq.scheduler import RQScheduler
@@ -33,12 +32,7 @@ class ActiveLock(Holder):
     owner: str
     pttl_ms: int
     held_for: float  # seconds, on the lock server's clock
-    # The lock server's clock (Unix ms, ``TIME``) when the row was read: the holder's times
-    # are compared with it, never with this machine's clock.
-    read_ms: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    read_ms: int = 0  # the lock server's clock (Unix ms) at the read: compare the holder's times
 
 
 def active_locks(
@@ -98,6 +92,5 @@ def requeueing_queues() -> dict[str, Any]:
 
 
 def has_scheduler(queue: Any, client: Any = None) -> bool:
-    """Does an RQ scheduler serve ``queue``? (RQ's scheduler lock, read on the queue's
-    connection or on ``client``, a client of the same server.)"""
+    """Does an RQ scheduler serve ``queue``? (Its lock, on ``client`` or the queue's connection.)"""
     return bool((client or queue.connection).exists(RQScheduler.get_locking_key(queue.name)))

@@ -1,15 +1,13 @@
-"""Alerts from the ``JOBLOCK["ALERTS"]`` thresholds over the last ``WINDOW`` seconds:
-contention (absolute, and a spike against the family's own ``BASELINE``), counted events, long
-waits, long holds, active-lock growth, queues without a scheduler and outbox messages that keep
-failing. A ratio needs ``MIN_ATTEMPTS`` attempts; docs/observability.md ("Alerts") gives each
-rule and default.
-"""
+"""Alerts from the ``JOBLOCK["ALERTS"]`` thresholds over the last ``WINDOW`` seconds: contention
+(absolute, and a spike against the family's own ``BASELINE``), counted events, long waits, long
+holds, active-lock growth, queues without a scheduler, outbox messages that keep failing. A
+ratio needs ``MIN_ATTEMPTS`` attempts; docs/observability.md ("Alerts") lists rules and defaults."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from .. import conf, metrics
@@ -45,9 +43,6 @@ class Alert:
     value: float
     threshold: float
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def evaluate(now: float | None = None) -> list[Alert]:
     """Every alert firing now. Records an active-lock sample as a side effect: whoever evaluates
@@ -56,17 +51,14 @@ def evaluate(now: float | None = None) -> list[Alert]:
     limits = conf.get().ALERTS
     window, period = limits["WINDOW"], limits["BASELINE"]
     recent = metrics.window(window, now=now)
-    # A spike compares a family with its own contention over the minutes before the window's
-    # oldest bucket (read once, none twice): a static ratio cannot tell a family that is always
-    # busy from one that just became so.
+    # A spike compares a family with its own contention in the minutes before the window (none
+    # read twice): a static ratio cannot tell a family always busy from one just become so.
     earlier = metrics.Series()
     if period > window:
         earlier = metrics.window(period, now=now - window - metrics.BUCKET_SECONDS)
     last = f"in the last {window:g}s"
     families = sorted(recent.families())
-    fired: list[Alert] = []
-    spikes: list[Alert] = []
-    waits: list[Alert] = []
+    fired, spikes, waits = [], [], []
     for family in families:
         attempts, busy = recent.total("acquire_attempts", family), recent.busy(family)
         before = earlier.total("acquire_attempts", family)
@@ -78,10 +70,8 @@ def evaluate(now: float | None = None) -> list[Alert]:
             baseline = earlier.busy(family) / before
             threshold = limits["CONTENTION_SPIKE"] * baseline
             if ratio >= MIN_SPIKE and ratio >= threshold:
-                message = (
-                    f"{ratio:.0%} of the acquires of {family!r} found the lock busy in the last "
-                    f"{window:g}s, against {baseline:.0%} over the {period:g}s before"
-                )
+                message = f"{ratio:.0%} of the acquires of {family!r} found the lock busy {last}, "
+                message += f"against {baseline:.0%} over the {period:g}s before"
                 spikes.append(Alert("contention_spike", family, message, ratio, threshold))
         p99 = metrics.percentile(recent.merged_histogram("start_wait_seconds", family), 0.99)
         if p99 is not None and p99 >= limits["LONG_WAIT"]:
@@ -96,9 +86,7 @@ def evaluate(now: float | None = None) -> list[Alert]:
                 counts = ((family, recent.total(metric, family)) for family in families)
                 message += f" ({', '.join(f'{family} {n}' for family, n in counts if n)})"
             fired.append(Alert(name, "", message, count, limit))
-    fired += waits
-    fired += _long_holds(limits["HOLD_FACTOR"])
-    fired += _growth(limits["ACTIVE_GROWTH"], now)
+    fired += waits + _long_holds(limits["HOLD_FACTOR"]) + _growth(limits["ACTIVE_GROWTH"], now)
     for name, queue in active.requeueing_queues().items():
         if not active.has_scheduler(queue):
             message = f"no RQ scheduler for queue {name!r}, whose jobs requeue on contention"
@@ -114,15 +102,11 @@ def _outbox_failing() -> list[Alert]:
 
     failing = OutboxMessage.objects.filter(status=OutboxStatus.PENDING)
     failing = failing.filter(attempts__gte=OUTBOX_ATTEMPTS).order_by("created_at")
-    count = failing.count()
-    if not count:
+    if (first := failing.first()) is None:
         return []
-    first = failing.first()
-    assert first is not None
-    message = (
-        f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts; oldest "
-        f"{first.key} via {first.handler}: {first.last_error[:200]}"
-    )
+    count = failing.count()
+    message = f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts; "
+    message += f"oldest {first.key} via {first.handler}: {first.last_error[:200]}"
     return [Alert("outbox_failing", "", message, count, OUTBOX_ATTEMPTS)]
 
 
@@ -143,11 +127,11 @@ def _long_holds(factor: float) -> list[Alert]:
     for family, held_long in sorted(worst.items()):
         longest = max(held_long, key=lambda lock: lock.held_for)
         p95 = usual[family] or 0.0
-        message = (
-            f"{len(held_long)} lock(s) held far longer than usual; longest {longest.resource} "
-            f"for {longest.held_for:.0f}s by {longest.host}:{longest.pid} (job "
-            f"{longest.job_id or '-'}); the family's p95 hold is {p95:g}s"
+        message = f"{len(held_long)} lock(s) held far longer than usual; longest "
+        message += (
+            f"{longest.resource} for {longest.held_for:.0f}s by {longest.host}:{longest.pid} "
         )
+        message += f"(job {longest.job_id or '-'}); the family's p95 hold is {p95:g}s"
         fired.append(Alert("long_hold", family, message, longest.held_for, factor * p95))
     return fired
 
@@ -156,9 +140,8 @@ def _growth(period: float, now: float) -> list[Alert]:
     metrics.record_active_sample(sum(index.active_counts().values()), now=now)
     samples = metrics.active_samples(now - period)
     counts = [count for _at, count in samples]
-    if len(samples) < 3 or samples[-1][0] - samples[0][0] < period * 0.9 or counts[-1] <= counts[0]:
-        return []
-    if any(b < a for a, b in itertools.pairwise(counts)):
+    spanned = len(samples) >= 3 and samples[-1][0] - samples[0][0] >= period * 0.9
+    if not spanned or counts[-1] <= counts[0] or any(b < a for a, b in itertools.pairwise(counts)):
         return []
     message = f"active locks grew from {counts[0]} to {counts[-1]} over {period:g}s without falling"
     return [Alert("active_growth", "", message, counts[-1], counts[0])]

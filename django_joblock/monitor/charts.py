@@ -1,8 +1,7 @@
 """Inline SVG charts for the "Job locks" page, drawn server-side (no JavaScript), with axes,
 tick labels and axis titles: bars per family, columns per minute, and a timeline of the runs
 per resource. A chart of zeros has no bars (the page says "no data" instead of a flat line).
-Numbers are SVG user units; the template only places them.
-"""
+Numbers are SVG user units; the template only places them."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ LAST_LABEL_MINUTES = 8  # no quarter-hour label this close to the (right-aligned
 TIMELINE_WIDTH = 920
 TIMELINE_LABEL = 130  # room for the resource names
 TIMELINE_ROW = 18
-#: Outcomes drawn as a mark (the run found the resource busy) rather than a held bar.
-BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})
+BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})  # a mark (found busy), not a bar
 
 
 @dataclass
@@ -143,8 +141,7 @@ def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: 
         left = minutes - 1 - index  # minutes after this one
         if not left:  # right-aligned to the plot's end, so the SVG never clips it
             ticks.append(Tick(round(x + step, 1), bottom + 14, label, "end"))
-        # A quarter-hour label this close to the last one (about a label's width at this
-        # chart's width and font) would print over it.
+        # A quarter-hour label this close to the last one (a label's width) would print over it.
         elif at.minute % TICK_EVERY == 0 and left >= LAST_LABEL_MINUTES:
             ticks.append(Tick(round(x + step / 2, 1), bottom + 14, label))
     ticks.append(_time_title(PLOT_LEFT + plot_width / 2, bottom + 30))

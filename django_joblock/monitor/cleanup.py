@@ -3,8 +3,7 @@ every key under ``JOBLOCK["KEY_PREFIX"] + ":"`` (the index, families and metric 
 expire), on the lock Redis and every known queue's, each server and database once. The one
 keyspace walk of the package (``SCAN MATCH``, never ``KEYS``), an operator's one-off; keys
 outside the prefix (RQ's, the Django cache's) are never touched. ``P:project`` names the project
-that owns the prefix (:func:`other_project`): a purge, and ``check --deploy``, see another.
-"""
+that owns the prefix (:func:`other_project`): a purge, and ``check --deploy``, see another."""
 
 from __future__ import annotations
 
@@ -31,10 +30,6 @@ class Purge:
     kinds: Counter[str] = field(default_factory=Counter)
     removed: int = 0
 
-    @property
-    def found(self) -> int:
-        return sum(self.kinds.values())
-
 
 def _kind(rest: str) -> str:
     """The kind of the key ``<prefix>:<rest>``."""
@@ -46,16 +41,14 @@ def _kind(rest: str) -> str:
 
 
 def project_id() -> str:
-    """This project's name on the locks' Redis: a hash of its ``SECRET_KEY`` (the same for
-    every process of one project, another for another project; not reversible)."""
+    """This project's id on the locks' Redis: an irreversible hash of its ``SECRET_KEY``."""
     return hashlib.sha256(f"joblock-project:{settings.SECRET_KEY}".encode()).hexdigest()[:12]
 
 
 def other_project(client: Any, *, claim: bool = True) -> str | None:
-    """With ``claim``, claim ``KEY_PREFIX`` on ``client``'s Redis for this project
-    (``P:project``, set once, no expiry: it lives with the keys under the prefix). Returns the
-    id of another project that claimed it (its locks, metrics and purge would be shared with
-    this one), else None."""
+    """With ``claim``, claim ``KEY_PREFIX`` on ``client``'s Redis for this project (``P:project``,
+    set once, no expiry: it lives with the keys under the prefix). Returns the id of another
+    project that claimed it (sharing its locks, metrics and purge with this one), else None."""
     key = f"{conf.get().KEY_PREFIX}:project"
     if claim:
         client.set(key, project_id(), nx=True)
@@ -64,16 +57,14 @@ def other_project(client: Any, *, claim: bool = True) -> str | None:
 
 
 def held_locks() -> int:
-    """How many locks are held right now (by the active-lock index)."""
     return sum(active_counts().values())
 
 
-def purge_redis(*, dry_run: bool = False, client: Any = None) -> Purge:
-    """Find (and unless ``dry_run``, ``UNLINK``, ``BATCH`` at a time) every key under the app's
-    prefix: on ``client`` only, or by default on the lock Redis and every known queue's."""
+def purge_redis(*, dry_run: bool = False) -> Purge:
+    """Find (and unless ``dry_run``, ``UNLINK``, ``BATCH`` at a time) the prefix's keys."""
     prefix = conf.get().KEY_PREFIX
-    clients: dict[Any, Any] = {None: client} if client is not None else {}
-    for each in [] if clients else [connection(conf.get().REDIS_ALIAS), *queue_connections()]:
+    clients: dict[Any, Any] = {}
+    for each in [connection(conf.get().REDIS_ALIAS), *queue_connections()]:
         clients.setdefault(server_of(each), each)  # each server and database once
     result = Purge()
     for each in clients.values():

@@ -2,8 +2,7 @@
 ``DEL``: the owner's own compare-and-delete against the owner the operator was shown. Every
 attempt leaves an append-only ``LockAudit`` row, a release a note so the holder reports
 "released by an operator". A Redis that does not answer fails within seconds (short timeouts,
-no retries), audited with whether the release may have happened. See docs/admin.md.
-"""
+no retries), audited with whether the release may have happened. See docs/admin.md."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from .. import conf, metrics
 from ..backend import REDIS_ERRORS, client, unavailable
 from ..choices import AuditAction
 from ..locks import index, notes, waiting
-from ..locks.info import LockHash, lock_info
+from ..locks.info import LockHash
 from ..locks.keys import LockKeys, is_owner_hash, owner_hash, validate_resource
 from ..locks.scripts import Outcome
 from ..models import LockAudit
@@ -28,11 +27,6 @@ class ReleaseResult:
     released: bool
     outcome: str
     audit: Any
-
-
-#: The current holder of a resource's lock, or None (one read on the locks' client; raises
-#: ``LockBackendUnavailable`` when Redis does not answer).
-holder = lock_info
 
 
 def force_release(
@@ -49,9 +43,8 @@ def force_release(
     """Release ``resource``'s lock if still held by ``owner`` (the token's 12-character hash,
     as pages and logs show it) or ``token``, else by whoever holds it; with ``renewed_ms`` (the
     last renewal seen when its holder was judged dead), a lock renewed since is refused. Raises
-    ``ValueError`` for an empty reason or one with a NUL, a bad resource or owner, or both
-    ``owner`` and ``token``; :class:`LockBackendUnavailable` when Redis does not answer (after
-    auditing the attempt)."""
+    ``ValueError`` for an empty or NUL-holding reason, a bad resource or owner, or both ``owner``
+    and ``token``; :class:`LockBackendUnavailable`, audited, when Redis does not answer."""
     resource = validate_resource(resource)
     reason = (reason or "").strip()
     if not reason:

@@ -1,8 +1,7 @@
 """Everything the "Job locks" admin page shows (the admin only renders it). The cost is bounded
 whatever the size: per-family ``ZCARD`` counts, at most ``LOCK_ROWS`` index entries read in
 detail, 60 metric buckets in one pipeline, indexed queries, RQ registries read without
-cleanup, one family's history. No ``SCAN``, no ``COUNT(*)``; see docs/admin.md.
-"""
+cleanup, one family's history. No ``SCAN``, no ``COUNT(*)``; see docs/admin.md."""
 
 from __future__ import annotations
 
@@ -48,6 +47,7 @@ def build(
     contention = [(f, b / t * 100, f"{b / t:.0%} ({b}/{t})") for f, (b, t) in tries.items() if t]
     everywhere = hour.merged_histogram("start_wait_seconds")
     wait_p50, wait_p99 = (metrics.percentile(everywhere, q) for q in (0.5, 0.99))
+    waits = f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-"
 
     def per_minute(title: str, metric: str, axis: str, note: str = "") -> Chart:
         return minute_chart(title, metrics.per_minute(metric, CHART_MINUTES), axis=axis, note=note)
@@ -80,15 +80,10 @@ def build(
     ]
     locks = active.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
     health = lock_health(locks)  # one entry per lock
-    rows = [
-        {
-            "lock": held,
-            "health": health[held.resource].state.value,
-            "why": health[held.resource].why,
-            "ttl_left": max(0.0, held.pttl_ms / 1000),
-        }
-        for held in locks
-    ]
+    rows: list[dict[str, Any]] = []
+    for held in locks:
+        found, ttl_left = health[held.resource], max(0.0, held.pttl_ms / 1000)
+        rows.append(dict(lock=held, health=found.state.value, why=found.why, ttl_left=ttl_left))
     fired = alerts.evaluate()
     cards = [
         ("Active locks", active_total),
@@ -100,10 +95,7 @@ def build(
         ("Renew failures (1 h)", total("renew_failed")),
         ("Jobs given up (1 h)", total("given_up")),
         ("Failed runs / RQ retries (1 h)", f"{total('failed_runs')} / {total('rq_retries')}"),
-        (
-            "Wait to start p50 / p99 (1 h)",
-            f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-",
-        ),
+        ("Wait to start p50 / p99 (1 h)", waits),
     ]
     target = timeline_of or _busiest(hour, counts)
     shown = [row for row in rows if not health_filter or row["health"] == health_filter]
@@ -133,8 +125,7 @@ def build(
 
 
 def _spread(hour: metrics.Series, metric: str, fams: list[str], low: int) -> list[Any]:
-    """``(family, p99, text)`` for each family with samples of histogram ``metric``, the text
-    giving its p``low`` and p99."""
+    """``(family, p99, "p<low> ≤ …, p99 ≤ …")`` of each family with samples of ``metric``."""
     found = []
     for fam in fams:
         merged = hour.merged_histogram(metric, fam)
@@ -156,23 +147,19 @@ def _timeline(target: str) -> Chart:
     fam = target.partition(":")[0]  # a resource's family, or the family itself
     now = time.time()
     spans = history.read(queue_connections(), fam, since=now - TIMELINE_MINUTES * 60)
+    title = f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)"
+    shown = [span for span in spans if target == fam or span.resource == target]
+    note = "runs of @locked_job by workers: held, waited, busy, lost"
     return timeline_chart(
-        f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)",
-        [span for span in spans if target == fam or span.resource == target],
-        now=now,
-        minutes=TIMELINE_MINUTES,
-        rows=TIMELINE_ROWS,
-        note="runs of @locked_job by workers: held, waited, busy, lost",
+        title, shown, now=now, minutes=TIMELINE_MINUTES, rows=TIMELINE_ROWS, note=note
     )
 
 
 def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
     """One row per (job function, family) seen in ``hour``: its counters, contention and p99
     wait to start; busiest first. ``lock()`` calls outside a job have no function."""
-    labels = {label for name in JOB_TYPE_COUNTERS for label in hour.counters[name]}
-    labels |= set(hour.histograms["start_wait_seconds"])
     rows = []
-    for fam, func in labels:
+    for fam, func in {label for name in JOB_TYPE_COUNTERS for label in hour.counters[name]}:
         counts = {name: hour.counters[name].get((fam, func), 0) for name in JOB_TYPE_COUNTERS}
         if not any(counts.values()):
             continue

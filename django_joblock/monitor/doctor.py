@@ -2,8 +2,7 @@
 or a resource and returns the story (the key's deliveries, the resource's holder and operator
 releases, the family's recent losses) and the seven debugging steps of docs/operations.md,
 each with its evidence and a verdict (``ok``, ``problem``, ``info``, ``unknown``). Read-only;
-every read is bounded (one key's history, one resource, one family's metrics).
-"""
+every read is bounded (one key's history, one resource, one family's metrics)."""
 
 from __future__ import annotations
 
@@ -47,9 +46,6 @@ class Diagnosis:
     story: list[str] = field(default_factory=list)
     deliveries: list[dict[str, Any]] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class NotFound(LookupError):
@@ -181,12 +177,9 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
         text += f"; delivered again: {', '.join(again)}" if again else ""
         answer(INFO if again else OK, text)
     elif len(jobs) > 1:
-        answer(
-            INFO,
-            f"yes: {len(jobs)} deliveries (RQ jobs {', '.join(jobs)}); "
-            f"{', '.join(sorted(set(ran))) or 'none'} ran, "
-            f"{', '.join(replayed) or 'none'} replayed the stored result",
-        )
+        text = f"yes: {len(jobs)} deliveries (RQ jobs {', '.join(jobs)}); "
+        text += f"{', '.join(sorted(set(ran))) or 'none'} ran, "
+        answer(INFO, text + f"{', '.join(replayed) or 'none'} replayed the stored result")
     else:
         answer(OK, f"no: one delivery (job {jobs[0]})")
     resources = sorted({run.resource for run in runs})
@@ -206,9 +199,8 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
     elif spec.lock is None:
         answer(INFO, f"longest run {longest:g}s; no lock, so no TTL to outlive")
     elif not spec.heartbeat and longest >= ttl:
-        answer(
-            PROBLEM, f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
-        )
+        text = f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
+        answer(PROBLEM, text)
     else:
         beat = "renewed every TTL/3" if spec.heartbeat else "heartbeat off"
         answer(OK, f"longest run {longest:g}s; TTL {ttl:g}s, {beat}")
@@ -220,11 +212,8 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
         verdict, text = INFO, f"lost mid-run and aborted (rolled back): jobs {aborted}"
     text += f"; {lost} lock(s) of family {fam!r} lost in the last alert window" if lost else ""
     answer(verdict, text)
-    answer(
-        OK,
-        "always: the release and renew scripts compare the owner token atomically; "
-        "operator releases are in the story above",
-    )
+    atomic = "always: the release and renew scripts compare the owner token atomically"
+    answer(OK, f"{atomic}; operator releases are in the story above")
     pending = [message.key for message in sent if message.status != OutboxStatus.DELIVERED]
     text = f"the idempotency record let one run commit ({ran[0] if ran else 'none yet'})"
     if sent:
@@ -252,11 +241,9 @@ def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step
 
 
 def render(found: Diagnosis) -> str:
-    """The diagnosis as text."""
     lines = [f"joblock doctor: {found.target}"]
     if found.scope:
         lines.append(f"scope {found.scope}, key {found.key!r}")
     lines += ["", "Story:"] + (found.story or ["  nothing recorded"]) + ["", "Steps:"]
-    for step in found.steps:
-        lines.append(f"  {step.number}. {step.question} [{step.verdict}] {step.evidence}")
+    lines += [f"  {s.number}. {s.question} [{s.verdict}] {s.evidence}" for s in found.steps]
     return "\n".join(lines)

@@ -4,8 +4,7 @@ RQ's state is read with RQ's key helpers on the job's queue's connection (for a 
 plain RQ job, every known queue: a job found on none is unknown, never evidence), registries
 with ``cleanup=False``, times on one server's clock. ``holder dead`` needs no renewal in the
 last half TTL *and* evidence (``why``); ``not renewing`` is never reaped (left to expire);
-``overdue`` is held past ``STUCK_AFTER``. See docs/operations.md ("Health of a lock").
-"""
+``overdue`` is held past ``STUCK_AFTER``. See docs/operations.md ("Health of a lock")."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class LockHealth:
 
 
 def known_queues() -> dict[str, Any]:
-    """Name -> queue for the queues of the registered ``@locked_job`` functions (those that
-    resolve, see :func:`~.active.queue_of`) and of django-rq's ``RQ_QUEUES``."""
+    """Name -> queue of the ``@locked_job`` functions (those that resolve) and of ``RQ_QUEUES``."""
     found: dict[str, Any] = {}
     for spec in registered_jobs():
         name = queue_name(spec.queue)
@@ -77,7 +75,6 @@ def _where(queue: Any) -> tuple[Any, ...]:
 
 
 def _distinct_queues() -> list[Any]:
-    """One known queue per distinct :func:`_where`."""
     found: dict[tuple[Any, ...], Any] = {}
     for queue in known_queues().values():
         found.setdefault(_where(queue), queue)
@@ -112,9 +109,8 @@ def _read_rq(locks: list[ActiveLock]) -> dict[int, tuple[str | None, bool]]:
             else:
                 pipe.echo("1")
         replies = pipe.execute()
-        for (position, known), status, worker in zip(
-            wanted, replies[::2], replies[1::2], strict=True
-        ):
+        statuses, workers = replies[::2], replies[1::2]
+        for (position, known), status, worker in zip(wanted, statuses, workers, strict=True):
             if status is not None or known:
                 status = None if status is None else text(status)
                 seen.setdefault(position, (status, bool(int(worker))))
@@ -141,13 +137,6 @@ def _evidence(active: ActiveLock, seen: tuple[str | None, bool] | None) -> list[
     return found
 
 
-def _beats(active: ActiveLock) -> bool:
-    """Whether the holder is a ``@locked_job`` with its heartbeat on (a plain ``lock()`` may
-    have it off: never renewed is then no sign)."""
-    spec = registry.get(active.job_func) if active.job_id else None
-    return spec is not None and spec.heartbeat
-
-
 def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
     """resource -> health, with one pipelined read per Redis server RQ uses."""
     seen = _read_rq(locks) if locks else {}
@@ -160,11 +149,14 @@ def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
         young = since < (active.ttl_ms or 0) / 2
         renewing = bool(active.renewals) and young
         evidence = _evidence(active, seen.get(position))
+        # A plain lock() may have its heartbeat off: never renewed is then no sign.
+        spec = registry.get(active.job_func) if active.job_id else None
+        beats = bool(active.renewals) or (spec is not None and spec.heartbeat)
         state, why = HEALTHY, ""
         if evidence and not renewing:
             never = " (never renewed)" if not active.renewals else ""
             state, why = DEAD, "; ".join([*evidence, f"not renewed for {since / 1000:.0f}s{never}"])
-        elif (active.renewals or _beats(active)) and not young:
+        elif beats and not young:
             state, why = SILENT, f"renewed {active.renewals} times, the last {since / 1000:.1f}s"
             if not active.renewals:  # a job whose heartbeat renews by TTL / 3
                 why = f"never renewed in {since / 1000:.1f}s"
@@ -186,11 +178,11 @@ class StuckJob:
     url: str = ""  # django-rq's page of the job, filled in by the admin when it has one
 
 
-def stuck_jobs(queues: dict[str, Any] | None = None, limit: int = 200) -> list[StuckJob]:
-    """RQ jobs (at most ``limit`` per queue) in the started registries of ``queues`` (default:
-    the known queues) that have run past their timeout, by each queue server's clock."""
+def stuck_jobs(limit: int = 200) -> list[StuckJob]:
+    """RQ jobs (at most ``limit`` per queue) in the started registries of the known queues that
+    have run past their timeout, by each queue server's clock."""
     found = []
-    for name, queue in (known_queues() if queues is None else queues).items():
+    for name, queue in known_queues().items():
         ids = StartedJobRegistry(queue=queue).get_job_ids(0, limit - 1, cleanup=False)
         if not ids:
             continue
@@ -216,8 +208,7 @@ def stuck_claims(limit: int = 50) -> list[Any]:
 
 
 def record_deliveries(scope: str, key: str, resource: str = "") -> list[history.Delivery]:
-    """The runs of an idempotency record's key (``scope``: its job's dotted name; ``resource``,
-    if it had a lock, names the family they are kept under), read on that job's queue
-    connection; empty for a scope no ``@locked_job`` has."""
+    """The runs of a record's key (``scope``: its job's dotted name; ``resource``, if locked, names
+    their family), read on that job's queue connection; none for a scope no ``@locked_job`` has."""
     queue = job_queue(scope)
     return [] if queue is None else history.of_key([queue.connection], scope, key, resource)

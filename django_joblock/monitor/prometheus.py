@@ -1,8 +1,7 @@
 """Prometheus export (``pip install django-joblock[prometheus]``): a collector reading the
 all-time totals and the active-lock index from Redis at scrape time, so every process's events
 are in one place and workers keep no client state. Labels are ``family`` and ``function`` only
-(never a resource id), so cardinality stays bounded.
-"""
+(never a resource id), so cardinality stays bounded."""
 
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ from ..locks.index import active_counts
 
 
 class JoblockCollector:
-    """Collector reading django-joblock's Redis metrics at scrape time."""
-
     def collect(self) -> Iterator[Any]:
         totals = metrics.totals()
         bounds = [*(f"{b:g}" for b in metrics.BOUNDS), "+Inf"]
@@ -45,7 +42,6 @@ class JoblockCollector:
 
 
 def exposition() -> bytes:
-    """The text exposition format of the collector's metrics."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JoblockCollector())
     return generate_latest(registry)

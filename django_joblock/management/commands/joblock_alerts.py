@@ -1,13 +1,12 @@
 """``manage.py joblock_alerts [--json]``: print the alerts firing now; exit 1 if any fires.
-
 Run it every minute (cron, a monitoring agent): each run also records the active-lock count
-that the ``active_growth`` alert compares over time.
-"""
+that the ``active_growth`` alert compares over time."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -28,7 +27,7 @@ class Command(BaseCommand):
         except REDIS_ERRORS as exc:
             raise CommandError(no_answer(exc)) from exc
         if options["json"]:
-            self.stdout.write(json.dumps([alert.as_dict() for alert in fired], indent=2))
+            self.stdout.write(json.dumps([asdict(alert) for alert in fired], indent=2))
         elif not fired:
             self.stdout.write("No alerts.")
         else:

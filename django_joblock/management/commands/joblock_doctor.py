@@ -1,12 +1,11 @@
-"""``manage.py joblock_doctor (--job ID | --key KEY [--scope S] | --resource R) [--json]``.
-
-The story of one RQ job, idempotency key or resource, with the debugging steps' evidence and
-verdicts (:mod:`django_joblock.monitor.doctor`). Read-only.
-"""
+"""``manage.py joblock_doctor (--job ID | --key KEY [--scope S] | --resource R) [--json]``:
+the story of one RQ job, idempotency key or resource, with the debugging steps' evidence and
+verdicts (:mod:`django_joblock.monitor.doctor`). Read-only."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -29,10 +28,9 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print the diagnosis as JSON.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        for name in ("job", "key", "resource"):
-            if options[name] is not None and not options[name].strip():
+        for name in ("job", "key", "resource", "scope"):  # --scope defaults to ""
+            if name != "scope" and options[name] is not None and not options[name].strip():
                 raise CommandError(f"--{name} is empty: give the {name} to explain.")
-        for name in ("job", "key", "resource", "scope"):
             if "\x00" in (options[name] or ""):
                 raise CommandError(f"--{name} contains NUL: no {name} has one.")
         job_id, key, resource = (options[name] or "" for name in ("job", "key", "resource"))
@@ -45,6 +43,6 @@ class Command(BaseCommand):
         except REDIS_ERRORS as exc:
             raise CommandError(no_answer(exc)) from exc
         if options["json"]:
-            self.stdout.write(json.dumps(found.as_dict(), indent=2, default=str))
+            self.stdout.write(json.dumps(asdict(found), indent=2, default=str))
         else:
             self.stdout.write(render(found))

@@ -1,12 +1,10 @@
-"""``manage.py joblock_locks [--family F] [--stuck] [--json] [--limit N]``: the active locks.
-
-``--json`` prints each lock's fields (``resource``, ``owner``, ``fence``, ``host``, ``pid``,
-``job_id``, ``held_for``...) with its ``health`` and ``why`` (the evidence).
-"""
+"""``manage.py joblock_locks [--family F] [--stuck] [--json] [--limit N]``: the active locks,
+each with its fields, its ``health`` and ``why`` (the evidence)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -45,7 +43,7 @@ class Command(BaseCommand):
         rows = []
         for active in locks:
             state = health.get(active.resource, LockHealth(HEALTHY))
-            row = {**active.as_dict(), "health": state.state.value, "why": state.why}
+            row = {**asdict(active), "health": state.state.value, "why": state.why}
             row.pop("read_ms", None)
             if not options["stuck"] or state.state != HEALTHY:
                 rows.append(row)

@@ -1,9 +1,6 @@
-"""``manage.py joblock_outbox [--limit N] [--every SECONDS] [--database ALIAS]``.
-
-Deliver the due outbox messages (:mod:`django_joblock.outbox`): those whose delivery failed, at
-their next backoff time, and those whose process died between the commit and the delivery.
-Once, or every ``--every`` seconds until stopped.
-"""
+"""``manage.py joblock_outbox [--limit N] [--every SECONDS] [--database ALIAS]``: deliver the
+due outbox messages (:mod:`django_joblock.outbox`): failed ones at their next backoff time, and
+those whose process died between the commit and the delivery; once, or every ``--every`` s."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class Command(BaseCommand):
             except DatabaseError as exc:
                 if every is None:
                     raise CommandError(f"outbox: the database failed: {exc}") from exc
-                # A terminated connection, a restart: a long-running sweeper goes on with a
-                # new connection at the next pass (it used to exit).
+                # A terminated connection, a restart: a sweeper goes on with a new connection.
                 self.stderr.write(f"outbox: the database failed ({exc}); retrying in {every:g}s")
                 close_old_connections()  # drops the broken connection
             else:

@@ -2,17 +2,14 @@
 
 Without ``--redis``: delete expired idempotency records, except a ``running`` claim whose lease
 is live (a duplicate could claim the key afresh and run beside it), and outbox messages
-delivered more than ``IDEMPOTENCY_TTL`` ago. Batches of primary keys, each its own short
-transaction, the condition repeated in each ``DELETE`` (a record claimed between the read and
-the delete is kept).
-
+delivered more than ``IDEMPOTENCY_TTL`` ago; in batches of primary keys, each its own short
+transaction whose ``DELETE`` repeats the condition (a record claimed meanwhile is kept).
 With ``--redis`` (uninstall): remove every key under ``KEY_PREFIX`` on the lock and queue
-Redis (:mod:`django_joblock.monitor.cleanup`); refused while locks are held unless ``--force``.
-"""
+Redis (:mod:`django_joblock.monitor.cleanup`); refused while locks are held unless ``--force``."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -25,12 +22,6 @@ from django_joblock.backend import REDIS_ERRORS, connection, no_answer
 from django_joblock.choices import OutboxStatus
 from django_joblock.models import IdempotencyRecord, OutboxMessage
 from django_joblock.monitor import cleanup
-
-
-def purgeable(now: datetime) -> Q:
-    """Expired at ``now``, and not a running claim whose lease is still live."""
-    live_claim = Q(status=IdempotencyRecord.Status.RUNNING, lease_expires_at__gt=now)
-    return Q(expires_at__lt=now) & ~live_claim
 
 
 class Command(BaseCommand):
@@ -58,12 +49,13 @@ class Command(BaseCommand):
         if batch < 1:
             raise CommandError(f"--batch-size must be >= 1, got {batch}.")
         now, database = timezone.now(), options["database"]
-        # A delivered message is kept as long as a record: a replay within that time finds
-        # its key and sends nothing more.
+        live_claim = Q(status=IdempotencyRecord.Status.RUNNING, lease_expires_at__gt=now)
+        expired = Q(expires_at__lt=now) & ~live_claim
+        # Delivered messages are kept as long as records: a replay finds its key, sends nothing.
         kept = now - timedelta(seconds=conf.get().IDEMPOTENCY_TTL)
         delivered = Q(status=OutboxStatus.DELIVERED, delivered_at__lt=kept)
         for what, rows, condition, order in (
-            ("expired idempotency record(s)", IdempotencyRecord, purgeable(now), "expires_at"),
+            ("expired idempotency record(s)", IdempotencyRecord, expired, "expires_at"),
             ("delivered outbox message(s)", OutboxMessage, delivered, "delivered_at"),
         ):
             table = rows.objects.using(database)
@@ -96,6 +88,7 @@ class Command(BaseCommand):
             raise CommandError(no_answer(exc)) from exc
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(found.kinds.items())) or "none"
         if dry_run:
-            self.stdout.write(f"{found.found} key(s) under {prefix!r}: ({kinds}) would be removed.")
+            total = sum(found.kinds.values())
+            self.stdout.write(f"{total} key(s) under {prefix!r}: ({kinds}) would be removed.")
         else:
             self.stdout.write(f"Removed {found.removed} key(s) under {prefix!r}: ({kinds}).")

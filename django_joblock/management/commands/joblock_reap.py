@@ -1,9 +1,6 @@
-"""``manage.py joblock_reap [--dry-run]``: release locks whose holder is dead.
-
-Dead: not renewed for half its TTL *and* its RQ job, its worker or its process (on this host)
-is gone (:mod:`django_joblock.monitor.health`); a lock renewed meanwhile is refused. Each
-release is a compare-and-delete, audited with the evidence as its reason.
-"""
+"""``manage.py joblock_reap [--dry-run]``: release the locks whose holder is dead (see
+:mod:`django_joblock.monitor.health`) by an audited compare-and-delete, the evidence as its
+reason; a lock renewed meanwhile is refused."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""``manage.py joblock_release RESOURCE --reason R [--owner H | --token T]``: force release.
-
-Only the holder named by its owner hash (``--owner``, as ``joblock_locks`` shows it) or its
-token; with neither, whoever holds it now. A compare-and-delete, audited; exit status 1 when
-nothing was released.
-"""
+"""``manage.py joblock_release RESOURCE --reason R [--owner H | --token T]``: force release
+the lock of the holder named by its owner hash (as ``joblock_locks`` shows it) or token, else of
+whoever holds it now. A compare-and-delete, audited; exit status 1 when nothing was released."""
 
 from __future__ import annotations
 

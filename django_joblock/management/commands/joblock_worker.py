@@ -1,16 +1,16 @@
 """``manage.py joblock_worker [queues] [--burst] [--with-scheduler] [--simple] [...]``.
 
 An RQ worker on the queues ``@locked_job`` uses (django-rq's ``RQ_QUEUES`` when installed, else
-the ``REDIS_ALIAS`` connection), with django-rq ``rqworker``'s options; run
-``--with-scheduler`` on at least one worker per requeueing queue (requeue delays are scheduled
-jobs). Queues on different Redis connections need one worker each. The system checks run at
-start without database probes: a job's long transaction must not stop a worker from starting.
-"""
+the ``REDIS_ALIAS`` connection), with django-rq ``rqworker``'s options; run ``--with-scheduler``
+on at least one worker per requeueing queue (requeue delays are scheduled jobs). Queues on
+different Redis connections need a worker each. System checks run at start without database
+probes: a job's long transaction must not stop a worker from starting."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -54,9 +54,7 @@ class Command(BaseCommand):
             queues = [get_queue(name) for name in options["queues"]]
         except (JoblockConfigError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
-        servers = {
-            name: server_of(q.connection) for name, q in zip(options["queues"], queues, strict=True)
-        }
+        servers = {str(queue.name): server_of(queue.connection) for queue in queues}
         if len(set(servers.values())) > 1:
             where = ", ".join(f"{n} -> {s}" for n, s in servers.items())
             raise CommandError(f"Queues on different Redis connections need a worker each: {where}")
@@ -80,8 +78,7 @@ class Command(BaseCommand):
             raise _no_redis(exc) from exc
         if options["pid"]:
             try:
-                with open(options["pid"], "w") as pid_file:
-                    pid_file.write(str(os.getpid()))
+                Path(options["pid"]).write_text(str(os.getpid()))
             except OSError as exc:
                 raise CommandError(f"--pid {options['pid']!r}: cannot write the pid file: {exc}")
         run = ("burst", "with_scheduler", "max_jobs", "max_idle_time")
