@@ -134,6 +134,22 @@ def _check_timeline(page) -> None:  # type: ignore[no-untyped-def]
     section.screenshot(path=str(ARTIFACTS / "4-timeline.png"))
 
 
+CLIPPED_JS = """() => [...document.querySelectorAll('#joblock-dashboard svg text')].flatMap(t => {
+  const svg = t.ownerSVGElement.getBoundingClientRect(), box = t.getBoundingClientRect();
+  const out = box.left < svg.left - 0.5 || box.right > svg.right + 0.5;
+  return out ? [`${t.textContent} (${box.left | 0}..${box.right | 0} in ${svg.left | 0}..`
+    + `${svg.right | 0})`] : [];
+})"""
+
+
+def _check_chart_text_fits(page) -> None:  # type: ignore[no-untyped-def]
+    """No label, value or tick of a chart runs past its SVG's edge (the SVG clips it): the
+    longest bar's "p95 ≤ …, p99 ≤ …" was cut off in every bar chart."""
+    values = page.locator("#joblock-dashboard svg text.jl-value").all_text_contents()
+    assert any("p99" in value for value in values), values  # the long ones are drawn
+    assert page.evaluate(CLIPPED_JS) == []
+
+
 def _check_dark_and_narrow(page) -> None:  # type: ignore[no-untyped-def]
     """Status colours readable in light and dark themes; nothing wider than a phone."""
     for scheme in ("light", "dark"):
@@ -147,12 +163,18 @@ def _check_dark_and_narrow(page) -> None:  # type: ignore[no-untyped-def]
         if scheme == "dark":
             page.screenshot(path=str(ARTIFACTS / "1b-dashboard-dark.png"), full_page=True)
     page.emulate_media(color_scheme="light")
-    page.set_viewport_size({"width": 420, "height": 900})
+    page.set_viewport_size({"width": 390, "height": 900})
     page.reload()
     page.wait_for_selector("#joblock-dashboard")
     page.screenshot(path=str(ARTIFACTS / "1c-dashboard-narrow.png"), full_page=True)
     width = page.evaluate("document.documentElement.scrollWidth")
-    assert width <= 420, f"the page is {width}px wide at a 420px viewport"
+    assert width <= 390, f"the page is {width}px wide at a 390px viewport"
+    # The tables scroll sideways in their own box, which shows it with an edge shadow.
+    wrapper = page.locator("div.jl-scroll:has(#jl-locks)")
+    assert wrapper.evaluate("e => e.scrollWidth > e.clientWidth"), "the table fits: no test"
+    shadow = wrapper.evaluate("e => getComputedStyle(e).backgroundImage")
+    assert shadow.count("radial-gradient") == 2, shadow
+    wrapper.screenshot(path=str(ARTIFACTS / "1d-table-scrolls.png"))
     page.set_viewport_size({"width": 1400, "height": 1000})
     page.reload()
     page.wait_for_selector("#joblock-dashboard")
@@ -173,6 +195,9 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
         for _ in range(25):  # contention on the held lock
             assert not lock("order:777").acquire()
         metrics.count("duplicates_blocked", "refund", "tests.jobs.credit", 3)
+        for family, seconds in (("order", 12.5), ("refund", 0.75), ("mail", 240.0)):
+            metrics.observe("hold_seconds", family, "tests.jobs.credit", seconds)
+            metrics.observe("start_wait_seconds", family, "tests.jobs.credit", seconds / 3)
         metrics.flush_now()
         _timeline_spans(rconn)
         assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3)
@@ -204,6 +229,7 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
             assert stuck.id in stuck_table and "past its timeout" in stuck_table
             _check_polish(page, live_server.url, stuck.id)
             _check_timeline(page)
+            _check_chart_text_fits(page)
             _check_dark_and_narrow(page)
             page.click("#jl-locks tr:has-text('order:777') a.jl-release")
             page.wait_for_selector("#jl-release")

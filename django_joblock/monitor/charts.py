@@ -14,7 +14,7 @@ from django.utils import timezone
 WIDTH = 460
 LABEL_WIDTH = 112  # bar charts: room for the family names
 BAR_ROW = 22
-BAR_SPAN = 250  # longest bar
+BAR_SPAN = 250  # longest bar, when its value's text fits beside it
 PLOT_LEFT = 40  # minute charts: room for the count labels
 PLOT_TOP = 8
 PLOT_HEIGHT = 100
@@ -102,17 +102,22 @@ def bar_chart(
     if not shown:
         return Chart(title, "bars", [], note=note, empty=empty)
     top = max(value for _label, value, _text in shown)
+    # Each value's text goes right of its bar (~6.5 px a character at 11 px): long texts
+    # shorten the bars rather than run past the chart's edge, which clips them.
+    room = WIDTH - LABEL_WIDTH - 8
+    fits = (max(60.0, (room - 6.5 * len(text)) * top / value) for _l, value, text in shown)
+    span = round(min(BAR_SPAN, *fits), 1)
     bars = []
     for row, (label, value, text) in enumerate(shown):
-        width = round(max(1.0, BAR_SPAN * value / top), 1)
+        width = round(max(1.0, span * value / top), 1)
         bars.append(Bar(label, text, LABEL_WIDTH, PLOT_TOP + row * BAR_ROW, width, BAR_ROW - 6))
     bottom = PLOT_TOP + len(shown) * BAR_ROW
     ticks = [
         Tick(LABEL_WIDTH, bottom + 14, "0"),
-        Tick(LABEL_WIDTH + BAR_SPAN, bottom + 14, _number(top)),
-        Tick(LABEL_WIDTH + BAR_SPAN / 2, bottom + 30, axis),
+        Tick(LABEL_WIDTH + span, bottom + 14, _number(top)),
+        Tick(LABEL_WIDTH + span / 2, bottom + 30, axis),
     ]
-    frame = (LABEL_WIDTH, PLOT_TOP - 2, bottom, LABEL_WIDTH + BAR_SPAN)
+    frame = (LABEL_WIDTH, PLOT_TOP - 2, bottom, LABEL_WIDTH + span)
     summary = f"{len(shown)} row(s); largest {_number(top)}"
     return _framed(Chart(title, "bars", bars, note=note), frame, ticks, summary)
 
@@ -189,7 +194,7 @@ def timeline_chart(
             mark = (x0 - 1, y + 3, 3, TIMELINE_ROW - 8)
             bars.append(Bar(span.resource, what, *mark, css="jl-tl-busy"))
         else:
-            run = (x0, y + 1, max(2.0, x_of(span.started + span.took) - x0), TIMELINE_ROW - 6)
+            run = (x0, y + 1, max(4.0, x_of(span.started + span.took) - x0), TIMELINE_ROW - 6)
             bars.append(Bar(span.resource, what, *run, css=f"jl-tl-{span.outcome}"))
     bottom = PLOT_TOP + len(names) * TIMELINE_ROW
     short = [name if len(name) <= 20 else name[:19] + "…" for name in names]
