@@ -93,3 +93,30 @@ def test_a_call_that_does_not_fit_names_the_job(scratch_registry, rconn):
 
     with pytest.raises(TypeError, match=r"lock_only\(\): missing a required argument: 'name'"):
         lock_only.delay()  # type: ignore[call-arg]
+
+
+def test_delay_reuses_the_queues_connection(rconn, settings):
+    """django-rq builds a new client per ``get_queue()`` (a new pool; on ``SENTINELS`` a lookup
+    of the primary too): every ``.delay()`` opened a connection, and on Sentinel queues it cost
+    2-3x a URL queue's. The queue's client is now made once per name."""
+    from tests import harness, jobs
+
+    settings.RQ_QUEUES = {**settings.RQ_QUEUES, "default": {"URL": harness.redis_url()}}
+
+    def connections_received() -> int:
+        return int(rconn.info("stats")["total_connections_received"])
+
+    import django_rq
+
+    before = connections_received()
+    for n in range(10):  # negative control: django-rq's own get_queue
+        django_rq.get_queue("default").enqueue("tests.jobs.hold_resource", 100 + n, "n", 0.0)
+    assert connections_received() - before >= 10, "django-rq reused a connection after all"
+    before = connections_received()
+    for n in range(30):
+        jobs.hold_resource.delay(n, "reuse", 0.0)
+    assert connections_received() - before <= 2
+    assert get_queue("default").connection is get_queue("default").connection
+    other_db = harness.redis_url().rsplit("/", 1)[0] + "/1"  # a settings change is seen
+    settings.RQ_QUEUES = {**settings.RQ_QUEUES, "default": {"URL": other_db}}
+    assert get_queue("default").connection.connection_pool.connection_kwargs["db"] == 1

@@ -10,11 +10,23 @@ from typing import Any
 
 from django.apps import apps
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from rq import Queue
 
 from .. import conf
 from ..backend import cache_connection
 from ..exceptions import JoblockConfigError
+
+# A client per RQ_QUEUES name: django-rq builds a new one (a new pool, with SENTINELS a lookup
+# of the primary) on each call, which made every .delay() open a connection.
+_connections: dict[str, Any] = {}
+
+
+@receiver(setting_changed)
+def _forget_connections(setting: str, **kwargs: Any) -> None:
+    if setting in ("RQ_QUEUES", "CACHES"):
+        _connections.clear()
 
 
 def configured_names() -> list[str]:
@@ -42,7 +54,9 @@ def get_queue(queue: Any) -> Queue:
     # "on_db_commit") would defer it a second time and hand the caller None for the job.
     at_once = "commit_mode" in inspect.signature(django_rq.get_queue).parameters
     mode = {"commit_mode": "auto"} if at_once else {"autocommit": True}
-    found: Queue = django_rq.get_queue(queue, **mode)
+    if queue not in _connections:
+        _connections[queue] = django_rq.get_connection(queue)
+    found: Queue = django_rq.get_queue(queue, connection=_connections[queue], **mode)
     return found
 
 
