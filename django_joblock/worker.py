@@ -107,10 +107,16 @@ class _Loop:
 
     def dequeue_job_and_maintain_ttl(self, *args: Any, **kwargs: Any) -> Any:
         # RQ's loop inside waits out connection errors: one escaping came from the state before.
+        # SIGTERM while idle interrupts the blocking read (StopRequested); redis-py leaves a
+        # Sentinel-managed connection open with its late reply, which RQ's next command reads.
         wait = 1.0
         while True:
-            with self._outage(f"dequeue (retrying in {wait:g} s)"):
-                return super().dequeue_job_and_maintain_ttl(*args, **kwargs)  # type: ignore[misc]
+            try:
+                with self._outage(f"dequeue (retrying in {wait:g} s)"):
+                    return super().dequeue_job_and_maintain_ttl(*args, **kwargs)  # type: ignore[misc]
+            except BaseException:
+                self.connection.connection_pool.disconnect(inuse_connections=False)
+                raise
             time.sleep(wait)
             wait = min(wait * self.exponential_backoff_factor, self.max_connection_wait_time)
 
@@ -148,10 +154,9 @@ class _Loop:
             return super().perform_job(job, queue, *args)  # type: ignore[misc]
 
     def run_maintenance_tasks(self) -> None:
-        """RQ's, riding out an outage. A burst worker drops its scheduler first: RQ's burst
-        start-up already enqueued the due jobs, and the pass (like :meth:`take_over_scheduler`)
-        would start a scheduler process that the worker's exit then waits on, forever when
-        the SIGTERM reaches it before its own signal handlers."""
+        """RQ's, riding out an outage. A burst worker drops its scheduler (its start-up enqueued
+        the due jobs): the pass would start a scheduler process, which the worker's exit then
+        waits on, for ever when the SIGTERM reaches it before its own signal handlers."""
         if self._burst:
             self.scheduler = None
         with self._outage("maintenance"):

@@ -192,3 +192,40 @@ def test_workers_and_queues_follow_a_failover(sentinel, settings):
     finally:
         crew.stop()
     assert sum(Account.objects.values_list("balance", flat=True)) == len(jobs)
+
+
+@pytest.mark.parametrize("command", ["joblock_worker", "rqworker"])
+def test_an_idle_worker_on_sentinel_queues_stops_on_sigterm(sentinel, settings, command):
+    """SIGTERM reaches an idle worker inside its blocking dequeue. redis-py closes a plain
+    connection interrupted mid-read, but not a Sentinel-managed one: the dequeue's late reply
+    stayed on it and RQ's ``register_death`` read it as its own ("Wrong number of response
+    items from pipeline execution", exit 1 up to a minute later). URL queues exit 0 at once."""
+    import signal
+    import subprocess
+
+    from rq import Worker
+
+    group = sentinel.group
+    settings.RQ_QUEUES = {"default": sentinel_queue(group.addresses, group.master_name)}
+    primary = sentinel.primary()
+    crew = SentinelWorkers(group)
+    crew.extra_args = []  # django-rq's rqworker has no --maintenance-interval
+    try:
+        proc = crew.start(command=command)
+        # In its dequeue loop: registered, idle, and a moment into the blocking call.
+        assert wait_for(
+            lambda: [w.get_state() for w in Worker.all(connection=primary)] == ["idle"], 30
+        ), crew.logs()
+        time.sleep(1.0)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            code = None
+        logs = crew.logs()
+        assert code == 0, f"exit {code} after {time.monotonic() - started:.1f}s\n{logs}"
+        assert "Wrong number of response items" not in logs, logs
+        assert Worker.all(connection=primary) == [], "its death was registered"
+    finally:
+        crew.stop()
