@@ -18,15 +18,15 @@ from .. import conf
 from ..backend import cache_connection
 from ..exceptions import JoblockConfigError
 
-# A client per RQ_QUEUES name: django-rq builds a new one (a new pool, with SENTINELS a lookup
-# of the primary) on each call, which made every .delay() open a connection.
-_connections: dict[str, Any] = {}
+# django-rq's get_queue arguments per RQ_QUEUES name, its client included: django-rq builds a
+# new one per call (a new pool; on SENTINELS a lookup of the primary) for every .delay().
+_arguments: dict[str, dict[str, Any]] = {}
 
 
 @receiver(setting_changed)
 def _forget_connections(setting: str, **kwargs: Any) -> None:
     if setting in ("RQ_QUEUES", "CACHES"):
-        _connections.clear()
+        _arguments.clear()
 
 
 def configured_names() -> list[str]:
@@ -50,14 +50,14 @@ def get_queue(queue: Any) -> Queue:
         raise JoblockConfigError(f"Queue {queue!r} is not in settings.RQ_QUEUES (known: {names})")
     import django_rq  # type: ignore[import-not-found,unused-ignore]
 
-    # When to enqueue is @locked_job's own (on_commit=): django-rq's COMMIT_MODE (4.x:
-    # "on_db_commit") would defer it a second time and hand the caller None for the job.
-    at_once = "commit_mode" in inspect.signature(django_rq.get_queue).parameters
-    mode = {"commit_mode": "auto"} if at_once else {"autocommit": True}
-    if queue not in _connections:
-        _connections[queue] = django_rq.get_connection(queue)
-    found: Queue = django_rq.get_queue(queue, connection=_connections[queue], **mode)
-    return found
+    arguments = _arguments.get(queue)
+    if arguments is None:
+        # When to enqueue is @locked_job's own (on_commit=): django-rq's COMMIT_MODE (4.x:
+        # "on_db_commit") would defer it a second time and hand the caller None for the job.
+        at_once = "commit_mode" in inspect.signature(django_rq.get_queue).parameters
+        mode = {"commit_mode": "auto"} if at_once else {"autocommit": True}
+        arguments = _arguments[queue] = {"connection": django_rq.get_connection(queue), **mode}
+    return django_rq.get_queue(queue, **arguments)  # type: ignore[no-any-return,unused-ignore]
 
 
 def queue_name(queue: Any) -> str:
