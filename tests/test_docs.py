@@ -6,12 +6,16 @@ wheel's templates, static files and migrations are what the project gets. Redis 
 suite's throwaway server (the README's ``redis://127.0.0.1:6379/0`` is rewritten to it), the
 jobs run on a real RQ worker (the tour's ``joblock_worker`` block, with ``--burst``), and
 names a block uses without importing are caught by ruff (F821) even where no line runs them.
+A development worker (``joblock_worker`` without ``--burst``) runs from the migrations to the
+end, as on a developer's machine: docs/testing.md's ``manage.py test`` must pass beside it and
+leave the development orders as they were.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +24,17 @@ import pytest
 
 from tests import docblocks, harness
 
-README_REDIS = "redis://127.0.0.1:6379/0"
+README_REDIS = "redis://127.0.0.1:6379/"  # the docs' Redis databases, on the throwaway server
+DEV_ORDERS = (
+    "from shop.models import Order; print(list(Order.objects.values_list('pk', 'refunded')))"
+)
+FAILED_JOBS = """
+import django_rq
+from django.conf import settings
+queues = [django_rq.get_queue(name) for name in settings.RQ_QUEUES]
+failed = [queue.fetch_job(id) for queue in queues for id in queue.failed_job_registry.get_job_ids()]
+print([(job.func_name, getattr(job.latest_result(), "exc_string", "")) for job in failed])
+"""
 # What the test's project adds to the tour's settings: mail that never leaves the machine
 # (Django >= 6.1's startproject already uses the console mailer; older ones default to SMTP).
 TEST_SETTINGS = '\nEMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"\n'
@@ -68,58 +82,88 @@ def test_readme_and_docs_blocks_run_in_a_new_project(tmp_path, built_wheel_site,
     project = tmp_path / "project"
     project.mkdir()
     env = _environment(built_wheel_site, venv_bin)
-    url = harness.redis_url()
+    url = harness.redis_url().rsplit("/", 1)[0] + "/"
     patched = False
     ran = 0
-    for block in docblocks.all_blocks():
-        code = block.code.replace(README_REDIS, url)
-        settings_file = project / "mysite" / "settings.py"
-        if settings_file.exists() and not patched:
-            text = settings_file.read_text()
-            if "MAILERS" not in text:
-                settings_file.write_text(text + TEST_SETTINGS)
-            patched = True
-        if block.action == "skip":
-            continue
-        if block.action == "file":
-            target = project / block.argument
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with target.open("a") as out:
-                out.write("\n" + code + "\n")
-            _lint([target], env, block.where)
-            continue
-        command = block.argument if block.action == "run-as" else code
-        if block.language == "bash" or block.action == "run-as":
-            _run(["bash", "-euo", "pipefail", "-c", command], project, env, block.where)
-        else:
-            script = project / "_block.py"
-            script.write_text(code + "\n")
-            _lint([script], env, block.where)
-            _run(
-                [sys.executable, "manage.py", "shell", "-c", script.read_text()],
-                project,
-                env,
-                block.where,
-            )
-        ran += 1
+    # A development worker on the same Redis server from the migrations on, as a developer has.
+    dev_worker: subprocess.Popen[bytes] | None = None
+    dev_log = tmp_path / "dev-worker.log"
+    changed = False  # a block wrote a file since the dev worker started
+    try:
+        for block in docblocks.all_blocks():
+            code = block.code.replace(README_REDIS, url)
+            settings_file = project / "mysite" / "settings.py"
+            if settings_file.exists() and not patched:
+                text = settings_file.read_text()
+                if "MAILERS" not in text:
+                    settings_file.write_text(text + TEST_SETTINGS)
+                patched = True
+            if block.action == "skip":
+                continue
+            if block.action == "file":
+                target = project / block.argument
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with target.open("a") as out:
+                    out.write("\n" + code + "\n")
+                _lint([target], env, block.where)
+                changed = True
+                continue
+            if dev_worker is not None and changed:  # restarted on new code, as a developer does
+                _stop(dev_worker, dev_log)
+                dev_worker = _start_dev_worker(project, env, dev_log)
+            changed = False
+            command = block.argument if block.action == "run-as" else code
+            shell = [sys.executable, "manage.py", "shell", "-c", DEV_ORDERS]
+            before = _run(shell, project, env, "dev orders") if "manage.py test" in command else ""
+            if block.language == "bash" or block.action == "run-as":
+                _run(["bash", "-euo", "pipefail", "-c", command], project, env, block.where)
+                # docs/testing.md's tests run beside it and must not touch development data.
+                if before:
+                    assert _run(shell, project, env, "dev orders") == before, (
+                        "a test job ran in dev"
+                    )
+                if "manage.py migrate" in command and dev_worker is None:
+                    dev_worker = _start_dev_worker(project, env, dev_log)
+            else:
+                script = project / "_block.py"
+                script.write_text(code + "\n")
+                _lint([script], env, block.where)
+                _run(
+                    [sys.executable, "manage.py", "shell", "-c", script.read_text()],
+                    project,
+                    env,
+                    block.where,
+                )
+            ran += 1
+        assert dev_worker is not None, "no block ran the migrations"
+        _stop(dev_worker, dev_log)
+    finally:
+        if dev_worker is not None and dev_worker.poll() is None:
+            os.killpg(dev_worker.pid, signal.SIGKILL)
     assert ran >= 5, "the tour's blocks did not run"
     _lint(sorted(project.rglob("*.py")), env, "the assembled project")
     _run([sys.executable, "manage.py", "check"], project, env, "manage.py check (urls too)")
     failed = _run(
-        [
-            sys.executable,
-            "manage.py",
-            "shell",
-            "-c",
-            "import django_rq; "
-            "print(sum(len(q.failed_job_registry) for q in map(django_rq.get_queue, "
-            "__import__('django.conf').conf.settings.RQ_QUEUES)))",
-        ],
-        project,
-        env,
-        "counting failed jobs",
+        [sys.executable, "manage.py", "shell", "-c", FAILED_JOBS], project, env, "failed jobs"
     )
-    assert failed.strip().splitlines()[-1] == "0", "a job from the docs failed in the worker"
+    assert failed.strip().splitlines()[-1] == "[]", f"jobs from the docs failed: {failed[-3000:]}"
+
+
+def _start_dev_worker(project: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "joblock_worker", "default", "--with-scheduler"],
+        cwd=project,
+        env=env,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _stop(worker: subprocess.Popen[bytes], log: Path) -> None:
+    assert worker.poll() is None, f"the dev worker died: {log.read_text()[-3000:]}"
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, log.read_text()[-3000:]
 
 
 def _lint(files: list[Path], env: dict[str, str], what: str) -> None:
