@@ -50,12 +50,15 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
     def has_deliver_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("django_joblock.deliver_outbox_message"))
 
-    @admin.action(description="Deliver the selected pending messages now", permissions=["deliver"])
+    @admin.action(
+        description="Deliver the selected undelivered messages now", permissions=["deliver"]
+    )
     def deliver_now(self, request: HttpRequest, queryset: QuerySet[OutboxMessage]) -> None:
-        pending = list(queryset.filter(status=OutboxStatus.PENDING).values_list("pk", flat=True))
-        delivered = sum(outbox.deliver(pk, using=queryset.db) for pk in pending)
+        undelivered = queryset.exclude(status=OutboxStatus.DELIVERED)
+        pending = list(undelivered.values_list("pk", flat=True))
+        delivered = sum(outbox.deliver(pk, using=queryset.db, dead=True) for pk in pending)
         skipped = queryset.count() - len(pending)
-        text = f"{delivered} of {len(pending)} pending message(s) delivered"
+        text = f"{delivered} of {len(pending)} undelivered message(s) delivered"
         text += f"; {skipped} were delivered already" if skipped else ""
         failed = delivered < len(pending)
         text += "; see last error for the rest." if failed else "."

@@ -27,3 +27,4 @@ class OutboxStatus(models.TextChoices):
 
     PENDING = "pending", "pending"  # committed, not acknowledged by its handler yet
     DELIVERED = "delivered", "delivered"  # the handler returned: the provider has it
+    DEAD = "dead", "dead"  # dead-lettered: outbox.MAX_ATTEMPTS deliveries failed; not retried

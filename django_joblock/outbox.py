@@ -4,7 +4,9 @@
 in the job's transaction) and calls ``handler(payload, idempotency_key=key)`` once it commits (in
 our workers, once the job has ended: :func:`after_job`): a run that dies or rolls back first has
 sent nothing. A failed delivery, or one whose process died after the commit, is retried with backoff
-(1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due` (``manage.py joblock_outbox``).
+(1 s doubling, at most :data:`RETRY_MAX` s) by :func:`deliver_due` (``manage.py joblock_outbox``),
+up to :data:`MAX_ATTEMPTS` deliveries: then it is dead-lettered (status ``dead``, kept, alerted
+on; admin's "deliver now" tries it again).
 At least once, with the same key each time (hand it to the provider); a delivery holds the row lock
 while its handler runs, so keep handlers short. The whole story: docs/idempotency.md."""
 
@@ -29,6 +31,8 @@ from .logs import logger
 
 #: The longest wait between two delivery attempts of one message, in seconds.
 RETRY_MAX = 300.0
+#: Failed deliveries after which a message is dead-lettered: about an hour of retries.
+MAX_ATTEMPTS = 20
 _KEY_MAX = 255
 
 
@@ -107,9 +111,10 @@ def after_job() -> Iterator[None]:
                 logger.warning("outbox: delivery of message %s failed", pk, exc_info=True)
 
 
-def deliver(pk: int, *, using: str | None = None) -> bool:
-    """Deliver one pending message now: True if its handler returned; False when delivered
-    already, locked by another deliverer, or its handler raised (recorded, retried later)."""
+def deliver(pk: int, *, using: str | None = None, dead: bool = False) -> bool:
+    """Deliver one pending (or, ``dead=True``, dead-lettered) message now: True if its handler
+    returned; False when delivered already, locked by another deliverer, or its handler raised
+    (recorded; retried later, or dead-lettered after :data:`MAX_ATTEMPTS` deliveries)."""
     from .models import OutboxMessage
 
     database = using or router.db_for_write(OutboxMessage)
@@ -117,7 +122,8 @@ def deliver(pk: int, *, using: str | None = None) -> bool:
     skip = connections[database].features.has_select_for_update_skip_locked
     with transaction.atomic(using=database):
         locked = OutboxMessage.objects.using(database).select_for_update(skip_locked=skip)
-        message = locked.filter(pk=pk, status=OutboxStatus.PENDING).first()
+        wanted = [OutboxStatus.PENDING, *([OutboxStatus.DEAD] if dead else [])]
+        message = locked.filter(pk=pk, status__in=wanted).first()
         if message is None:
             return False
         message.attempts += 1
@@ -128,9 +134,12 @@ def deliver(pk: int, *, using: str | None = None) -> bool:
             delay = ceiling(message.attempts - 1, base=1.0, factor=2.0, max_delay=RETRY_MAX)
             message.last_error = f"{type(exc).__name__}: {exc}"[:2000]
             message.next_attempt_at = timezone.now() + timedelta(seconds=delay)
-            message.save(update_fields=["attempts", "last_error", "next_attempt_at"])
-            what = (message.attempts, message.key, message.handler, delay, message.last_error)
-            logger.warning("outbox: delivery %d of %s (%s) failed, retry in %.0f s: %s", *what)
+            gone = message.attempts >= MAX_ATTEMPTS
+            message.status = OutboxStatus.DEAD if gone else OutboxStatus.PENDING
+            message.save(update_fields=["attempts", "status", "last_error", "next_attempt_at"])
+            what = (message.attempts, message.key, message.handler, message.last_error)
+            then = "dead-lettered" if gone else f"retry in {delay:.0f} s"
+            logger.warning(f"outbox: delivery %d of %s (%s) failed, {then}: %s", *what)
             return False
         message.status = OutboxStatus.DELIVERED
         message.delivered_at = timezone.now()

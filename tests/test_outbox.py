@@ -221,7 +221,7 @@ def test_the_admin_shows_messages_escaped_and_delivers_for_permitted_users(provi
     done = operator.post(
         OUTBOX, {"action": "deliver_now", "_selected_action": [message.pk]}, follow=True
     )
-    assert "1 of 1 pending message(s) delivered" in done.content.decode()
+    assert "1 of 1 undelivered message(s) delivered" in done.content.decode()
     message.refresh_from_db()
     assert message.status == "delivered" and provider.sends == 1
     assert viewer.get(OUTBOX, {"status__exact": "<b>"}).status_code in (200, 302)
@@ -338,3 +338,36 @@ def test_a_handler_that_keeps_failing_raises_an_alert(provider):
     with pytest.raises(SystemExit):
         call_command("joblock_alerts", stdout=out)
     assert "outbox_failing" in out.getvalue()
+
+
+def test_a_message_that_keeps_failing_is_dead_lettered_and_the_admin_revives_it(provider):
+    """Undelivered after outbox.MAX_ATTEMPTS deliveries, a message was retried every 300 s for
+    ever. It is dead-lettered: kept, no longer retried, counted by the alert, and the admin's
+    "deliver now" tries it again."""
+    from django_joblock.monitor import alerts
+
+    provider.fail_next = 100
+    send_after_commit(jobs.mail_handler, {"order": 11}, key="mail:dead")
+    OutboxMessage.objects.update(attempts=outbox.MAX_ATTEMPTS - 2, next_attempt_at=timezone.now())
+    assert outbox.deliver_due().failed == 1
+    assert OutboxMessage.objects.get().status == "pending", "one attempt left"
+    OutboxMessage.objects.update(next_attempt_at=timezone.now())
+    assert outbox.deliver_due().failed == 1
+    message = OutboxMessage.objects.get()
+    assert (message.status, message.attempts) == ("dead", outbox.MAX_ATTEMPTS)
+    sends = provider.sends
+    OutboxMessage.objects.update(next_attempt_at=timezone.now())
+    report = outbox.deliver_due()
+    assert (report.delivered, report.failed, report.pending) == (0, 0, 0)
+    assert provider.sends == sends, "a dead letter is not retried"
+    (fired,) = [a for a in alerts.evaluate() if a.name == "outbox_failing"]
+    assert "1 dead-lettered" in fired.message and "mail:dead" in fired.message
+    provider.fail_next = 0
+    operator = _admin_user("operator", "deliver_outbox_message")
+    done = operator.post(
+        OUTBOX, {"action": "deliver_now", "_selected_action": [message.pk]}, follow=True
+    )
+    assert "1 of 1 undelivered message(s) delivered" in done.content.decode()
+    message.refresh_from_db()
+    assert (message.status, message.last_error) == ("delivered", "")
+    assert "outbox_failing" not in {a.name for a in alerts.evaluate()}

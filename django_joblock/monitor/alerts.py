@@ -96,16 +96,18 @@ def evaluate(now: float | None = None) -> list[Alert]:
 
 
 def _outbox_failing() -> list[Alert]:
-    """Outbox messages still pending after :data:`OUTBOX_ATTEMPTS` failed deliveries (a handler
-    that always fails is retried every 300 s forever): the status index answers it."""
+    """Outbox messages undelivered after :data:`OUTBOX_ATTEMPTS` failed deliveries, pending or
+    dead-lettered (a handler that always fails): the status index answers it."""
     from ..models import OutboxMessage
 
-    failing = OutboxMessage.objects.filter(status=OutboxStatus.PENDING)
+    failing = OutboxMessage.objects.filter(status__in=[OutboxStatus.PENDING, OutboxStatus.DEAD])
     failing = failing.filter(attempts__gte=OUTBOX_ATTEMPTS).order_by("created_at")
     if (first := failing.first()) is None:
         return []
     count = failing.count()
-    message = f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts; "
+    dead = failing.filter(status=OutboxStatus.DEAD).count()
+    message = f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts "
+    message += f"({dead} dead-lettered: no more retries); "
     message += f"oldest {first.key} via {first.handler}: {first.last_error[:200]}"
     return [Alert("outbox_failing", "", message, count, OUTBOX_ATTEMPTS)]
 
