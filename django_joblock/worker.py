@@ -3,23 +3,26 @@
 ``JoblockWorker`` closes Django's database connections before each fork, ``JoblockSimpleWorker``
 drops stale ones around each job. Both run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s and,
 while idle, sweep once per liveness interval (:meth:`~_Loop.sweep`: slots of dead holders, stale
-maintenance locks, a dead scheduler). They ride out a Redis outage: between jobs, where RQ quits,
-they log a warning and go on to the dequeue, which waits with backoff; during a job, the forking
-worker's parent keeps watching its horse, and the job's end is recorded once Redis answers again
-(waiting up to ``OUTAGE_WAIT`` s). Each override of RQ's worker exists because a test in
-tests/test_liveness.py or tests/test_workers.py fails without it."""
+maintenance locks, a dead scheduler, jobs whose end a failover forgot). They ride out a Redis
+outage: between jobs, where RQ quits, they log a warning and go on to the dequeue, which waits
+with backoff; during a job, the forking worker's parent keeps watching its horse, and the job's
+end is recorded once Redis answers again (waiting up to ``OUTAGE_WAIT`` s). Each override of
+RQ's worker exists because a test in tests/test_liveness.py, test_workers.py or
+test_sentinel.py fails without it."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import redis
 from django.db import connections
 from rq import SimpleWorker, Worker
 from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
+from rq.exceptions import NoSuchJobError
 from rq.scheduler import RQScheduler
 from rq.scripts import release_lock
 
@@ -47,6 +50,8 @@ class _Loop:
     exponential_backoff_factor: float
     max_connection_wait_time: float
     scheduler: RQScheduler | None
+    birth_date: datetime | None
+    executions_key: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # RQ's CLI (`rq worker --worker-class ...`) passes RQ's 600 s default explicitly: an
@@ -139,9 +144,48 @@ class _Loop:
                 liveness.sweep(self.connection)
                 self.free_stale_maintenance()
             self.take_over_scheduler()
+            self.settle_forgotten()
         except REDIS_ERRORS as exc:
             message = "worker %s: liveness sweep failed (%s); next one in %gs"
             logger.warning(message, self.name, exc, liveness.INTERVAL)
+
+    def settle_forgotten(self) -> None:
+        """Settle the executions that this idle worker's Redis still lists as its own (rq >= 3):
+        a failover forgot how they ended (Sentinel replicates asynchronously), and RQ would hand
+        each job out again ~60 s past its last heartbeat, the parked jobs of its resource waiting
+        meanwhile. The job's lock, if still its own, is released; its started-registry entry is
+        expired, and RQ's own cleanup settles it as abandoned at once (retried under its
+        ``Retry``, else failed) and frees its admission slot."""
+        if getattr(self, "executions", True) or self.birth_date is None:  # busy, or rq 2
+            return
+        for execution in self.get_current_executions(refresh=True):  # type: ignore[attr-defined]
+            if execution.created_at < self.birth_date:
+                continue  # an earlier worker's of this name: RQ's maintenance settles it
+            try:
+                job = execution.job
+            except NoSuchJobError:
+                self.connection.srem(self.executions_key, execution.composite_key)
+                continue
+            message = "worker %s: Redis forgot how job %s ended (a failover?): settled as abandoned"
+            logger.warning(message, self.name, job.id)
+            self.release_lock_of(job)  # first: a retry of the job may take the lock again
+            registry = job.started_job_registry
+            with self.connection.pipeline() as pipe:
+                registry.add_execution(execution, pipe, ttl=0, xx=True)
+                pipe.srem(self.executions_key, execution.composite_key)
+                pipe.execute()
+            registry.cleanup()
+
+    def release_lock_of(self, job: Any) -> None:
+        """:func:`~django_joblock.jobs.liveness.release_ended` for ``job``, which is not running:
+        the next job of its resource starts now, not after the lock's TTL."""
+        state = (job.meta or {}).get("joblock")
+        resource = state.get("resource") if isinstance(state, dict) else None
+        if isinstance(resource, str) and resource:
+            try:
+                liveness.release_ended(resource, job.id)
+            except REDIS_ERRORS as exc:  # the lock then expires after its TTL
+                logger.warning("worker %s: job %s's lock not checked (%s)", self.name, job.id, exc)
 
     def check_for_suspension(self, burst: bool) -> None:
         with self._outage("suspension check"):
@@ -217,13 +261,7 @@ class JoblockWorker(_Loop, Worker):
         command, ``job_timeout`` or the OOM killer): the next job of its resource starts now,
         not after the lock's TTL (:func:`~django_joblock.jobs.liveness.release_ended`)."""
         super().monitor_work_horse(job, *args)
-        state = (job.meta or {}).get("joblock")
-        resource = state.get("resource") if isinstance(state, dict) else None
-        if isinstance(resource, str) and resource:
-            try:
-                liveness.release_ended(resource, job.id)
-            except REDIS_ERRORS as exc:  # the lock then expires after its TTL
-                logger.warning("worker %s: job %s's lock not checked (%s)", self.name, job.id, exc)
+        self.release_lock_of(job)
 
 
 class JoblockSimpleWorker(_Loop, SimpleWorker):

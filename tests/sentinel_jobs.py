@@ -17,3 +17,10 @@ def add_one(account: str, n: int) -> int:
     assert held is not None and held.fence is not None
     fenced_update(Account.objects.filter(pk=row.pk), held.fence, balance=row.balance + 1)
     return n
+
+
+@locked_job("default", lock="sacct:{account}", idempotency_key="sentinel-hold:{n}", ttl=4)
+def hold(account: str, n: int, seconds: float) -> int:
+    """Holds ``account``'s lock (and its admission slot) for ``seconds``; no write."""
+    time.sleep(seconds)
+    return n

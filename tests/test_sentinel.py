@@ -22,10 +22,11 @@ from rq import Retry
 from rq.job import JobStatus
 
 from django_joblock import LockBackendUnavailable, StaleFence, fenced_update, lock
+from django_joblock.jobs import admission
 from tests.harness import Proxy, wait_for
 from tests.procs.redis_server import free_port
 from tests.procs.topologies import SentinelGroup, sentinel_cache, sentinel_queue
-from tests.sentinel_jobs import add_one
+from tests.sentinel_jobs import add_one, hold
 from tests.testapp.models import Account
 from tests.workers import Workers
 
@@ -136,8 +137,8 @@ def test_replica_acks_wait_for_the_replica(sentinel, settings):
 class SentinelWorkers(Workers):
     """Worker processes with ``tests.settings_sentinel``: locks and queues on ``group``."""
 
-    def __init__(self, group: SentinelGroup) -> None:
-        super().__init__(extra_args=["--maintenance-interval", "5"])
+    def __init__(self, group: SentinelGroup, joblock: dict[str, Any] | None = None) -> None:
+        super().__init__(joblock, extra_args=["--maintenance-interval", "5"])
         self.group = group
 
     def env(self) -> dict[str, str]:
@@ -229,3 +230,48 @@ def test_an_idle_worker_on_sentinel_queues_stops_on_sigterm(sentinel, settings, 
         assert Worker.all(connection=primary) == [], "its death was registered"
     finally:
         crew.stop()
+
+
+@pytest.mark.skipif(not admission.supported(), reason="rq 2.x parks no job behind a slot")
+def test_a_job_whose_end_a_failover_forgot_does_not_stall_its_resource(sentinel, settings):
+    """A job ends on the queues' primary and the failover forgets it (replication held back):
+    on the promoted replica it is still started, holding its resource's admission slot, with a
+    job parked behind it. Its lock (on another Redis here) was released, so no expired lock
+    frees the slot, and RQ hands the job out again only ~60 s past its last heartbeat (issue 28,
+    point 28: hot resources stalled a minute). Its idle worker settles it within seconds."""
+    import django_rq
+
+    group = sentinel.group
+    settings.RQ_QUEUES = {"default": sentinel_queue(group.addresses, group.master_name)}
+    settings.JOBLOCK = {**settings.JOBLOCK, "REDIS_ALIAS": "default"}
+    Account.objects.create(name="hot")
+    queue = django_rq.get_queue("default")
+    crew = SentinelWorkers(group, {"REDIS_ALIAS": "default"})
+    try:
+        crew.start()
+        first = hold.enqueue(("hot", 1, 3.0), retry=Retry(max=2))
+        started = lambda: first.get_status(refresh=True) == JobStatus.STARTED  # noqa: E731
+        assert wait_for(started, 30), crew.logs()
+        parked = add_one.enqueue(("hot", 2))
+        assert parked.get_status(refresh=True) == JobStatus.RATE_LIMITED
+        group.wait_replicated()
+        sentinel.link.set("blackhole")  # both jobs' ends reach the primary alone
+        ran = lambda: parked.get_status(refresh=True) == JobStatus.FINISHED  # noqa: E731
+        assert wait_for(ran, 30), crew.logs()
+        group.fail_over()
+        queue.connection.connection_pool.disconnect()
+        # The fault really happened: the promoted primary knows neither end.
+        assert first.get_status(refresh=True) == JobStatus.STARTED
+        assert parked.get_status(refresh=True) == JobStatus.RATE_LIMITED
+        failed_over = time.monotonic()
+        # Without the settling it stays parked for 60 s or more; the worker's reconnect to
+        # the promoted primary backs off (1, 2, 4... s) while the sentinels elect it.
+        assert wait_for(ran, 45), f"still parked after 45 s\n{crew.logs()}"
+        waited = time.monotonic() - failed_over
+        done = lambda: first.get_status(refresh=True) == JobStatus.FINISHED  # noqa: E731
+        assert wait_for(done, 30), "settled as abandoned, retried and replayed"
+        assert "Redis forgot how job" in crew.logs()
+    finally:
+        crew.stop()
+    print(f"the parked job ran {waited:.1f} s after the failover")
+    assert Account.objects.get(name="hot").balance == 1, "each run's effect applied once"
