@@ -107,6 +107,12 @@ class Chaos:
         self.proxy.close()
         self.redis.stop()
 
+    def rq(self) -> Any:
+        """A client of the Redis holding RQ's queues, jobs and registries (here the run's own
+        Redis; a subclass may put the queues elsewhere). ``self.direct`` stays the Redis of the
+        run's own instrumentation (``chaos:started``)."""
+        return self.direct
+
     def start_worker(self, scheduler: bool = False) -> None:
         args = joblock_worker_args(
             "chaos",
@@ -262,15 +268,15 @@ class Chaos:
         registry) would wait that long to be retried. Production runs it on a timer too."""
         from rq import Queue, Worker
 
-        queue = Queue("chaos", connection=self.direct)
-        Worker([queue], connection=self.direct).clean_registries()
-        if not self.direct.exists("rq:scheduler-lock:chaos"):
+        queue = Queue("chaos", connection=self.rq())
+        Worker([queue], connection=self.rq()).clean_registries()
+        if not self.rq().exists("rq:scheduler-lock:chaos"):
             self.start_worker(scheduler=True)
             self.faults.append("supervisor: the scheduler had died with Redis; started one")
         self.faults.append("supervisor: ran RQ registry maintenance")
 
     def statuses(self, deliveries: list[tuple[str, str]]) -> Counter[str]:
-        pipe = self.direct.pipeline(transaction=False)
+        pipe = self.rq().pipeline(transaction=False)
         for job_id, _logical in deliveries:
             pipe.hget(f"rq:job:{job_id}", "status")
         return Counter((raw or b"missing").decode() for raw in pipe.execute())
@@ -312,7 +318,7 @@ class Chaos:
 
         waits: list[float] = []
         requeues = 0
-        for job in Job.fetch_many([job_id for job_id, _ in deliveries], connection=self.direct):
+        for job in Job.fetch_many([job_id for job_id, _ in deliveries], connection=self.rq()):
             state = (job.get_meta(refresh=False) if job else {}).get("joblock", {})
             requeues += int(state.get("requeues", 0))
             if state.get("outcome") in ("ran", "replayed") and "waited" in state:
@@ -344,7 +350,7 @@ class Chaos:
             if applied.get(logical_id):
                 continue
             reasons = [
-                self.direct.hget(f"rq:job:{job_id}", "status") for job_id in by_logical[logical_id]
+                self.rq().hget(f"rq:job:{job_id}", "status") for job_id in by_logical[logical_id]
             ]
             if reasons and all(r == b"failed" for r in reasons):
                 failed_visibly.append(logical_id)
@@ -441,10 +447,10 @@ class Chaos:
     def undone(self) -> list[str]:
         """Where each delivery that never finished is stuck (for the report)."""
         found = []
-        queue_ids = {raw.decode() for raw in self.direct.lrange("rq:queue:chaos", 0, -1)}
-        pending = {raw.decode() for raw in self.direct.lrange("rq:queue:chaos:intermediate", 0, -1)}
+        queue_ids = {raw.decode() for raw in self.rq().lrange("rq:queue:chaos", 0, -1)}
+        pending = {raw.decode() for raw in self.rq().lrange("rq:queue:chaos:intermediate", 0, -1)}
         for job_id, logical_id in self.deliveries:
-            status = (self.direct.hget(f"rq:job:{job_id}", "status") or b"missing").decode()
+            status = (self.rq().hget(f"rq:job:{job_id}", "status") or b"missing").decode()
             if status in ("finished", "failed"):
                 continue
             where = [
@@ -452,11 +458,11 @@ class Chaos:
                 for name, ids in (("queue", queue_ids), ("intermediate", pending))
                 if job_id in ids
             ]
-            if self.direct.zscore("rq:scheduled:chaos", job_id) is not None:
+            if self.rq().zscore("rq:scheduled:chaos", job_id) is not None:
                 where.append("scheduled registry")
             started = [
                 m.decode()
-                for m in self.direct.zrange("rq:wip:chaos", 0, -1)
+                for m in self.rq().zrange("rq:wip:chaos", 0, -1)
                 if m.decode().startswith(job_id)
             ]
             if started:

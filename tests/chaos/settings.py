@@ -31,7 +31,7 @@ JOBLOCK = {
     "ON_LOCK_LOST": "abort" if SAFE else "flag",
 }
 # The failover run (tests/chaos/failover.py): locks on Redis Sentinel, queues on the Redis
-# above through django-rq.
+# above through django-rq (or, with --queues-on-sentinel, on the same Sentinel group).
 if os.environ.get("CHAOS_SENTINELS"):
     from tests.procs.topologies import sentinel_cache
 
@@ -42,6 +42,27 @@ if os.environ.get("CHAOS_SENTINELS"):
     INSTALLED_APPS.append("django_rq")
     RQ_QUEUES = {"chaos": {"URL": os.environ["CHAOS_REDIS_URL"]}}
     CACHES["locks"] = sentinel_cache(SENTINELS, os.environ["CHAOS_MASTER"])
+    # --queues-on-sentinel: the queues on the same Sentinel group as the locks, with the
+    # settings of docs/topologies.md ("Redis Sentinel") copied as they are documented.
+    if os.environ.get("CHAOS_QUEUES_ON_SENTINEL"):
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+        from redis.retry import Retry
+
+        RQ_QUEUES = {
+            "chaos": {
+                "SENTINELS": SENTINELS,
+                "MASTER_NAME": os.environ["CHAOS_MASTER"],
+                "DB": 0,
+                "SOCKET_TIMEOUT": 5,
+                "CONNECTION_KWARGS": {
+                    "socket_connect_timeout": 1,
+                    "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 20),
+                    "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+                },
+            }
+        }
     JOBLOCK["REDIS_ALIAS"] = "locks"
     JOBLOCK["REPLICA_ACKS"] = int(os.environ.get("CHAOS_REPLICA_ACKS", "0"))
     JOBLOCK["REPLICA_ACK_TIMEOUT"] = 0.2
