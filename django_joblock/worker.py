@@ -82,23 +82,22 @@ class _Loop:
             logger.warning(message, self.name, step, exc)
 
     def handle_execution_ended(self, job: Any, queue: Any, heartbeat_ttl: int) -> None:
-        """Before RQ records a job's end (in the work horse, or a ``SimpleWorker``), wait up to
+        """RQ's (the job's last heartbeat, its first write once the job has run), waiting up to
         :data:`OUTAGE_WAIT` s for Redis: an outage when a job ends delays its outcome instead of
-        losing it (RQ would record a success as a failure, or nothing, and quit)."""
+        losing it (RQ would record a success as a failure, or nothing, and quit). The write is
+        repeated as it is: it sets the same fields again."""
         deadline, pause = time.monotonic() + OUTAGE_WAIT, 0.25
         while True:
             try:
-                self.connection.ping()
-                break
+                return super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc, no-any-return]
             except OUTAGE as exc:
                 if time.monotonic() >= deadline:
-                    break  # RQ's next call fails as it would
+                    raise  # as RQ's own would
                 if pause == 0.25:
                     message = "worker %s: Redis unavailable (%s); waiting up to %ss for it"
                     logger.warning(message, self.name, exc, OUTAGE_WAIT)
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
-        super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc]
 
     def maintain_heartbeats(self, *args: Any) -> None:  # (job, execution) on rq 3, (job) on rq 2
         # The forking worker's parent while its horse runs: RQ quits on a Redis error here and

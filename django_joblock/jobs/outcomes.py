@@ -1,6 +1,6 @@
 """How one run of a ``@locked_job`` ends (:func:`finish`; docs/jobs.md, "Outcomes"): its
 :class:`JobOutcome`, ``reason`` and ``waited`` go to ``job.meta["joblock"]``, written after the
-job's commit with its :mod:`.history` entry in one transaction (only our key: meta written by others
+job's commit with its :mod:`.history` entry in one round trip (only our key: meta written by others
 stays; a failed write is logged, never a job failure), and it logs **one** line on
 ``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``."""
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS
+from ..backend import REDIS_ERRORS, Script, send
 from ..logs import logger
 from . import history
 from .spec import JobSpec
@@ -30,6 +30,20 @@ class JobOutcome(enum.StrEnum):
     GAVE_UP = "gave_up"  # busy for longer than max_wait: LockContentionTimeout
     ABORTED = "aborted"  # the lock was lost while running: LockLost, effect rolled back
 
+
+# Our key written in one round trip over a stored meta that is still what this process holds
+# (the usual case); else (written meanwhile, or serialized otherwise) merged into it by _write.
+_SWAP_META = Script(
+    """
+-- Replace an RQ job's serialized meta if it is still the one expected.
+-- KEYS[1] the RQ job hash
+-- ARGV[1] the meta expected (serialized), ARGV[2] the new meta
+-- Returns 1 replaced, 0 left as it was (another meta, or no job).
+if redis.call('HGET', KEYS[1], 'meta') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'meta', ARGV[2])
+return 1
+"""
+)
 
 # These runs raised: RQ fails the job, or retries it when its Retry has retries left.
 RAISED = frozenset({JobOutcome.FAILED, JobOutcome.ABORTED, JobOutcome.GAVE_UP})
@@ -80,6 +94,7 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
         metrics.count("failed_runs", run.family, run.spec.name)
         if (getattr(job, "retries_left", None) or 0) > 0:  # RQ retries it next
             metrics.count("rq_retries", run.family, run.spec.name)
+    held = job.serializer.dumps(job.meta)  # what RQ stored, unless another process wrote it
     state = job.meta.setdefault("joblock", {})
     state["outcome"] = outcome.value
     if "reason" not in extra:
@@ -93,16 +108,18 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
         done = history.entry(job, outcome.value, run.began, run.waited, run.key, run.resource, twin)
         calls += history.add_calls(done)
     try:
-        job.connection.transaction(lambda pipe: _write(pipe, job, state, calls), job.key)
+        swap = (_SWAP_META, [job.key], [held, job.serializer.dumps(job.meta)])
+        if send(job.connection, [swap, *calls])[0] != 1:
+            job.connection.transaction(lambda pipe: _write(pipe, job, state), job.key)
     except REDIS_ERRORS:
         fields = {"job_id": job.id, "outcome": outcome.value}
         message = "could not record outcome %s of job %s"
         logger.warning(message, outcome.value, job.id, exc_info=True, extra=fields)
 
 
-def _write(pipe: Any, job: Any, state: dict[str, Any], calls: list[Any]) -> None:
-    """Our key merged into the stored ``job.meta`` (read under ``WATCH``: others' writes stay;
-    meta we cannot read is not ours to overwrite), and ``calls``, in one ``MULTI``."""
+def _write(pipe: Any, job: Any, state: dict[str, Any]) -> None:
+    """Our key merged into the stored ``job.meta``, read under ``WATCH``: others' writes stay;
+    meta we cannot read is not ours to overwrite."""
     stored = pipe.hget(job.key, "meta")
     try:
         meta = job.serializer.loads(stored) if stored else {}
@@ -111,8 +128,6 @@ def _write(pipe: Any, job: Any, state: dict[str, Any], calls: list[Any]) -> None
     pipe.multi()
     if isinstance(meta, dict):
         pipe.hset(job.key, "meta", job.serializer.dumps({**meta, "joblock": state}))
-    for call in calls:
-        pipe.execute_command(*call)
 
 
 def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:
