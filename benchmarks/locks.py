@@ -365,14 +365,16 @@ def hold_many(count: int, ttl: float) -> None:
             raise SystemExit(f"could not take {one.resource}")
     acquired_in = time.perf_counter() - started
     time.sleep(ttl)  # settle: every lock has been renewed at least once
-    before, t0 = renewer().stats(), time.perf_counter()
+    before, t0, cpu0 = renewer().stats(), time.perf_counter(), time.process_time()
     periods = 3
     time.sleep(ttl * periods)
     after, elapsed = renewer().stats(), time.perf_counter() - t0
+    # The main thread sleeps: the process's CPU is the renewal thread's (and the GC's).
+    cpu_total = time.process_time() - cpu0
     lost = sum(1 for one in held if not one.held)
     trips = (after.round_trips - before.round_trips) / periods
     renewed = (after.renewed - before.renewed) / periods
-    cpu = (after.cpu_seconds - before.cpu_seconds) / periods
+    cpu = cpu_total / periods
     print(
         f"\n{count} locks held by one process, TTL {ttl:g}s (heartbeat every {ttl / 3:.2f}s); "
         f"acquired in {acquired_in:.1f}s; measured over {periods} TTL periods ({elapsed:.1f}s)\n"
@@ -385,7 +387,7 @@ def hold_many(count: int, ttl: float) -> None:
     print(f"  renewals per TTL period    : {renewed:.0f} ({renewed / count:.2f} per lock)")
     print(f"  renewals per round trip    : {renewed / max(trips, 1):.0f}")
     print(
-        f"  renewal-thread CPU per TTL : {cpu * 1000:.0f} ms = {cpu / ttl * 100:.1f}% of one core "
+        f"  CPU per TTL (main asleep)  : {cpu * 1000:.0f} ms = {cpu / ttl * 100:.1f}% of one core "
         "(the target is below 5%)"
     )
     print(f"  locks lost                 : {lost}")

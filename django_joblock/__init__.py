@@ -5,6 +5,8 @@ The public API. Everything else is an implementation detail and may change.
 
 from __future__ import annotations
 
+import importlib
+
 from .exceptions import (
     IdempotencyClaimLost,
     IdempotencyError,
@@ -62,14 +64,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # Model classes can only be imported once the app registry is ready; resolve them lazily
-    # so that ``import django_joblock`` works in settings files.
-    if name == "FencedModel":  # without the models: usable with the app uninstalled
-        from .fenced import FencedModel
-
-        return FencedModel
-    if name in ("IdempotencyRecord", "OutboxMessage"):
-        from . import models
-
-        return getattr(models, name)
+    # Models import only once the app registry is ready: lazily, so that settings files can
+    # ``import django_joblock``. FencedModel comes from its own module (app uninstalled).
+    module = {"FencedModel": "fenced", "IdempotencyRecord": "models", "OutboxMessage": "models"}
+    if name in module:
+        return getattr(importlib.import_module(f".{module[name]}", __name__), name)
     raise AttributeError(f"module 'django_joblock' has no attribute {name!r}")

@@ -71,9 +71,12 @@ def connection(alias: str) -> Any:
     return base
 
 
-def client(alias: str, timeout: float | None = None) -> Any:
-    """The command client of ``alias``: sockets time out after ``timeout`` s (``REDIS_TIMEOUT``)."""
-    return _dedicated(alias, timeout or conf.get().REDIS_TIMEOUT, blocking=False)
+def client(alias: str | None = None, timeout: float | None = None) -> Any:
+    """The command client of ``alias`` (default ``REDIS_ALIAS``, the locks' own): sockets time
+    out after ``timeout`` s (default ``REDIS_TIMEOUT``)."""
+    settings = conf.get()
+    alias, timeout = alias or settings.REDIS_ALIAS, timeout or settings.REDIS_TIMEOUT
+    return _dedicated(alias, timeout, blocking=False)
 
 
 def blocking_client(alias: str) -> Any:

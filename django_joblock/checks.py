@@ -31,6 +31,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import ERROR, CheckMessage, Error, Tags, Warning, register
+from django.db import router
 
 from . import backend, conf
 from .backend import REDIS_ERRORS, close, connection, dedicated, server_infos
@@ -161,8 +162,6 @@ def check_jobs(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W015: on SQLite, Django's default (deferred) transactions make concurrent jobs fail with
     "database is locked" (a read upgraded to a write cannot wait for the write lock)."""
-    from django.db import router
-
     from .models import IdempotencyRecord
 
     alias = router.db_for_write(IdempotencyRecord)
@@ -170,10 +169,8 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     immediate = str((database.get("OPTIONS") or {}).get("transaction_mode", "")).upper()
     if not str(database.get("ENGINE", "")).endswith("sqlite3") or immediate == "IMMEDIATE":
         return []
-    message = (
-        f"DATABASES[{alias!r}] is SQLite with deferred transactions: jobs running at once "
-        "fail with 'database is locked' (10 of 12 in a test, on 12 different resources)."
-    )
+    message = f"DATABASES[{alias!r}] is SQLite with deferred transactions: jobs running at once "
+    message += "fail with 'database is locked' (10 of 12 in a test, on 12 different resources)."
     hint = "Set OPTIONS = {'transaction_mode': 'IMMEDIATE', 'timeout': 20} (Django >= 5.1)."
     return [_message("W015", message, hint)]
 

@@ -1,12 +1,10 @@
 """The single ``JOBLOCK`` setting: one declaration per key, read lazily, reset on
 ``setting_changed``.
 
-Each key is a field of :class:`JoblockSettings` with its default, rule
-(:mod:`~django_joblock.setting_rules`) and docs; validation, the system checks and the tables of
-``docs/settings.md`` come from there. Durations are seconds. Every key is optional (one whose
-default is ``None`` may be set to ``None``); an unknown one (``LOCK_TLL``) is an error. :func:`get`
-validates on first use and raises :class:`JoblockConfigError` naming the bad key (never
-half-applied); :func:`problems` returns the same findings for the system checks."""
+Each key is a field of :class:`JoblockSettings` with its default, rule (:mod:`.setting_rules`)
+and docs; validation, the system checks and the tables of ``docs/settings.md`` come from there.
+Durations are seconds. Every key is optional (one whose default is ``None`` may be set to
+``None``); an unknown one (``LOCK_TLL``) is an error."""
 
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ from .setting_rules import DAY, Mapping, Problem, Range, SubKey
 
 __all__ = ["DAY", "JoblockSettings", "Problem", "Range", "get", "problems", "reset"]
 
+DOTTED_PATH = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+"  # pkg.module.name
 # Finite always: a NaN interval would silently stop renewals (NaN passes every comparison).
 MAX_TTL = 7 * DAY  # longest lock TTL / lease: how long a crashed holder can block a resource
 MAX_DURATION = 365 * DAY  # longest wait, hold, window or retention
@@ -103,10 +102,7 @@ class JoblockSettings:
     )
     REDIS_CLIENT: str | None = _setting(
         None,
-        rules.Text(
-            r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+",
-            "a dotted path (`pkg.module.name`)",
-        ),
+        rules.Text(DOTTED_PATH, "a dotted path (`pkg.module.name`)"),
         "dotted path of a no-argument callable returning the redis-py client of the locks and "
         "metrics instead of `REDIS_ALIAS`'s (Redis Cluster), see "
         "[topologies.md](topologies.md#redis-cluster)",
@@ -205,7 +201,6 @@ class JoblockSettings:
         return ttl / 3
 
 
-# Every key's declaration (a dataclasses.Field: default, metadata "rule" and "doc").
 KEYS = {f.name: f for f in dataclasses.fields(JoblockSettings) if f.name != "raw"}
 
 
@@ -273,7 +268,7 @@ _cached: JoblockSettings | None = None
 
 def get() -> JoblockSettings:
     """The validated setting, built once per change of ``settings.JOBLOCK``; raises
-    :class:`JoblockConfigError` listing every error-level problem."""
+    :class:`JoblockConfigError` naming every error-level problem (never half-applied)."""
     global _cached
     current = _cached
     if current is not None:

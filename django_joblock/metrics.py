@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import conf
@@ -86,9 +86,7 @@ METRICS = (
     Metric("acquire_errors", COUNTER, "Acquire calls that failed because Redis was unavailable."),
     Metric("renewed", COUNTER, "Successful heartbeat renewals."),
     Metric("renew_failed", COUNTER, "Failed heartbeat renewals (timeouts, dropped connections)."),
-    Metric(
-        "lost", COUNTER, "Locks lost while held (expired, taken, renewals failed).", "locks_lost"
-    ),
+    Metric("lost", COUNTER, "Locks lost while held (expired, taken, not renewed).", "locks_lost"),
     Metric("requeued", COUNTER, "Jobs requeued because their lock was busy."),
     Metric("given_up", COUNTER, "Jobs failed with LockContentionTimeout after REQUEUE_MAX_WAIT."),
     Metric("skipped", COUNTER, "Jobs skipped (on_conflict='skip') because their lock was busy."),
@@ -114,7 +112,6 @@ FLUSH_INTERVAL = 1.0
 
 
 def bucket_of(seconds: float) -> int:
-    """Index of the histogram bucket ``seconds`` falls in."""
     return bisect.bisect_left(BOUNDS, seconds)
 
 
@@ -122,7 +119,6 @@ def _minute(now: float) -> int:
     return int(now // BUCKET_SECONDS) * BUCKET_SECONDS
 
 
-# -- recording ------------------------------------------------------------------------------
 class Recorder:
     """This process's buffer of metric increments (``field -> increment``)."""
 
@@ -199,9 +195,7 @@ def take_for_flush(*, force: bool) -> dict[str, int]:
     return taken
 
 
-def restore(taken: dict[str, int]) -> None:
-    """Put back increments whose flush failed (they go out with the next one)."""
-    _add(taken)
+restore = _add  # puts back increments whose flush failed (they go out with the next one)
 
 
 def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
@@ -216,8 +210,7 @@ def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
 
 def flush_due(make_client: Callable[[], Any]) -> None:
     """Flush the buffer if a flush is due; Redis trouble keeps it for the next one."""
-    taken = take_for_flush(force=False) if enabled() else {}
-    if taken:
+    if enabled() and (taken := take_for_flush(force=False)):
         _flush(make_client(), taken)
 
 
@@ -233,9 +226,8 @@ def _flush(found: Any, taken: dict[str, int], at: float | None = None) -> None:
 def flush_now(at: float | None = None) -> None:
     """Flush the buffer now, in this thread (the process may end next: at the end of every job
     run), into the minute of ``at`` (Unix seconds, default now); no round trip if empty."""
-    taken = take_for_flush(force=True) if enabled() else {}
-    if taken:
-        _flush(client(conf.get().REDIS_ALIAS), taken, at)
+    if enabled() and (taken := take_for_flush(force=True)):
+        _flush(client(), taken, at)
 
 
 @atexit.register
@@ -245,28 +237,19 @@ def _flush_at_exit() -> None:
             flush_now()
 
 
-# -- reading ---------------------------------------------------------------------------------
-def _client() -> Any:
-    return client(conf.get().REDIS_ALIAS)
-
-
 Labels = tuple[str, str]  # (family, function)
 
 
-@dataclass
 class Series:
-    """Metric values summed over a window: ``counters[metric][(family, func)]`` and
-    ``histograms[metric][(family, func)]`` = per-bucket counts (plus ``sums_us``)."""
+    """Metric values summed over the Redis hashes ``raws``: ``counters[metric][(family, func)]``
+    and ``histograms[metric][(family, func)]`` = per-bucket counts (plus ``sums_us``)."""
 
-    counters: dict[str, dict[Labels, int]] = field(
-        default_factory=lambda: defaultdict(lambda: defaultdict(int))
-    )
-    histograms: dict[str, dict[Labels, list[int]]] = field(
-        default_factory=lambda: defaultdict(dict)
-    )
-    sums_us: dict[str, dict[Labels, int]] = field(
-        default_factory=lambda: defaultdict(lambda: defaultdict(int))
-    )
+    def __init__(self, *raws: dict[Any, Any]) -> None:
+        self.counters: dict[str, dict[Labels, int]] = defaultdict(lambda: defaultdict(int))
+        self.histograms: dict[str, dict[Labels, list[int]]] = defaultdict(dict)
+        self.sums_us: dict[str, dict[Labels, int]] = defaultdict(lambda: defaultdict(int))
+        for raw in raws:
+            self.add(raw)
 
     def add(self, raw: dict[Any, Any]) -> None:
         """Add one bucket's (or the totals') hash, as read from Redis."""
@@ -310,20 +293,12 @@ def percentile(counts: list[int], q: float) -> float | None:
     total = sum(counts)
     if not total:
         return None
-    rank = q * total
     running = 0
     for index, n in enumerate(counts):
         running += n
-        if running >= rank and n:
+        if running >= q * total and n:
             return BOUNDS[min(index, len(BOUNDS) - 1)]
     return BOUNDS[-1]
-
-
-def _series(*raws: dict[Any, Any]) -> Series:
-    series = Series()
-    for raw in raws:
-        series.add(raw)
-    return series
 
 
 def _buckets(minutes: int, now: float | None) -> list[tuple[int, dict[Any, Any]]]:
@@ -331,7 +306,7 @@ def _buckets(minutes: int, now: float | None) -> list[tuple[int, dict[Any, Any]]
     now = time.time() if now is None else now
     starts = [_minute(now - back * BUCKET_SECONDS) for back in range(minutes)]
     prefix = conf.get().KEY_PREFIX
-    pipe = _client().pipeline(transaction=False)
+    pipe = client().pipeline(transaction=False)
     for start in starts:
         pipe.hgetall(bucket_key(prefix, start))
     return list(zip(starts, pipe.execute(), strict=True))
@@ -340,17 +315,17 @@ def _buckets(minutes: int, now: float | None) -> list[tuple[int, dict[Any, Any]]
 def window(seconds: float, now: float | None = None) -> Series:
     """Metrics summed over the last ``seconds`` (whole minutes, current one included)."""
     buckets = _buckets(max(1, int(seconds // BUCKET_SECONDS) + 1), now)
-    return _series(*(raw for _start, raw in buckets))
+    return Series(*(raw for _start, raw in buckets))
 
 
 def per_minute(metric: str, minutes: int, now: float | None = None) -> list[tuple[int, int]]:
     """``[(minute_start, total)]`` of one counter, oldest first (for charts)."""
-    return [(start, _series(raw).total(metric)) for start, raw in reversed(_buckets(minutes, now))]
+    return [(start, Series(raw).total(metric)) for start, raw in reversed(_buckets(minutes, now))]
 
 
 def totals() -> Series:
     """All-time totals (Prometheus counters)."""
-    return _series(_client().hgetall(totals_key(conf.get().KEY_PREFIX)))
+    return Series(client().hgetall(totals_key(conf.get().KEY_PREFIX)))
 
 
 def record_active_sample(total: int, now: float | None = None) -> None:
@@ -358,7 +333,7 @@ def record_active_sample(total: int, now: float | None = None) -> None:
     now = time.time() if now is None else now
     key = samples_key(conf.get().KEY_PREFIX)
     keep = max(conf.get().ALERTS["ACTIVE_GROWTH"] * 2, 3600)
-    pipe = _client().pipeline(transaction=False)
+    pipe = client().pipeline(transaction=False)
     pipe.zadd(key, {f"{now:.3f}:{total}": now})
     pipe.zremrangebyscore(key, "-inf", now - keep)
     pipe.expire(key, int(keep))
@@ -367,6 +342,6 @@ def record_active_sample(total: int, now: float | None = None) -> None:
 
 def active_samples(since: float) -> list[tuple[float, int]]:
     """``[(unix time, active locks)]`` recorded since ``since``, oldest first."""
-    raw = _client().zrangebyscore(samples_key(conf.get().KEY_PREFIX), since, "+inf")
+    raw = client().zrangebyscore(samples_key(conf.get().KEY_PREFIX), since, "+inf")
     members = (text(member).partition(":") for member in raw)
     return [(float(at), int(total)) for at, _, total in members]

@@ -7,12 +7,12 @@ maintenance locks, a dead scheduler, jobs whose end a failover forgot). They rid
 outage: between jobs, where RQ quits, they log a warning and go on to the dequeue, which waits
 with backoff; during a job, the forking worker's parent keeps watching its horse, and the job's
 end is recorded once Redis answers again (waiting up to ``OUTAGE_WAIT`` s). Each override of
-RQ's worker exists because a test in tests/test_liveness.py, test_workers.py or
-test_sentinel.py fails without it."""
+RQ's worker exists because a test under tests/ fails without it."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -190,6 +190,12 @@ class _Loop:
         with self._outage("suspension check"):
             super().check_for_suspension(burst)  # type: ignore[misc]
 
+    def execute_job(self, job: Any, queue: Any) -> Any:
+        # A failover at RQ's first write for a dequeued job quit the worker (test_sentinel.py);
+        # the job is left to RQ's maintenance, as when the worker quits.
+        with self._outage(f"start of job {job.id}"):
+            return super().execute_job(job, queue)  # type: ignore[misc]
+
     def perform_job(self, job: Any, queue: Any, *args: Any) -> Any:
         """RQ's, with the outbox deliveries the job recorded held until RQ has recorded its end
         (lock released, admission slot handed on): see :func:`django_joblock.outbox.after_job`."""
@@ -204,6 +210,13 @@ class _Loop:
             self.scheduler = None
         with self._outage("maintenance"):
             super().run_maintenance_tasks()  # type: ignore[misc]
+
+    def unsubscribe(self) -> None:
+        """RQ's, within RQ's own 1 s: redis-py 8's ``stop()`` waits for a pubsub thread that, having
+        read the UNSUBSCRIBE reply before the stop flag, waits RQ's 60 s (a daemon: left behind)."""
+        rq_unsubscribe = threading.Thread(target=super().unsubscribe, daemon=True)  # type: ignore[misc]
+        rq_unsubscribe.start()
+        rq_unsubscribe.join(1)
 
     def free_stale_maintenance(self) -> None:
         """Release a queue's RQ maintenance lock held for :data:`MAINTENANCE_STALE` seconds: a

@@ -231,3 +231,9 @@ def sends_slowly(resource_id: int, label: str) -> str:
     _log_interval(label, 0.05)
     send_after_commit(slow_handler, {"label": label}, key=f"slow:{label}")
     return label
+
+
+@locked_job("default", lock="account:{name}")
+def read_balance(name: str) -> int:
+    """A lock-only job whose body reads one row (in the job's transaction)."""
+    return Account.objects.get(name=name).balance

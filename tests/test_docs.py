@@ -18,9 +18,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import redis
+from rq import Worker
 
 from tests import docblocks, harness
 
@@ -160,8 +163,30 @@ def _start_dev_worker(project: Path, env: dict[str, str], log: Path) -> subproce
     )
 
 
+def _until_idle(worker: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until the dev worker waits for jobs (RQ says it is ``idle``), as a developer
+    stops it. A SIGTERM during its start-up may kill it outright (exit -15, once in CI): RQ
+    installs its signal handlers only after starting its scheduler, by a fork."""
+    servers = [
+        redis.Redis.from_url(f"{harness.redis_url().rsplit('/', 1)[0]}/{db}") for db in range(16)
+    ]
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            assert worker.poll() is None, f"the dev worker died: {log.read_text()[-3000:]}"
+            for server in servers:
+                found = Worker.all(connection=server)
+                if any(w.pid == worker.pid and w.get_state() == "idle" for w in found):
+                    return
+            time.sleep(0.1)
+    finally:
+        for server in servers:
+            server.close()
+    raise AssertionError(f"the dev worker never waited for jobs: {log.read_text()[-3000:]}")
+
+
 def _stop(worker: subprocess.Popen[bytes], log: Path) -> None:
-    assert worker.poll() is None, f"the dev worker died: {log.read_text()[-3000:]}"
+    _until_idle(worker, log)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0, log.read_text()[-3000:]
 

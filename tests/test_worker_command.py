@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -14,6 +17,7 @@ from rq.job import JobStatus
 
 from django_joblock.worker import MAINTENANCE_INTERVAL, JoblockSimpleWorker, JoblockWorker
 from tests import jobs
+from tests.harness import wait_for
 from tests.workers import ROOT, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -169,3 +173,28 @@ def test_a_burst_worker_with_the_scheduler_starts_no_scheduler_process(worker_cl
         assert "Scheduler for default started" not in output, output
     finally:
         crew.stop()
+
+
+@pytest.mark.parametrize("worker_class", [JoblockWorker, JoblockSimpleWorker])
+def test_a_worker_exits_when_its_pubsub_thread_missed_the_stop(worker_class, rconn):
+    """RQ's teardown sends UNSUBSCRIBE, then stops its pubsub thread, and redis-py 8's ``stop()``
+    waits for that thread. A thread that read the reply before the stop flag was set (the main
+    thread descheduled after the send on a busy box; here a 0.5 s pause) waits RQ's 60 s for a
+    new subscription: a SIGTERMed idle worker of the failover chaos run was still up after 20 s.
+    Ours leave the thread behind (a daemon) within the 10 s a SIGTERM may take (issue 28)."""
+    worker = worker_class([Queue("default", connection=rconn)], connection=rconn)
+    worker.subscribe()
+    assert wait_for(lambda: worker.pubsub.subscribed, 10)
+    send = worker.pubsub.unsubscribe
+
+    def descheduled(*args: Any) -> Any:
+        reply = send(*args)
+        time.sleep(0.5)
+        return reply
+
+    worker.pubsub.unsubscribe = descheduled
+    teardown = threading.Thread(target=worker.unsubscribe, daemon=True)
+    teardown.start()
+    teardown.join(10)
+    assert not teardown.is_alive(), "the worker's teardown waits for its pubsub thread"
+    assert worker.pubsub_thread.is_alive(), "negative control: the thread missed the stop"

@@ -63,3 +63,50 @@ def test_a_stale_connection_is_still_closed_around_a_job(settings, rconn):
     connection.close_at = 0.0  # past CONN_MAX_AGE
     _burst(JoblockSimpleWorker, rconn)
     assert connection.connection is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_only_job_that_never_queries_sends_no_statement(rconn):
+    """Seen by the database: the worker's open connection stays idle through a lock-only job
+    whose body never queries (on PostgreSQL no BEGIN, no guard, no COMMIT: the backend's
+    ``state_change`` stays; on SQLite, whose transactions Django begins eagerly, sqlite3's trace
+    shows only the BEGIN and COMMIT); one whose body reads does query."""
+    from django.db import connections
+
+    from tests.jobs import hold_resource, read_balance
+
+    Account.objects.create(name="idle", balance=7)
+    connection.close_at = None  # a persistent connection (CONN_MAX_AGE=None): kept between jobs
+    opened = connection.connection
+    watcher = connections.create_connection("default")
+    statements: list[str] = []
+    if connection.vendor == "postgresql":
+        backend = opened.info.backend_pid
+
+        def seen() -> Any:
+            with watcher.cursor() as cursor:
+                query = "SELECT state_change FROM pg_stat_activity WHERE pid = %s"
+                cursor.execute(query, [backend])
+                return cursor.fetchone()[0]
+    else:
+        opened.set_trace_callback(statements.append)
+
+        def seen() -> Any:  # the queries: not the job's transaction's BEGIN and COMMIT
+            return [sql for sql in statements if not sql.startswith(("BEGIN", "COMMIT"))]
+
+    try:
+        queue = Queue("default", connection=rconn)
+        before = seen()
+        quiet = hold_resource.delay(1, "quiet", 0.0)
+        JoblockSimpleWorker([queue], connection=rconn).work(burst=True)
+        assert quiet.get_status(refresh=True) == JobStatus.FINISHED
+        assert connection.connection is opened, "the same connection"
+        assert seen() == before, "the lock-only no-op job sent a statement"
+        # Negative control: a lock-only job that reads is seen (BEGIN, guard, SELECT, COMMIT).
+        reads = read_balance.delay("idle")
+        JoblockSimpleWorker([queue], connection=rconn).work(burst=True)
+        assert reads.get_status(refresh=True) == JobStatus.FINISHED
+        assert reads.return_value() == 7
+        assert seen() != before
+    finally:
+        watcher.close()

@@ -56,8 +56,7 @@ def insert_or_read(
         if guard:
             return _guard_and_read_postgresql(model, connection, values, lock_key)
         return _insert_or_read_postgresql(model, connection, values)
-    inserted = insert(model, using, values)
-    if inserted is not None:
+    if (inserted := insert(model, using, values)) is not None:
         return INSERTED, inserted, None
     row = model.objects.using(using).filter(scope=values["scope"], key=values["key"])
     found: Row | None = row.values(*ROW_FIELDS).first()
@@ -100,7 +99,6 @@ def _columns(model: Any, connection: Any, names: Any, prefix: str = "") -> str:
 
 
 def _insert_sql(model: Any, connection: Any, values: Row) -> tuple[str, list[Any]]:
-    """``INSERT ... ON CONFLICT (scope, key) DO NOTHING RETURNING id`` of ``values``, and params."""
     meta = model._meta
     defaults = {f.name: f.get_default() for f in meta.concrete_fields if not f.primary_key}
     values = {**defaults, **values}
@@ -149,10 +147,9 @@ def _insert_or_read_postgresql(model: Any, connection: Any, values: Row) -> Foun
 def _guard_and_read_postgresql(
     model: Any, connection: Any, values: Row, lock_key: str | None
 ) -> Found:
-    # One read-only statement: the guards (never waiting) and the row if there is one; a
-    # replay is this one query. The statement's snapshot is taken before its guards: a holder
-    # that committed the row in between let the guards go, and the row is not seen. So "no
-    # row" is read again, under the guards, by a second statement (a new snapshot).
+    # One read-only statement: the guards (never waiting) and the row. Its snapshot is taken before
+    # its guards: a holder that committed the row in between let the guards go, and the row is not
+    # seen. So "no row" is read again, under the guards, by a second statement (a new snapshot).
     resource = GUARD_SQL if lock_key is not None else "TRUE"
     sql = (
         f"SELECT {resource}, {GUARD_SQL}, {_columns(model, connection, ROW_FIELDS, 't.')} "

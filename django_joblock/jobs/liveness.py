@@ -41,7 +41,7 @@ def claim_turn() -> bool:
     """Take the next sweep (one ``SET NX PX``): False if another process swept within INTERVAL."""
     settings = conf.get()
     turn = f"{settings.KEY_PREFIX}:sweep"
-    return bool(client(settings.REDIS_ALIAS).set(turn, 1, nx=True, px=int(INTERVAL * 1000)))
+    return bool(client().set(turn, 1, nx=True, px=int(INTERVAL * 1000)))
 
 
 def sweep(queue_connection: Any) -> list[index.Member]:
@@ -52,7 +52,7 @@ def sweep(queue_connection: Any) -> list[index.Member]:
     found = index.expired(index.families(), LIMIT)
     if not found:
         return []
-    pipe = client(settings.REDIS_ALIAS).pipeline(transaction=False)
+    pipe = client().pipeline(transaction=False)
     for entry in found:
         pipe.hget(LockKeys(settings.KEY_PREFIX, entry.resource).lock, "token")
     tokens = pipe.execute()
@@ -97,7 +97,7 @@ def release_ended(resource: str, job_id: str) -> bool:
     """Release ``resource``'s lock if RQ job ``job_id``, whose work horse has exited, still holds
     it (a dead holding: the horse was killed), as the holder would, with the lock's token (it hands
     the lock to the first waiter). One round trip, two when it releases; Redis errors propagate."""
-    locks = client(conf.get().REDIS_ALIAS)
+    locks = client()
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
     found = LockHash.decode(locks.hgetall(keys.lock))
     if found is None or found.job_id != job_id:

@@ -86,13 +86,9 @@ def remove_call(prefix: str, resource: str, owner: str, job_id: str = "") -> lis
     return ["ZREM", key, member(resource, owner, job_id)]
 
 
-def _client() -> Any:
-    return client(conf.get().REDIS_ALIAS)
-
-
 def families() -> list[str]:
     """The families with index entries (maybe expired ones), sorted."""
-    return sorted(text(f) for f in _client().smembers(families_key(conf.get().KEY_PREFIX)))
+    return sorted(text(f) for f in client().smembers(families_key(conf.get().KEY_PREFIX)))
 
 
 def _read(names: list[str], *, live: bool, limit: int = -1) -> list[list[Any]]:
@@ -101,7 +97,7 @@ def _read(names: list[str], *, live: bool, limit: int = -1) -> list[list[Any]]:
     prefix = conf.get().KEY_PREFIX
     now_ms = int(time.time() * 1000)
     low, high = (f"({now_ms}", "+inf") if live else ("-inf", now_ms)
-    pipe = _client().pipeline(transaction=False)
+    pipe = client().pipeline(transaction=False)
     for name in names:
         key = _index_key(prefix, name)
         if limit < 0:
@@ -120,7 +116,7 @@ def active_counts() -> dict[str, int]:
     replies = _read(names, live=True)
     idle = [name for name, (_, every) in zip(names, replies, strict=True) if not every]
     if idle:
-        _client().srem(families_key(conf.get().KEY_PREFIX), *idle)
+        client().srem(families_key(conf.get().KEY_PREFIX), *idle)
     return {name: live for name, (live, _) in zip(names, replies, strict=True) if live}
 
 
@@ -149,7 +145,7 @@ def drop(stale: list[Member]) -> None:
     """Remove ``stale`` entries."""
     if stale:
         prefix = conf.get().KEY_PREFIX
-        pipe = _client().pipeline(transaction=False)
+        pipe = client().pipeline(transaction=False)
         for entry in stale:
             pipe.execute_command(*remove_call(prefix, entry.resource, entry.owner, entry.job_id))
         pipe.execute()

@@ -3,15 +3,13 @@
 The lock hash (``P:{resource}:lock``) is written by the scripts of :mod:`.scripts` with the
 details gathered here (host, pid, RQ job) and decoded only here (:class:`LockHash`), into the
 :class:`LockInfo` anyone can ask for ("is this resource locked, by whom, until when") without
-taking the lock, and into the rows of the active-lock pages. Readers get the token's short
-hash (``owner``); the token itself only goes to an operator release's compare-and-delete.
-"""
+taking the lock, and into the rows of the active-lock pages."""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -109,11 +107,10 @@ class LockHash(Holder):
 
 @dataclass(frozen=True)
 class LockInfo:
-    """A snapshot of one held lock, read without taking or extending it.
-
-    ``acquired_at`` / ``renewed_at`` come from the Redis server clock (UTC), ``expires_in`` from
-    the key's remaining TTL (seconds, when read). ``owner`` is the short hash of the holder's
-    token (compare with ``Lock.owner``); the job fields are empty outside RQ."""
+    """A snapshot of one held lock (:func:`lock_info`). ``acquired_at`` / ``renewed_at`` come from
+    the Redis server clock (UTC), ``expires_in`` from the key's remaining TTL (seconds, when
+    read). ``owner`` is the short hash of the holder's token (compare with ``Lock.owner``); the
+    job fields are empty outside RQ."""
 
     resource: str
     owner: str
@@ -129,9 +126,6 @@ class LockInfo:
     renewed_at: datetime | None
     renewals: int
     held_for: float = 0.0  # seconds since the acquisition, on the server's clock
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 Snapshot = tuple[LockHash | None, int, int]  # (the hash or None, its PTTL in ms, server ms)
@@ -162,7 +156,7 @@ def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
     settings = conf.get()
     resource = validate_resource(resource)
     try:
-        ((found, pttl, server_ms),) = read_many(client(using or settings.REDIS_ALIAS), [resource])
+        ((found, pttl, server_ms),) = read_many(client(using), [resource])
     except REDIS_ERRORS as exc:
         key = LockKeys(settings.KEY_PREFIX, resource).lock
         raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc

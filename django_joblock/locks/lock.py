@@ -363,24 +363,5 @@ def _check_wait(what: str, wait: object) -> float:
     return conf.WAIT_RANGE.check(f"{what} wait", wait)
 
 
-def lock(
-    resource: str,
-    *,
-    ttl: float | None = None,
-    wait: float | None = None,
-    heartbeat: bool = True,
-    max_hold: float | None = None,
-    on_lost: OnLost | None = None,
-    using: str | None = None,
-) -> Lock:
-    """A :class:`Lock` on ``resource`` (same keywords): ``with lock("order:1") as held: ...``;
-    entering raises :class:`LockNotAcquired` if the lock stayed busy for ``wait`` seconds."""
-    return Lock(
-        resource,
-        ttl=ttl,
-        wait=wait,
-        heartbeat=heartbeat,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        using=using,
-    )
+# The documented lower-case entry point, ``with lock("order:1") as held:``, is the class.
+lock = Lock

@@ -51,7 +51,6 @@ class RenewalStats:
     renew_failed: int = 0
     lost: int = 0
     dropped: int = 0
-    cpu_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -150,8 +149,7 @@ class Renewer:
                 time.sleep(0.05)
 
     def _step(self) -> bool:
-        started_cpu = time.thread_time()
-        metrics.flush_due(lambda: client(conf.get().REDIS_ALIAS))  # outside the condition
+        metrics.flush_due(client)  # outside the condition
         with self._cond:
             if self.pid != os.getpid():
                 return False
@@ -182,8 +180,6 @@ class Renewer:
                             entry.in_flight = False
                             if self._entries.get(entry.lock_id) is entry:
                                 self._schedule(entry, held)
-        with self._cond:
-            self._stats.cpu_seconds += time.thread_time() - started_cpu
         return True
 
     def _gather(self, now: float) -> tuple[list[_Lost], dict[str, list[_Work]], list[str]]:

@@ -4,8 +4,7 @@
 state (the renewal thread decides *when*). The view is conservative: validity counts from the
 *send* time of the last confirmed acquire or renew, minus a clock-drift margin, so the holder
 believes the lock gone before the server lets anyone else in. In a forked child the parent's
-lock is neither held nor lost.
-"""
+lock is neither held nor lost."""
 
 from __future__ import annotations
 
@@ -65,11 +64,8 @@ class Holding:
         """Refuse a second thread's acquire/release while one runs: two acquires of one object
         would both send its token, and both be told they hold the lock."""
         if not self._calls.acquire(blocking=False):
-            raise self._error(
-                LockError,
-                "Another thread is acquiring or releasing this Lock object: a Lock is one "
-                "holding, give each thread a Lock of its own",
-            )
+            message = "Another thread is acquiring or releasing this Lock object: a Lock is one "
+            raise self._error(LockError, message + "holding, give each thread a Lock of its own")
         try:
             yield
         finally:
@@ -84,9 +80,7 @@ class Holding:
         self.state = LockState.UNLOCKED
         self.lost_reason = ""
         self.acquired_at: float | None = None  # monotonic send time of the acquire
-        # The process that acquired the lock (0: never). Another pid is a forked child holding
-        # a copy of this object: the lock is its parent's, not its own.
-        self.pid = 0
+        self.pid = 0  # the process that acquired the lock (0: never); another is a forked copy
         # Local validity deadline (monotonic): send time of the last confirmed acquire/renew +
         # ttl - drift. Written by the renewal thread, read by the owner (float stores are atomic).
         self.valid_until = 0.0

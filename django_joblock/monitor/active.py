@@ -11,7 +11,6 @@ from typing import Any
 
 from rq.scheduler import RQScheduler
 
-from .. import conf
 from ..backend import client
 from ..exceptions import JoblockConfigError
 from ..jobs.decorator import registered_jobs
@@ -46,7 +45,7 @@ def active_locks(
     entries = index.members(names, limit)
     if not entries:
         return []
-    hashes = read_many(client(conf.get().REDIS_ALIAS), [entry.resource for entry in entries])
+    hashes = read_many(client(), [entry.resource for entry in entries])
     found, stale = [], []
     for entry, (held, pttl, server_ms) in zip(entries, hashes, strict=True):
         if held is None or held.owner != entry.owner:

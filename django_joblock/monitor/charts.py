@@ -24,6 +24,7 @@ TIMELINE_WIDTH = 920
 TIMELINE_LABEL = 130  # room for the resource names
 TIMELINE_ROW = 18
 BUSY_OUTCOMES = frozenset({"requeued", "skipped", "gave_up"})  # a mark (found busy), not a bar
+Frame = tuple[float, float, float, float]  # left, top, bottom, right
 
 
 @dataclass
@@ -69,9 +70,7 @@ def _number(value: float) -> str:
     return f"{int(value):,}" if float(value).is_integer() else f"{value:.3g}"
 
 
-def _framed(
-    chart: Chart, frame: tuple[float, float, float, float], ticks: list[Tick], summary: str
-) -> Chart:
+def _framed(chart: Chart, frame: Frame, ticks: list[Tick], summary: str) -> Chart:
     """``chart`` with its ticks, its vertical axis at ``left`` from ``top`` and its horizontal
     one at ``bottom`` to ``right`` (``frame``), and room for two rows of labels under it."""
     left, top, bottom, right = frame
@@ -212,9 +211,7 @@ def timeline_chart(
     lost = sum(1 for span in shown if span.outcome == "aborted")
     more = f" (and {len(latest) - len(names)} more)" if len(latest) > len(names) else ""
     frame = (TIMELINE_LABEL, PLOT_TOP - 2, bottom, TIMELINE_LABEL + plot)
-    summary = (
-        f"{len(names)} resource(s){more}: {held} run(s) holding the lock, "
-        f"{len(shown) - held} found it busy, {lost} lost it"
-    )
+    summary = f"{len(names)} resource(s){more}: {held} run(s) holding the lock, "
+    summary += f"{len(shown) - held} found it busy, {lost} lost it"
     chart = Chart(title, "timeline", bars, width=TIMELINE_WIDTH, note=note)
     return _framed(chart, frame, ticks, summary)

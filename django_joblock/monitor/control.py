@@ -55,7 +55,7 @@ def force_release(
     actor = actor or (getattr(user, "get_username", lambda: "")() if user else "")
     actor = actor.replace("\x00", "")[:150]  # LockAudit.actor
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
-    redis = client(conf.get().REDIS_ALIAS)  # short timeouts, no retries
+    redis = client()  # short timeouts, no retries
 
     def audit(found: LockHash | None, released: bool, outcome: str) -> Any:
         return LockAudit.objects.create(

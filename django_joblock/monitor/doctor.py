@@ -108,10 +108,8 @@ def _scope_of(key: str) -> str:
     found = IdempotencyRecord.objects.filter(scope__in=known, key=key)
     scopes = sorted(set(found.values_list("scope", flat=True))) or sorted(known - {""})
     if len(scopes) != 1:
-        raise NotFound(
-            f"key {key!r}: give its job's dotted name with --scope (candidates: "
-            f"{', '.join(scopes) or 'none'})"
-        )
+        why = f"give its job's dotted name with --scope (candidates: {', '.join(scopes) or 'none'})"
+        raise NotFound(f"key {key!r}: {why}")
     return scopes[0]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import functools
 import os
-import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,10 +25,9 @@ from ..choices import RecordStatus
 from ..jobs import history
 from ..jobs.decorator import registered_jobs, registry
 from ..jobs.queues import configured_names, get_queue, queue_name, server_of
+from ..locks.info import HOST
 from ..models import IdempotencyRecord
 from .active import ActiveLock, queue_of
-
-_HOST = socket.gethostname()
 
 
 class Health(enum.StrEnum):
@@ -127,7 +125,7 @@ def _evidence(active: ActiveLock, seen: tuple[str | None, bool] | None) -> list[
             found.append(f"RQ job {active.job_id} is {status}, not started")
         if active.worker and not worker_exists:
             found.append(f"RQ worker {active.worker} is gone")
-    if active.host == _HOST and active.pid is not None:
+    if active.host == HOST and active.pid is not None:
         try:
             os.kill(active.pid, 0)
         except ProcessLookupError:

@@ -122,7 +122,9 @@ class SentinelGroup:
             raise ValueError("a SentinelGroup needs at least one replica and one sentinel")
         self.master_name = master_name
         self.down_after = down_after
-        self.primary = RedisServer()
+        # A replica's first sync starts at once (Redis 7 waits 5 s for more replicas to join).
+        self.eager = ["--repl-diskless-sync-delay", "0"]
+        self.primary = RedisServer(extra_args=self.eager)
         self.replicas = [RedisServer() for _ in range(replicas)]
         self.replicate_via = replicate_via
         quorum = sentinels // 2 + 1
@@ -152,13 +154,14 @@ class SentinelGroup:
         ``SENTINELS`` settings take them."""
         return [("127.0.0.1", s.port) for s in self.sentinels]
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self, timeout: float = 30.0) -> None:
         """Start every process; return once the sentinels see the primary and its replicas."""
         try:
             self.primary.start()
             upstream = self.replicate_via(self.primary.port) if self.replicate_via else None
             for replica in self.replicas:
                 replica.extra_args = [
+                    *self.eager,
                     "--replicaof",
                     "127.0.0.1",
                     str(upstream or self.primary.port),
