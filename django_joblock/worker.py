@@ -191,7 +191,7 @@ class _Loop:
             super().check_for_suspension(burst)  # type: ignore[misc]
 
     def execute_job(self, job: Any, queue: Any) -> Any:
-        # A failover at RQ's first write for a dequeued job quit the worker (test_sentinel.py);
+        # An outage at RQ's first write for a dequeued job quit the worker (test_worker_command);
         # the job is left to RQ's maintenance, as when the worker quits.
         with self._outage(f"start of job {job.id}"):
             return super().execute_job(job, queue)  # type: ignore[misc]

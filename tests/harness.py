@@ -8,6 +8,7 @@ environment, so subprocesses started by a test talk to the same server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -148,6 +149,8 @@ class Proxy:
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the accept() under way: no late connection
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
         for conn in self._conns:
             try:

@@ -9,15 +9,19 @@ import time
 from typing import Any
 
 import pytest
+import redis
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq import Queue
 from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.job import JobStatus
 
 from django_joblock.worker import MAINTENANCE_INTERVAL, JoblockSimpleWorker, JoblockWorker
 from tests import jobs
-from tests.harness import wait_for
+from tests.harness import Proxy, wait_for
+from tests.procs.redis_server import free_port
 from tests.workers import ROOT, Workers, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -198,3 +202,37 @@ def test_a_worker_exits_when_its_pubsub_thread_missed_the_stop(worker_class, rco
     teardown.join(10)
     assert not teardown.is_alive(), "the worker's teardown waits for its pubsub thread"
     assert worker.pubsub_thread.is_alive(), "negative control: the thread missed the stop"
+
+
+@pytest.mark.parametrize("worker_class", [JoblockWorker, JoblockSimpleWorker])
+def test_a_worker_goes_on_after_an_outage_at_a_jobs_start(worker_class, rconn, caplog):
+    """Redis gone at RQ's first write for a job it has just dequeued (the execution record; a
+    failover did it in test_sentinel.py, once in CI) used to end the worker with a traceback.
+    Ours log it and go back to the dequeue; the job stays in RQ's intermediate queue, which
+    RQ's maintenance hands out again, and the next job runs once Redis is back."""
+    upstream = rconn.connection_pool.connection_kwargs
+    port = free_port()
+    links = [Proxy(port, upstream["port"])]
+    # No client retries: the outage outlasts them (redis-py 8 retries a failed command 3 times).
+    queues = redis.Redis(port=port, db=upstream.get("db", 0), retry=Retry(NoBackoff(), 0))
+    queue = Queue("default", connection=queues)
+    first, second = queue.enqueue("os.getpid"), queue.enqueue("os.getpid")
+
+    class CutAtStart(worker_class):  # type: ignore[misc, valid-type]
+        def prepare_execution(self, job: Any) -> Any:
+            if job.id == first.id:  # a real outage: connections reset, new ones refused
+                links[0].close()
+                threading.Timer(0.5, lambda: links.append(Proxy(port, upstream["port"]))).start()
+            return super().prepare_execution(job)
+
+    try:
+        with caplog.at_level("WARNING", logger="django_joblock"):
+            CutAtStart([queue], connection=queues).work(burst=True)
+        assert "Redis unavailable in its start of job" in caplog.text, caplog.text
+        assert second.get_status(refresh=True) == JobStatus.FINISHED
+        assert first.id in queue.intermediate_queue.get_job_ids()  # not lost: RQ's to retry
+        assert len(links) == 2, "negative control: the link was cut and opened again"
+    finally:
+        for link in links:
+            link.close()
+        queues.close()
