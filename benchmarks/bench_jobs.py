@@ -42,6 +42,14 @@ def lock_and_idempotency_update(row: int, run: str, i: int) -> int:
     return row
 
 
+@locked_job("bench", lock="bench:{i}", idempotency_key="bench:{run}:{i}", admission=False)
+def lock_and_idempotency_update_unparked(row: int, run: str, i: int) -> int:
+    """The same, enqueued without admission (RQ's RateLimit slot bookkeeping, which the floor
+    does not do either)."""
+    _update(row)
+    return row
+
+
 # -- benchmarks/hot_key.py: jobs of D ms on a few hot resources -------------------------------
 def _work(ms: float) -> tuple[float, float]:
     started = time.time()

@@ -44,6 +44,7 @@ from locks import private_redis
 ROWS = 1000
 FLOOR = "UPDATE: floor (hand-written, I/O only)"
 OURS = "UPDATE: @locked_job (lock + idempotency)"
+UNPARKED = "UPDATE: ... with admission=False"
 
 
 def database(url: str) -> tuple[dict[str, Any], Callable[[], None]]:
@@ -137,6 +138,7 @@ def main() -> int:
             floor_update,
             lock_and_idempotency,
             lock_and_idempotency_update,
+            lock_and_idempotency_update_unparked,
             lock_only,
             plain,
             plain_update,
@@ -156,6 +158,9 @@ def main() -> int:
             "UPDATE: plain RQ": lambda run: lambda i: queue.enqueue(plain_update, i % ROWS),
             "UPDATE: @locked_job (lock + idempotency)": lambda run: (
                 lambda i: lock_and_idempotency_update.delay(i % ROWS, run, i)
+            ),
+            UNPARKED: lambda run: (
+                lambda i: lock_and_idempotency_update_unparked.delay(i % ROWS, run, i)
             ),
         }
         if connection.vendor == "postgresql":
@@ -187,10 +192,12 @@ def main() -> int:
                 )
                 print(f"{label:13} {kind:42} {statistics.median(values):8.0f} {ratio:8.2f}x")
             if FLOOR in rates:
-                of_floor = statistics.median(
-                    a / b for a, b in zip(rates[OURS], rates[FLOOR], strict=True)
-                )
-                floor_notes.append(f"{label}: {of_floor:.2f}x of the floor")
+                of_floor = [
+                    statistics.median(a / b for a, b in zip(rates[k], rates[FLOOR], strict=True))
+                    for k in (OURS, UNPARKED)
+                ]
+                note = f"{label}: {of_floor[0]:.2f}x of the floor"
+                floor_notes.append(f"{note} ({of_floor[1]:.2f}x without admission)")
         if floor_notes:
             print(f"\n{OURS.split(': ', 1)[1]} against the floor: " + "; ".join(floor_notes))
     finally:
