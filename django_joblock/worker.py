@@ -176,13 +176,13 @@ class _Loop:
             registry.cleanup()
 
     def release_lock_of(self, job: Any) -> None:
-        """:func:`~django_joblock.jobs.liveness.release_ended` for ``job``, which is not running:
-        the next job of its resource starts now, not after the lock's TTL."""
+        """:func:`~django_joblock.jobs.liveness.release_ended` for ``job``, which is not running
+        here: the next job of its resource starts now, not after the lock's TTL."""
         state = (job.meta or {}).get("joblock")
         resource = state.get("resource") if isinstance(state, dict) else None
         if isinstance(resource, str) and resource:
             try:
-                liveness.release_ended(resource, job.id)
+                liveness.release_ended(resource, job.id, self.name)
             except REDIS_ERRORS as exc:  # the lock then expires after its TTL
                 logger.warning("worker %s: job %s's lock not checked (%s)", self.name, job.id, exc)
 

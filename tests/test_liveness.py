@@ -25,7 +25,7 @@ from rq.command import send_stop_job_command
 from rq.job import JobStatus
 from rq.scheduler import RQScheduler
 
-from django_joblock import lock
+from django_joblock import lock, lock_info
 from django_joblock.jobs import admission, liveness
 from django_joblock.monitor.control import force_release
 from django_joblock.worker import JoblockWorker
@@ -405,3 +405,24 @@ def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):
         assert "never renewed" in health()[1] and rconn.exists("joblock:{hot:36}:lock")
     finally:
         os.kill(horse, signal.SIGKILL)
+
+
+def test_a_worker_releases_only_its_own_runs_lock(crews, rconn):
+    """Regression (review): after a job's horse exited, its worker released the job's lock if
+    the lock named the job, whoever held it: a retry of the job (RQ re-enqueues a failed job
+    with ``Retry`` under the same id), already running on another worker, lost its lock. The
+    release now also asks for this worker's name in the lock (the negative control: the worker
+    that does run the job releases it)."""
+    crews(True).start("default")
+    label = f"held-{secrets.token_hex(4)}"
+    job = admission_jobs.long_hold.delay(38, label)
+    pid_of(rconn, label)  # it holds the lock
+    job.refresh()
+    queue = Queue("default", connection=rconn)
+    other = JoblockWorker([queue], connection=rconn, name=f"other-{secrets.token_hex(4)}")
+    other.release_lock_of(job)
+    held = lock_info("hot:38")
+    assert held is not None and held.job_id == job.id, "another worker released a live run's lock"
+    JoblockWorker([queue], connection=rconn, name=job.worker_name).release_lock_of(job)
+    assert lock_info("hot:38") is None, "negative control: the job's own worker releases it"
+    rconn.set(f"test:go:{label}", 1)

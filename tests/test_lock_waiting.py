@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -455,6 +456,33 @@ def test_a_force_release_hands_the_lock_to_the_first_in_line(rconn):
         assert result.released, result.outcome
         info = lock_info("order:55")  # right away: the release itself wrote the new holder
         assert info is not None and info.owner == owner_hash(waiter.token), info
+    finally:
+        thread.join(30)
+    assert got == [True] and waiter.release()
+
+
+def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(rconn):
+    """Regression (review): with 100 or more dead tickets first in line (their waiters killed),
+    the release's look at the line ends without a verdict; it took that for a ticket and
+    unpacked its missing details: a raw ResponseError, the lock left held for its TTL and the
+    live waiter behind them waiting in vain. Now the release frees the lock and the waiter,
+    cleaning the line on its next tries, takes it."""
+    keys = _keys("order:dead")
+    holder = lock("order:dead", ttl=30)
+    assert holder.acquire()
+    for n in range(120):  # joined the line, then died: tickets of 100 ms, never refreshed
+        args = [f"dead{n}", 30_000, 86_400_000, "host", 1, "", "", "", f"t{n}", 100, 100, 0]
+        wake = keys.wake(f"t{n}")
+        scripts.WAIT(rconn, [keys.lock, keys.fence, keys.queue, keys.tickets, wake], args)
+    waiter = lock("order:dead", ttl=30, wait=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
+    thread.start()
+    try:
+        assert _in_line(rconn, keys.queue, 121)  # the fault: 120 dead first, the live one last
+        time.sleep(0.5)  # the dead tickets' 100 ms run out; the live one is refreshed
+        assert holder.release() is True
+        assert rconn.hget(keys.lock, "token") != holder.token.encode()
     finally:
         thread.join(30)
     assert got == [True] and waiter.release()

@@ -93,14 +93,15 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
     logger.warning(message, entry.job_id, entry.resource, next_job, extra=fields)
 
 
-def release_ended(resource: str, job_id: str) -> bool:
-    """Release ``resource``'s lock if RQ job ``job_id``, whose work horse has exited, still holds
-    it (a dead holding: the horse was killed), as the holder would, with the lock's token (it hands
-    the lock to the first waiter). One round trip, two when it releases; Redis errors propagate."""
+def release_ended(resource: str, job_id: str, worker: str) -> bool:
+    """Release ``resource``'s lock if RQ job ``job_id``'s run on ``worker`` (its work horse has
+    exited: killed) still holds it, as the holder would, with the lock's token (it hands the lock
+    to the first waiter); never a run of the same job on another worker (a retry, a re-delayed
+    ``dedupe`` job). One round trip, two when it releases; Redis errors propagate."""
     locks = client()
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
     found = LockHash.decode(locks.hgetall(keys.lock))
-    if found is None or found.job_id != job_id:
+    if found is None or (found.job_id, found.worker) != (job_id, worker):
         return False
     unindex = index.remove_call(keys.prefix, resource, found.owner, job_id)
     released = waiting.release(locks, keys, found.token, "", [unindex]) is Outcome.OK

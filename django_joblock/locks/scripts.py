@@ -295,7 +295,7 @@ if owner then code = 1 end
 if KEYS[4] and (held[2] or (not owner and redis.call('EXISTS', KEYS[3]) == 1)) then
   local t = redis.call('TIME')
   local head, data = first_live(KEYS[3], KEYS[4], now_ms(t))
-  if head then
+  if data then  -- not when 100 dead tickets left the line unknown: its first notices in time
     if head ~= ARGV[2] or not KEYS[5] then return head end
     redis.call('ZREM', KEYS[3], head)
     redis.call('HDEL', KEYS[4], head)
