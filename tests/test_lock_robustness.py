@@ -85,6 +85,31 @@ def test_an_acquire_whose_reply_was_lost_is_retried_and_gets_the_same_fence(sett
         dropper.close()
 
 
+def test_a_release_whose_hand_over_reply_was_lost_is_still_a_release(settings, rconn):
+    """Regression (review): the release that handed the lock to the first waiter ran, its reply
+    was lost, and the release sent again found the waiter's token: the holder was told its lock
+    had been taken by another owner (False, marked lost, LockLost from a ``with`` block)."""
+    load_scripts(rconn)
+    waiter = lock("lost-reply:2", ttl=30, wait=30)
+    dropper = ReplyDropper(_port(), marker=waiter.owner.encode())  # in the hand-over only
+    settings.CACHES = {**settings.CACHES, "dropper": _cache(dropper.url)}
+    got: list[bool] = []
+    try:
+        holder = lock("lost-reply:2", ttl=30, using="dropper")
+        assert holder.acquire()
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
+        thread.start()
+        assert wait_for(lambda: rconn.zcard(holder.keys.queue) == 1, 10)
+        dropper.armed = True
+        assert holder.release() is True, holder.lost_reason
+        assert not holder.lost
+        assert len(dropper.dropped) == 1, "negative control: the hand-over's reply was lost"
+        thread.join(30)
+        assert got == [True] and waiter.release()
+    finally:
+        dropper.close()
+
+
 def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(settings, proxy, rconn):
     load_scripts(rconn)
     settings.CACHES = {**settings.CACHES, "slow": _cache(harness.proxy_url())}

@@ -304,9 +304,9 @@ class Lock(Holding):
             if pending and not retried:
                 metrics.restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        # Sent twice, it finds the lock gone (or handed over) if the first one ran: that was
-        # our own release, if the lock was still valid when sent.
-        released = code is Outcome.OK or (retried and valid and code is Outcome.GONE)
+        # Sent twice, it finds the lock gone, or handed over (another owner), if the first one
+        # ran: that was our own release, if the lock was still valid when sent.
+        released = code is Outcome.OK or (retried and valid)
         if not released and self.mark_lost(code.reason):
             self.announce_lost(code.reason)
         self.mark_released()
