@@ -162,8 +162,9 @@ def check_rq_options(options: dict[str, Any], what: str) -> None:
     if whole or (isinstance(value, (int, str)) and not isinstance(value, bool)):
         with contextlib.suppress(TimeoutFormatError, ValueError, OverflowError):
             seconds = parse_timeout(value)
-    if seconds is None or (seconds != -1 and seconds < 1):
-        why = "must be whole seconds of at least 1 (an int, or a str such as '90', '10m', '2h')"
+    if seconds is None or (seconds != -1 and not 1 <= seconds <= conf.MAX_DURATION):
+        why = f"must be whole seconds from 1 to {conf.MAX_DURATION:.0f} (365 days; RQ's alarm "
+        why += "takes no more), an int or a str such as '90', '10m', '2h'"
         raise ValueError(f"{what}: job_timeout {why}, or -1 for none; got {value!r}")
 
 
