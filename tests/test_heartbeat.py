@@ -198,3 +198,64 @@ def test_active_index_lists_long_held_locks(rconn):
     assert rconn.sismember("joblock:families", "order")
     held.release()
     assert rconn.zcard("joblock:active:order") == 0
+
+
+def test_a_black_hole_is_noticed_in_time_with_metrics_on_the_same_redis(settings, proxy, rconn):
+    """Regression (review): the renewal thread flushed the metrics first, on sockets of
+    ``REDIS_TIMEOUT`` (2 s); with the metrics on the black-holed server it sat in the flush and
+    declared a 1 s lock lost after the server had let another holder in. The flush now waits no
+    longer than the renewal of the shortest lock held."""
+    settings.JOBLOCK = {"REDIS_ALIAS": "proxied"}  # locks and metrics behind the proxy
+    recorder = LostRecorder()
+    held = lock("report:6", ttl=1.0, on_lost=recorder)
+    assert held.acquire()
+    assert wait_for(lambda: int(rconn.hget(held.key, "renewals") or 0) >= 1, 5)
+    proxy.set("blackhole")
+    other_at = None
+    deadline = time.monotonic() + 6
+    while other_at is None and time.monotonic() < deadline:
+        contender = lock("report:6", ttl=5, using="default")
+        if contender.acquire():
+            other_at = time.monotonic()
+            contender.release()
+        time.sleep(0.005)
+    assert other_at is not None, "negative control: the renewals were really blocked"
+    assert recorder.event.is_set(), "the holder never noticed it had lost the lock"
+    assert recorder.at < other_at, f"declared LOST {recorder.at - other_at:+.3f}s too late"
+
+
+def test_a_short_lock_does_not_shorten_the_renewals_of_longer_ones(proxy, rconn):
+    """Regression (review): the socket timeout of an alias' renewals was the shortest ever
+    wanted (TTL / 5) and never grew back: after one 250 ms lock, a 3 s lock was renewed with
+    50 ms sockets, and 100 ms of network latency made it lost. Each round trip now takes the
+    timeout of the locks it renews."""
+    short = lock("report:7a", ttl=0.25, using="proxied")
+    assert short.acquire()
+    short.release()
+    recorder = LostRecorder()
+    held = lock("report:7", ttl=3.0, using="proxied", on_lost=recorder)
+    assert held.acquire()
+    proxy.set("delay", 0.05)  # about 100 ms per round trip: far below the lock's 0.6 s
+    try:
+        assert wait_for(lambda: int(rconn.hget(held.key, "renewals") or 0) >= 2, 10)
+        assert not recorder.event.is_set(), recorder.reason
+    finally:
+        proxy.set("forward")
+    assert held.release()
+
+
+def test_released_locks_leave_no_pile_of_renewal_entries(rconn):
+    """Regression (review): a released lock's entry stayed in the renewal schedule until it
+    would have been due (TTL / 3), so a loop of long locks piled up entries by the thousand
+    while one lock was held. They are now dropped once they outnumber the held locks."""
+    long_held = lock("report:8", ttl=3600)
+    assert long_held.acquire()
+    try:
+        for n in range(5000):
+            each = lock(f"report:8:{n % 50}", ttl=3600)
+            assert each.acquire()
+            each.release()
+        assert len(renewer().held_locks()) == 1
+        assert len(renewer()._heap) < 2500, len(renewer()._heap)
+    finally:
+        assert long_held.release()

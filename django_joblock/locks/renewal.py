@@ -12,8 +12,9 @@ It keeps every lock the process holds, however many:
 - refers to locks weakly: an unreferenced ``Lock`` is not renewed (it expires), with a warning;
 - flushes the process's buffered metrics once a second while there are any.
 
-Its sockets time out after ``min(REDIS_TIMEOUT, TTL / 5)`` without retries, so a black-holed
-server is noticed in time. A failure inside the thread is logged and the loop goes on.
+Its sockets time out after ``min(REDIS_TIMEOUT, TTL / 5)`` (per lock, rounded down to a power of
+two; a round trip takes its locks' shortest, and so does the metrics flush) without retries, so a
+black-holed server is noticed in time. A failure inside the thread is logged and the loop goes on.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Entry:
     alias: str
     interval: float
     renew_due: float
+    timeout: float  # socket timeout (s) of the round trips that renew it: min(REDIS_TIMEOUT, ttl/5)
     failures: int = 0
     in_flight: bool = False
 
@@ -87,7 +89,6 @@ class Renewer:
         self._wake_at = math.inf
         self._idle_since: float | None = None
         self._thread: threading.Thread | None = None
-        self._timeouts: dict[str, float] = {}  # alias -> socket timeout of its renewals
         self._stats = RenewalStats()
 
     def add(self, held: Holding, *, renew_within: float = math.inf) -> None:
@@ -95,11 +96,13 @@ class Renewer:
         sooner than its interval (a handed-over lock is valid for less than its TTL)."""
         interval = held.heartbeat_interval
         due = time.monotonic() + min(interval, renew_within) if held.heartbeat else math.inf
-        entry = Entry(weakref.ref(held), id(held), held.key, held.alias, interval, due)
-        wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5))
+        # A power of two: few distinct timeouts, so few clients (each has its own pool).
+        timeout = 2.0 ** math.floor(
+            math.log2(max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5)))
+        )
+        entry = Entry(weakref.ref(held), id(held), held.key, held.alias, interval, due, timeout)
         with self._cond:
             self._entries[id(held)] = entry
-            self._timeouts[held.alias] = min(self._timeouts.get(held.alias, wanted), wanted)
             when = self._schedule(entry, held)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -115,6 +118,11 @@ class Renewer:
             entry = self._entries.get(id(held))
             if entry is not None and entry.ref() is held:
                 del self._entries[entry.lock_id]
+            if len(self._heap) > 2 * len(self._entries) + 1000:  # released locks' items: drop
+                self._heap = [
+                    item for item in self._heap if self._entries.get(item[2].lock_id) is item[2]
+                ]
+                heapq.heapify(self._heap)
 
     def held_locks(self) -> list[Holding]:
         """The locks this process holds (acquired, not yet released, lost or dropped)."""
@@ -136,7 +144,7 @@ class Renewer:
         """When a lock must be declared lost at the latest: its local deadline, or, while its
         renewals fail, one socket timeout before it (a later renewal could not be confirmed)."""
         if held.state is LockState.SUSPECT:
-            return held.valid_until - self._timeouts.get(entry.alias, 0.0)
+            return held.valid_until - entry.timeout
         return held.valid_until
 
     def _run(self) -> None:
@@ -149,7 +157,9 @@ class Renewer:
                 time.sleep(0.05)
 
     def _step(self) -> bool:
-        metrics.flush_due(client)  # outside the condition
+        with self._cond:  # the flush waits no longer than a renewal may: a lock's loss in time
+            timeout = min((entry.timeout for entry in self._entries.values()), default=None)
+        metrics.flush_due(lambda: client(timeout=timeout))  # outside the condition
         with self._cond:
             if self.pid != os.getpid():
                 return False
@@ -259,9 +269,10 @@ class Renewer:
             conf.get().KEY_PREFIX,
             [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items],
         )
+        timeout = min(entry.timeout for entry, _ in items)
         sent = time.monotonic()
         try:
-            replies = send(client(alias, self._timeouts[alias]), calls)
+            replies = send(client(alias, timeout), calls)
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             replies = [exc] * len(items)
         lost: list[_Lost] = []
@@ -278,7 +289,7 @@ class Renewer:
                     held.renewal_failed(reply)
                     # Retry soon, but do not hammer a server that just timed out.
                     entry.renew_due = time.monotonic() + min(
-                        entry.interval / 2, max(0.02, self._timeouts[alias] / 2)
+                        entry.interval / 2, max(0.02, timeout / 2)
                     )
                 elif reply == Outcome.OK:
                     held.confirm_renewed(sent)
