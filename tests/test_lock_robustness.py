@@ -90,12 +90,12 @@ def test_a_release_whose_hand_over_reply_was_lost_is_still_a_release(settings, r
     was lost, and the release sent again found the waiter's token: the holder was told its lock
     had been taken by another owner (False, marked lost, LockLost from a ``with`` block)."""
     load_scripts(rconn)
-    waiter = lock("lost-reply:2", ttl=30, wait=30)
+    waiter = lock("lost-reply:3", ttl=30, wait=30)
     dropper = ReplyDropper(_port(), marker=waiter.owner.encode())  # in the hand-over only
     settings.CACHES = {**settings.CACHES, "dropper": _cache(dropper.url)}
     got: list[bool] = []
     try:
-        holder = lock("lost-reply:2", ttl=30, using="dropper")
+        holder = lock("lost-reply:3", ttl=30, using="dropper")
         assert holder.acquire()
         thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
         thread.start()
@@ -110,13 +110,20 @@ def test_a_release_whose_hand_over_reply_was_lost_is_still_a_release(settings, r
         dropper.close()
 
 
-def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(settings, proxy, rconn):
+@pytest.mark.parametrize("reused", [False, True], ids=["new", "reused (regression, review)"])
+def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(
+    settings, proxy, rconn, reused
+):
+    """A reused Lock (acquired and released before) took a fresh token on every acquire, the
+    repeated one too: its own lock refused it, busy until the TTL."""
     load_scripts(rconn)
     settings.CACHES = {**settings.CACHES, "slow": _cache(harness.proxy_url())}
     settings.JOBLOCK = {"REDIS_TIMEOUT": 0.3}  # the locks' own socket timeout
     warm = lock("lost-reply:warm", ttl=30, using="slow")
     assert warm.acquire() and warm.release()  # connections made before the fault
     held = lock("lost-reply:2", ttl=30, using="slow")
+    if reused:
+        assert held.acquire() and held.release()
     proxy.set("delay", 0.5)  # the server runs the acquire after the client gave up
     with pytest.raises(LockBackendUnavailable):
         held.acquire()

@@ -93,7 +93,7 @@ class Lock(Holding):
         # Who was first in line behind this holder when it got the lock: its release hands
         # the lock to that waiter in the same round trip (see waiting.release).
         self._next_ticket = ""
-        self.token = secrets.token_hex(16)
+        self.token, self._spent = secrets.token_hex(16), False
         self.job_id = self.job_func = ""
         self._reset_view()
         self._context_token: contextvars.Token[Any] | None = None
@@ -161,10 +161,11 @@ class Lock(Holding):
         if self.state in _HOLDING and not self._foreign():
             raise self._error(LockError, "This Lock object already holds the lock")
         wait = self.wait if wait is None else _check_wait(f"lock({self.resource!r}):", wait)
-        if self.state is not LockState.UNLOCKED:
-            # A fresh token per acquisition: a late renew of the previous holding can never
-            # extend this one (nor can a forked child's acquire find its parent's lock).
-            self.token = secrets.token_hex(16)
+        if self._spent:
+            # A fresh token per holding: a late renew of the previous one can never extend this
+            # one (nor can a forked child's acquire find its parent's lock). A failed acquire
+            # keeps it: its repeat finds the lock the failed one may have taken on the server.
+            self.token, self._spent = secrets.token_hex(16), False
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
         found = client(self.alias)
@@ -217,7 +218,7 @@ class Lock(Holding):
             short = replicas.shortfall(found, self.key, self.token, self.ttl_ms)
             if short:
                 raise self._given_back(found, short)
-        self._next_ticket = turn.next_ticket
+        self._next_ticket, self._spent = turn.next_ticket, True
         self._begin(turn.reply, turn.sent, valid_for)
         renewer().add(self, renew_within=math.inf if turn.valid_for is None else valid_for / 3)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
