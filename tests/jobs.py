@@ -237,3 +237,12 @@ def sends_slowly(resource_id: int, label: str) -> str:
 def read_balance(name: str) -> int:
     """A lock-only job whose body reads one row (in the job's transaction)."""
     return Account.objects.get(name=name).balance
+
+
+@locked_job("default", lock="episode:{k}", ttl=5, max_wait=2, admission=False, atomic=False)
+def fails_once(k: int) -> int:
+    """Raises on its first run (RQ's ``Retry`` brings it back), then returns its run count."""
+    runs = int(_redis().incr(f"test:fails_once:{k}"))
+    if runs == 1:
+        raise RuntimeError("the first run fails")
+    return runs

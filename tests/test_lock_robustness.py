@@ -111,9 +111,7 @@ def test_a_release_whose_hand_over_reply_was_lost_is_still_a_release(settings, r
 
 
 @pytest.mark.parametrize("reused", [False, True], ids=["new", "reused (regression, review)"])
-def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(
-    settings, proxy, rconn, reused
-):
+def test_an_acquire_that_timed_out_can_be_repeated_by_the_same_lock(settings, proxy, rconn, reused):
     """A reused Lock (acquired and released before) took a fresh token on every acquire, the
     repeated one too: its own lock refused it, busy until the TTL."""
     load_scripts(rconn)

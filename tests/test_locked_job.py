@@ -18,7 +18,7 @@ from django_joblock import (
 from django_joblock.checks import check_jobs, check_scheduler
 from django_joblock.jobs import admission
 from django_joblock.jobs.queues import get_queue
-from tests import jobs  # noqa: F401  (registers the worker tests' jobs)
+from tests import jobs
 from tests.workers import Workers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -172,3 +172,31 @@ def test_w012_no_scheduler_for_a_requeueing_queue(rconn):
         assert check_scheduler() == [], "negative control: a scheduler is running now"
     finally:
         crew.stop()
+
+
+def test_a_retry_that_meets_contention_again_has_its_own_max_wait(rconn):
+    """Regression (review): ``max_wait`` counted from the job's first contention ever. A job
+    requeued once, run, failed and retried by RQ's ``Retry`` gave up at its retry's first
+    busy lock (``gave_up`` without one requeue) once ``max_wait`` had passed since then."""
+    import time
+
+    from rq import Retry
+
+    from django_joblock import lock
+    from django_joblock.testing import run_jobs
+
+    def outcome() -> str:
+        return str(job.get_meta(refresh=True)["joblock"]["outcome"])
+
+    with lock("episode:1", ttl=30):
+        job = jobs.fails_once.enqueue(kwargs={"k": 1}, retry=Retry(max=1, interval=[1]))
+        run_jobs(max_rounds=1)
+        assert outcome() == "requeued"
+    time.sleep(2.5)  # longer than max_wait (2 s) since that contention
+    run_jobs(max_rounds=1)  # free: it runs, fails, and RQ's Retry brings it back
+    assert outcome() == "failed" and int(rconn.get("test:fails_once:1")) == 1
+    with lock("episode:1", ttl=30):
+        run_jobs(max_rounds=1)
+        assert outcome() == "requeued", job.get_meta(refresh=True)["joblock"]
+    run_jobs()
+    assert outcome() == "ran" and job.return_value(refresh=True) == 2

@@ -99,6 +99,8 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     state["outcome"] = outcome.value
     if "reason" not in extra:
         state.pop("reason", None)  # a reason from an earlier requeue no longer applies
+    if outcome is not JobOutcome.REQUEUED:
+        state.pop("first_contended", None)  # a wait for the lock ended: a retry's has its max_wait
     if run.waited is not None:
         state["waited"] = round(run.waited, 6)
     state.update(extra)
