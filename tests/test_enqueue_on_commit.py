@@ -81,3 +81,20 @@ def test_the_handle_is_the_job_once_committed(rconn):
         assert get_queue("default").count == 0
     assert get_queue("default").get_job_ids() == [handle.id, inner.id]
     assert handle.get_status(refresh=True) == JobStatus.QUEUED
+
+
+def test_a_failed_enqueue_at_the_commit_loses_no_other_job(rconn, caplog):
+    """Regression (review): the enqueue at the commit raised out of the ``atomic()`` block (a
+    ``dedupe`` key delayed twice in it with other arguments: IdempotencyKeyMismatch; a Redis
+    error), and Django dropped the commit's later callbacks: a valid job delayed after it in
+    the same transaction was never enqueued. Now the failure is logged and the others go."""
+    from tests import admission_jobs
+
+    queue = get_queue("default")
+    with transaction.atomic():
+        first = admission_jobs.send_once.delay(18, "twice")
+        admission_jobs.send_once.delay(19, "twice")  # same key, other arguments
+        other = jobs.credit.delay("e", "C-6", 1)
+    assert queue.get_job_ids() == [first.id, other.id], "the valid jobs are enqueued"
+    failed = [r for r in caplog.records if "not enqueued at the commit" in r.getMessage()]
+    assert len(failed) == 1 and "IdempotencyKeyMismatch" in failed[0].getMessage()

@@ -212,5 +212,15 @@ def _enqueue(
     # the rows it reads are visible (nothing is enqueued on a rollback). The caller gets the
     # job's handle now, by the id it will have.
     options.setdefault("job_id", str(uuid.uuid4()))
-    transaction.on_commit(now)
+
+    def at_commit() -> None:  # a failure here must not drop the commit's other callbacks
+        try:
+            now()
+        except Exception as exc:  # noqa: BLE001 - logged as an error: the caller has returned
+            message = "job %s of %s not enqueued at the commit: %s: %s"
+            fields = {"job_id": options["job_id"], "outcome": "not_enqueued"}
+            args = (options["job_id"], spec.name, type(exc).__name__, exc)
+            logger.error(message, *args, exc_info=True, extra=fields)
+
+    transaction.on_commit(at_commit)
     return queue.job_class(id=options["job_id"], connection=queue.connection)
