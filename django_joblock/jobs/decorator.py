@@ -217,10 +217,9 @@ def _enqueue(
         try:
             now()
         except Exception as exc:  # noqa: BLE001 - logged as an error: the caller has returned
-            message = "job %s of %s not enqueued at the commit: %s: %s"
             fields = {"job_id": options["job_id"], "outcome": "not_enqueued"}
-            args = (options["job_id"], spec.name, type(exc).__name__, exc)
-            logger.error(message, *args, exc_info=True, extra=fields)
+            message = "job %s of %s not enqueued at the commit: %r"
+            logger.error(message, options["job_id"], spec.name, exc, exc_info=True, extra=fields)
 
     transaction.on_commit(at_commit)
     return queue.job_class(id=options["job_id"], connection=queue.connection)

@@ -96,10 +96,8 @@ class Renewer:
         sooner than its interval (a handed-over lock is valid for less than its TTL)."""
         interval = held.heartbeat_interval
         due = time.monotonic() + min(interval, renew_within) if held.heartbeat else math.inf
-        # A power of two: few distinct timeouts, so few clients (each has its own pool).
-        timeout = 2.0 ** math.floor(
-            math.log2(max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5)))
-        )
+        wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5))
+        timeout = 2.0 ** math.floor(math.log2(wanted))  # few values: few clients (and pools)
         entry = Entry(weakref.ref(held), id(held), held.key, held.alias, interval, due, timeout)
         with self._cond:
             self._entries[id(held)] = entry
