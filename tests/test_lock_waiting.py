@@ -461,12 +461,13 @@ def test_a_force_release_hands_the_lock_to_the_first_in_line(rconn):
     assert got == [True] and waiter.release()
 
 
-def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(rconn):
+def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(settings, rconn):
     """Regression (review): with 100 or more dead tickets first in line (their waiters killed),
     the release's look at the line ends without a verdict; it took that for a ticket and
     unpacked its missing details: a raw ResponseError, the lock left held for its TTL and the
     live waiter behind them waiting in vain. Now the release frees the lock and the waiter,
     cleaning the line on its next tries, takes it."""
+    settings.JOBLOCK = {"WAITER_TTL": 20}  # the live waiter looks at the line every 5 s
     keys = _keys("order:dead")
     holder = lock("order:dead", ttl=30)
     assert holder.acquire()
@@ -480,7 +481,8 @@ def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(rconn):
     thread.start()
     try:
         assert _in_line(rconn, keys.queue, 121)  # the fault: 120 dead first, the live one last
-        time.sleep(0.5)  # the dead tickets' 100 ms run out; the live one is refreshed
+        time.sleep(0.3)  # the dead tickets' 100 ms run out
+        assert rconn.zcard(keys.queue) == 121, "negative control: the dead are still first"
         assert holder.release() is True
         assert rconn.hget(keys.lock, "token") != holder.token.encode()
     finally:
