@@ -154,8 +154,10 @@ class SentinelGroup:
         ``SENTINELS`` settings take them."""
         return [("127.0.0.1", s.port) for s in self.sentinels]
 
-    def start(self, timeout: float = 30.0) -> None:
-        """Start every process; return once the sentinels see the primary and its replicas."""
+    def start(self, timeout: float = 60.0) -> None:
+        """Start every process; return once the sentinels see the primary and its replicas
+        (they learn of replicas from the primary's INFO every 10 s: on a busy machine, once
+        30 s were not enough)."""
         try:
             self.primary.start()
             upstream = self.replicate_via(self.primary.port) if self.replicate_via else None
