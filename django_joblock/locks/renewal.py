@@ -155,9 +155,7 @@ class Renewer:
                 time.sleep(0.05)
 
     def _step(self) -> bool:
-        with self._cond:  # the flush waits no longer than a renewal may: a lock's loss in time
-            timeout = min((entry.timeout for entry in self._entries.values()), default=None)
-        metrics.flush_due(lambda: client(timeout=timeout))  # outside the condition
+        metrics.flush_due(self._flush_client)  # outside the condition
         with self._cond:
             if self.pid != os.getpid():
                 return False
@@ -246,6 +244,12 @@ class Renewer:
             self._wake_at = min(self._wake_at, now + metrics.FLUSH_INTERVAL)
         self._cond.wait(None if self._wake_at == math.inf else max(0.0, self._wake_at - now))
         self._wake_at = -math.inf  # awake: add() need not notify
+
+    def _flush_client(self) -> Any:
+        """The metrics flush's (when one is due): it waits no longer than any renewal may."""
+        with self._cond:
+            timeout = min((entry.timeout for entry in self._entries.values()), default=None)
+        return client(timeout=timeout)
 
     def _lost_reason(self, entry: Entry, held: Holding, now: float) -> str:
         if now >= held.valid_until:
