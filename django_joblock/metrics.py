@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
-import enum
 import os
 import threading
 import time
@@ -59,23 +58,18 @@ def samples_key(prefix: str) -> str:
     return f"{prefix}:{{metrics}}:active"
 
 
-class Kind(enum.StrEnum):
-    COUNTER = "counter"
-    HISTOGRAM = "histogram"
-
-
 @dataclass(frozen=True)
 class Metric:
     """One metric: its name in Redis and in code, its kind and its help text. Prometheus
     exports it as ``joblock_<exported or name>``, counters with ``_total``."""
 
     name: str
-    kind: Kind
+    kind: str  # COUNTER or HISTOGRAM
     help: str
     exported: str = ""
 
 
-COUNTER, HISTOGRAM = Kind.COUNTER, Kind.HISTOGRAM
+COUNTER, HISTOGRAM = "counter", "histogram"  # the kinds (Prometheus' names)
 
 # The one table: adding a metric is one line here (then record it with count()/observe()).
 METRICS = (
@@ -102,8 +96,8 @@ METRICS = (
     Metric("hold_seconds", HISTOGRAM, "Time a lock was held, acquire to release."),
     Metric("start_wait_seconds", HISTOGRAM, "Time from a job's enqueue to the start of its run."),
 )
-COUNTERS = frozenset(m.name for m in METRICS if m.kind is COUNTER)
-HISTOGRAMS = frozenset(m.name for m in METRICS if m.kind is HISTOGRAM)
+COUNTERS = frozenset(m.name for m in METRICS if m.kind == COUNTER)
+HISTOGRAMS = frozenset(m.name for m in METRICS if m.kind == HISTOGRAM)
 
 _BOUNDS = "0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10 25 60 150 300 600 1800 3600"
 BOUNDS = tuple(map(float, _BOUNDS.split()))  # histogram bucket upper bounds (s); the last is +Inf

@@ -162,21 +162,17 @@ def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
         raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
     if found is None:
         return None
+    same = ("host", "pid", "job_id", "job_func", "worker", "renewals")  # as the hash has them
     return LockInfo(
         resource=resource,
         owner=found.owner,
         fence=found.fence or 0,
         ttl=(found.ttl_ms or 0) / 1000,
         expires_in=max(0, pttl) / 1000,
-        host=found.host,
-        pid=found.pid,
-        job_id=found.job_id,
-        job_func=found.job_func,
-        worker=found.worker,
         acquired_at=_server_time(found.acquired_ms),
         renewed_at=_server_time(found.renewed_ms),
-        renewals=found.renewals,
         held_for=found.seconds_held(server_ms),
+        **{name: getattr(found, name) for name in same},
     )
 
 

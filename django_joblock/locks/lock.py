@@ -79,9 +79,10 @@ class Lock(Holding):
         settings = conf.get()
         self.resource: str = validate_resource(resource)
         what = f"lock({resource!r}):"
-        self.ttl: float = conf.TTL_RANGE.check(f"{what} ttl", _or(ttl, settings.LOCK_TTL))
-        self.wait: float = _check_wait(what, _or(wait, settings.ACQUIRE_WAIT))
-        hold = _or(max_hold, settings.MAX_HOLD)
+        ttl = settings.LOCK_TTL if ttl is None else ttl
+        self.ttl: float = conf.TTL_RANGE.check(f"{what} ttl", ttl)
+        self.wait: float = _check_wait(what, settings.ACQUIRE_WAIT if wait is None else wait)
+        hold = settings.MAX_HOLD if max_hold is None else max_hold
         self.max_hold = None if hold is None else conf.HOLD_RANGE.check(f"{what} max_hold", hold)
         self.heartbeat: bool = bool(heartbeat)
         self.heartbeat_interval: float = settings.heartbeat_interval(self.ttl)
@@ -351,10 +352,6 @@ class Lock(Holding):
             raise self._error(
                 LockLost, f"Lock was lost before the end of the with block: {self.lost_reason}"
             )
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 def _check_wait(what: str, wait: object) -> float:

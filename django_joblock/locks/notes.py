@@ -39,13 +39,8 @@ class OperatorRelease:
     def decode(cls, raw: Any) -> OperatorRelease | None:
         try:
             data = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-            return cls(
-                owner=str(data["owner"]),
-                action=str(data["action"]),
-                actor=str(data["actor"]),
-                reason=str(data["reason"]),
-                audit=int(data["audit"]) if data.get("audit") is not None else None,
-            )
+            texts = {name: str(data[name]) for name in ("owner", "action", "actor", "reason")}
+            return cls(**texts, audit=None if data.get("audit") is None else int(data["audit"]))
         except (TypeError, ValueError, KeyError, AttributeError):
             return None
 

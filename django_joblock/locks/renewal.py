@@ -169,12 +169,9 @@ class Renewer:
             held.announce_lost(reason)
         del lost
         for key in dropped:
-            logger.warning(
-                "lock %s was dropped while held (no release, no reference left): no longer "
-                "renewed, it expires within its TTL",
-                key,
-                extra={"lock_key": key, "outcome": "dropped"},
-            )
+            message = "lock %s was dropped while held (no release, no reference left): no longer "
+            message += "renewed, it expires within its TTL"
+            logger.warning(message, key, extra={"lock_key": key, "outcome": "dropped"})
         for alias, items in work.items():
             for start in range(0, len(items), BATCH):
                 chunk = items[start : start + BATCH]
@@ -267,10 +264,8 @@ class Renewer:
         retried here: a failure makes the locks SUSPECT, and they are retried soon."""
         items.sort(key=lambda item: item[1].valid_until)
         calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
-        calls += index.add_calls(
-            conf.get().KEY_PREFIX,
-            [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items],
-        )
+        entries = [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items]
+        calls += index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
         sent = time.monotonic()
         try:
@@ -290,9 +285,8 @@ class Renewer:
                     entry.failures += 1
                     held.renewal_failed(reply)
                     # Retry soon, but do not hammer a server that just timed out.
-                    entry.renew_due = time.monotonic() + min(
-                        entry.interval / 2, max(0.02, timeout / 2)
-                    )
+                    retry_in = min(entry.interval / 2, max(0.02, timeout / 2))
+                    entry.renew_due = time.monotonic() + retry_in
                 elif reply == Outcome.OK:
                     held.confirm_renewed(sent)
                     entry.failures = 0

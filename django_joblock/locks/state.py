@@ -109,14 +109,6 @@ class Holding:
             if self.state is LockState.SUSPECT:
                 self.state = LockState.HELD
 
-    def mark_suspect(self) -> bool:
-        """HELD -> SUSPECT (renewals are failing). True if the state changed."""
-        with self._transition:
-            if self.state is LockState.HELD:
-                self.state = LockState.SUSPECT
-                return True
-            return False
-
     def mark_lost(self, reason: str) -> bool:
         """HELD / SUSPECT -> LOST with ``reason``. True if the state changed (once per
         holding); the caller then announces it (:meth:`Lock.announce_lost`)."""
@@ -145,7 +137,11 @@ class Holding:
 
     def renewal_failed(self, exc: BaseException) -> None:
         """A renewal failed (retried soon): HELD -> SUSPECT, logged once with the cause."""
-        if self.mark_suspect():
+        with self._transition:
+            suspect = self.state is LockState.HELD
+            if suspect:
+                self.state = LockState.SUSPECT
+        if suspect:
             cause = f"{type(exc).__name__}: {exc}"
             message = f"renewal failed ({cause}); retrying for {self.remaining():.2f}s"
             log_lock(logging.WARNING, "renew_failed", self, message, reason=cause)

@@ -23,7 +23,7 @@ class JoblockCollector:
         bounds = [*(f"{b:g}" for b in metrics.BOUNDS), "+Inf"]
         for metric in metrics.METRICS:
             name = f"joblock_{metric.exported or metric.name}"
-            if metric.kind is metrics.COUNTER:
+            if metric.kind == metrics.COUNTER:
                 family = CounterMetricFamily(name, metric.help, labels=["family", "function"])
                 for (fam, func), value in sorted(totals.counters[metric.name].items()):
                     family.add_metric([fam, func], value)
