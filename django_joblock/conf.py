@@ -110,14 +110,15 @@ class JoblockSettings:
     REPLICA_ACKS: int = _setting(
         0,
         rules.Count(0, 32, "replicas"),
-        "replicas that must have a new lock before an acquire succeeds (Redis `WAIT`; 0: do "
-        "not wait), see [topologies.md](topologies.md#redis-sentinel)",
+        "replicas that must have a new lock before an acquire succeeds, and a heartbeat's "
+        "renewal before it counts (Redis `WAIT`; 0: do not wait), see "
+        "[topologies.md](topologies.md#redis-sentinel)",
     )
     REPLICA_ACK_TIMEOUT: float = _setting(
         0.5,
         Range(0.001, 60.0),
         "how long an acquire waits for `REPLICA_ACKS`; short of them it gives the lock back and "
-        "raises `LockBackendUnavailable`",
+        "raises `LockBackendUnavailable` (renewals wait at most this, and count as failed)",
     )
     KEY_PREFIX: str = _setting(
         "joblock",

@@ -134,6 +134,36 @@ def test_replica_acks_wait_for_the_replica(sentinel, settings):
     alone.release()
 
 
+@pytest.mark.parametrize("acks", [1, 0])
+def test_after_a_graceful_failover_a_lock_has_one_holder_with_replica_acks(
+    sentinel, settings, acks
+):
+    """``SENTINEL FAILOVER``: the old primary takes writes for about 10 s more, and the holder's
+    connections stay on it. Its renewals there did count (the reviewer's reproduction): the
+    promoted primary let the lock expire, anyone could take it there, and the holder still held
+    it. With ``REPLICA_ACKS`` a renewal needs a replica, which the old primary no longer has:
+    the holder declares the lock lost before it expires on the promoted primary. Without it
+    (the negative control) both hold it: the fault really happened."""
+    settings.JOBLOCK = {**settings.JOBLOCK, "REPLICA_ACKS": acks, "REPLICA_ACK_TIMEOUT": 0.2}
+    held = lock("acct:7", ttl=3)  # renewed every second; shorter than the ~10 s demotion
+    assert held.acquire()
+    sentinel.group.wait_replicated()
+    old = sentinel.group.primary_port()
+    new = sentinel.group.fail_over(graceful=True)
+    key = "joblock:{acct:7}:lock"
+    # The promoted primary had the lock, then lets it expire: a newcomer there would get it.
+    promoted = sentinel.group.server(new).client()
+    assert wait_for(lambda: not promoted.exists(key), timeout=20)
+    old_role = sentinel.group.server(old).client().info("replication")["role"]
+    assert old_role == "master", "the old primary was demoted already: no window left to test"
+    if acks:
+        assert held.lost, "the holder still believes it holds a lock anyone can take"
+        assert "renewals failing" in held.lost_reason or "deadline" in held.lost_reason
+    else:
+        assert held.held and not held.lost, "negative control: no second holder was possible"
+    held.release()
+
+
 class SentinelWorkers(Workers):
     """Worker processes with ``tests.settings_sentinel``: locks and queues on ``group``."""
 

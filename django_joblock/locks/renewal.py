@@ -33,7 +33,7 @@ from typing import Any
 from .. import conf, metrics
 from ..backend import client, send
 from ..logs import logger
-from . import index
+from . import index, replicas
 from .scripts import RENEW, Outcome
 from .state import Holding, LockState  # a lock changes its own state; this thread decides when
 
@@ -267,9 +267,12 @@ class Renewer:
         entries = [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items]
         calls += index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
+        wait = replicas.renewal_wait(timeout / 2)  # REPLICA_ACKS: ends the round trip
         sent = time.monotonic()
         try:
-            replies = send(client(alias, timeout), calls)
+            replies = send(client(alias, timeout), [*calls, wait] if wait else calls)
+            if wait:
+                replicas.check_acked(wait, replies[-1])
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             replies = [exc] * len(items)
         lost: list[_Lost] = []

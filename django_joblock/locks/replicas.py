@@ -1,9 +1,14 @@
-"""``JOBLOCK["REPLICA_ACKS"]``: a new lock counts only once enough replicas have it.
+"""``JOBLOCK["REPLICA_ACKS"]``: a new lock, and a heartbeat's renewal, counts only once enough
+replicas have it.
 
 Redis replicates asynchronously, so a failover can promote a replica that never received a
 lock: the next holder gets it while the old one still works (the fence then refuses the old
 holder's late writes). Waiting for ``REPLICA_ACKS`` replicas with ``WAIT`` after each acquire
-narrows that window (docs/topologies.md); it costs one round trip per acquire.
+narrows that window (docs/topologies.md); it costs one round trip per acquire. The renewal
+thread ends its round trips with a ``WAIT`` too: after a failover the old primary takes writes
+until the sentinels demote it (about 10 s after a ``SENTINEL FAILOVER``), and the holder's
+connections stay on it; its renewals there must not count, or the holder would keep a lock
+that the promoted primary lets expire and gives to another.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Any
 
 from .. import conf
 from ..backend import REDIS_ERRORS, is_cluster, send
-from ..exceptions import JoblockConfigError
+from ..exceptions import JoblockConfigError, LockBackendUnavailable
 from .scripts import RENEW, Outcome
 
 
@@ -44,3 +49,19 @@ def shortfall(found: Any, key: str, token: str, ttl_ms: int) -> str:
         f"the lock reached {max(acked, 0)} of the {acks} replicas JOBLOCK['REPLICA_ACKS'] asks "
         f"for within {timeout:g}s ({error or 'WAIT timed out'})"
     )
+
+
+def renewal_wait(timeout: float) -> list[Any] | None:
+    """The ``WAIT`` that ends a round trip of heartbeat renewals, waiting at most ``timeout`` s
+    (and ``REPLICA_ACK_TIMEOUT``); None without ``REPLICA_ACKS``."""
+    settings = conf.get()
+    wait_ms = max(1, int(min(settings.REPLICA_ACK_TIMEOUT, timeout) * 1000))
+    return ["WAIT", settings.REPLICA_ACKS, wait_ms] if settings.REPLICA_ACKS else None
+
+
+def check_acked(wait: list[Any], reply: Any) -> None:
+    """:class:`LockBackendUnavailable` (the renewals then count as failed) unless ``reply`` to
+    ``wait`` (:func:`renewal_wait`) counts the replicas it asked for."""
+    if isinstance(reply, Exception) or int(reply) < wait[1]:
+        why = f"the renewals reached {reply} of the {wait[1]} replicas JOBLOCK['REPLICA_ACKS'] "
+        raise LockBackendUnavailable(why + "asks for")

@@ -204,11 +204,16 @@ class SentinelGroup:
         if int(acked) < len(self.replicas):
             raise RedisServerError(f"only {acked} of {len(self.replicas)} replicas caught up")
 
-    def fail_over(self, timeout: float = 30.0) -> int:
-        """SIGKILL the current primary and wait for the sentinels' promotion; returns the new
-        primary's port. The killed server stays down."""
+    def fail_over(self, timeout: float = 30.0, *, graceful: bool = False) -> int:
+        """SIGKILL the current primary (with ``graceful``: ask a sentinel for a ``SENTINEL
+        FAILOVER``) and wait for the sentinels' promotion; returns the new primary's port. A
+        killed server stays down; a gracefully demoted one takes writes until the sentinels
+        reconfigure it as a replica (about 10 s later)."""
         old = self.primary_port()
-        self.server(old).kill()
+        if graceful:
+            self.sentinels[0].client().execute_command("SENTINEL", "FAILOVER", self.master_name)
+        else:
+            self.server(old).kill()
 
         def promoted() -> bool:
             port = self.primary_port()
