@@ -43,7 +43,12 @@ from .exceptions import JoblockConfigError, LockBackendUnavailable
 POOL_SIZE = 16  # connections per alias for commands; more concurrent callers wait for one
 MAX_BLOCK = 1.0  # longest single BLPOP of a waiting acquire, seconds
 
+# Redis Cluster's "cannot serve you now": a node down (CLUSTERDOWN, redis-py drops the prefix),
+# a slot moving (TRYAGAIN; ClusterError when MOVED/ASK rounds exhaust redis-py's TTL), no node.
+_CLUSTER_NAMES = "ClusterError TryAgainError SlotNotCoveredError RedisClusterUnreachableError"
+_CLUSTER_UNAVAILABLE = tuple(getattr(redis_exceptions, name) for name in _CLUSTER_NAMES.split())
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
+REDIS_ERRORS += _CLUSTER_UNAVAILABLE
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
 _UNAVAILABLE_PREFIXES = tuple(
     "OOM LOADING BUSY READONLY MASTERDOWN CLUSTERDOWN TRYAGAIN NOREPLICAS".split()
@@ -53,6 +58,7 @@ _UNAVAILABLE_CLASSES = (
     redis_exceptions.OutOfMemoryError,
     redis_exceptions.BusyLoadingError,
     redis_exceptions.ReadOnlyError,
+    *_CLUSTER_UNAVAILABLE,
 )
 
 _bases: dict[str, Any] = {}

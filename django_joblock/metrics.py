@@ -205,12 +205,12 @@ def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
 def flush_due(make_client: Callable[[], Any]) -> None:
     """Flush the buffer if a flush is due; Redis trouble keeps it for the next one."""
     if enabled() and (taken := take_for_flush(force=False)):
-        _flush(make_client(), taken)
+        _flush(make_client, taken)
 
 
-def _flush(found: Any, taken: dict[str, int], at: float | None = None) -> None:
-    try:
-        (reply,) = send(found, [flush_call(taken, at)])
+def _flush(make_client: Callable[[], Any], taken: dict[str, int], at: float | None = None) -> None:
+    try:  # a Redis Cluster client asks a node when made
+        (reply,) = send(make_client(), [flush_call(taken, at)])
         if isinstance(reply, Exception):
             raise reply
     except REDIS_ERRORS:
@@ -221,7 +221,7 @@ def flush_now(at: float | None = None) -> None:
     """Flush the buffer now, in this thread (the process may end next: at the end of every job
     run), into the minute of ``at`` (Unix seconds, default now); no round trip if empty."""
     if enabled() and (taken := take_for_flush(force=True)):
-        _flush(client(), taken, at)
+        _flush(client, taken, at)
 
 
 @atexit.register

@@ -12,9 +12,11 @@ with their locks on the cluster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 from io import StringIO
@@ -29,7 +31,14 @@ from django.test import Client
 from redis.exceptions import MovedError
 from rq.job import JobStatus
 
-from django_joblock import JoblockConfigError, StaleFence, fenced_update, lock, metrics
+from django_joblock import (
+    JoblockConfigError,
+    LockBackendUnavailable,
+    StaleFence,
+    fenced_update,
+    lock,
+    metrics,
+)
 from django_joblock.backend import connection, is_cluster
 from django_joblock.locks.keys import LockKeys
 from django_joblock.models import LockAudit
@@ -377,3 +386,120 @@ def test_an_unreachable_cluster_is_w010_not_a_configuration_error(settings):
     out = StringIO()
     call_command("check", deploy=True, stdout=out, stderr=out)
     assert "django_joblock.W010" in out.getvalue(), out.getvalue()
+
+
+# -- outages (found by a review of the Cluster paths) ----------------------------------------
+@contextlib.contextmanager
+def node_down(cluster: ClusterNodes, node: RedisServer, *, full_coverage: bool) -> Iterator[None]:
+    """``node`` SIGKILLed until the block ends (then back, the cluster ok); with
+    ``full_coverage=False`` the other primaries go on serving their slots meanwhile."""
+    for each in cluster.nodes:
+        with each.client() as client:
+            client.config_set("cluster-require-full-coverage", "yes" if full_coverage else "no")
+    node.kill()
+    try:
+        alive = next(each for each in cluster.nodes if each is not node)
+        # node-timeout 2 s: the others flag it failed (and, with full coverage, the cluster).
+        with alive.client() as client:
+            assert wait_for(lambda: _failed(client, node), timeout=20)
+        yield
+    finally:
+        node.start()
+        cluster.wait_ok(30)
+        for each in cluster.nodes:
+            with each.client() as client:
+                client.config_set("cluster-require-full-coverage", "yes")
+
+
+def _failed(client: redis.Redis, node: RedisServer) -> bool:
+    """``client``'s node flags ``node`` as failed (not just suspected)."""
+    raw = client.execute_command("CLUSTER", "NODES")
+    for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
+        address, flags = line.split()[1:3]
+        if address.split("@")[0].endswith(f":{node.port}"):
+            return "fail" in flags.split(",")
+    return False
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["new-client", "warm-client"])
+def test_a_node_down_is_backend_unavailable_never_a_raw_cluster_error(on_cluster, warm):
+    """CLUSTERDOWN (redis-py's ClusterDownError) and a client that cannot be made (its first
+    node down) escaped as raw redis-py errors: RQ failed the job instead of requeueing it."""
+    (first, on_first), (_, on_second), _ = one_per_node(on_cluster, "down")
+    if warm:  # else the locks' client is made during the outage (the fixture's is the base)
+        assert lock(on_second, ttl=5).acquire()
+    with node_down(on_cluster, first, full_coverage=True):
+        for resource in (on_first, on_second):  # the dead node's slot, a live node's
+            for wait in (0.0, 1.0):
+                with pytest.raises(LockBackendUnavailable):
+                    lock(resource, ttl=5, wait=wait).acquire()
+
+
+def test_a_moving_slot_is_backend_unavailable_and_lets_nobody_in(on_cluster):
+    """A reshard half done (the slot MIGRATING, the lock key moved, the fence key not yet): a
+    contender and the holder's release got redis-py's raw ClusterError ("TTL exhausted")."""
+    (source, resource), (target, _), _ = one_per_node(on_cluster, "moving")
+    holder = lock(resource, ttl=30, heartbeat=False)
+    assert holder.acquire()
+    key = lock_key(resource)
+    with source.client() as src, target.client() as dst:
+        slot = int(src.execute_command("CLUSTER", "KEYSLOT", key))
+        source_id, target_id = (c.execute_command("CLUSTER", "MYID").decode() for c in (src, dst))
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", key)
+    try:
+        with pytest.raises(LockBackendUnavailable):
+            lock(resource, ttl=5).acquire()
+        assert holder.owned(), "the moved lock is still the holder's"
+        with pytest.raises(LockBackendUnavailable):
+            holder.release()
+    finally:
+        with source.client() as src:
+            if left := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *left)
+        for node in on_cluster.nodes:
+            with node.client() as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        on_cluster.wait_ok(30)
+
+
+def test_a_node_down_elsewhere_fails_no_renewal_acquire_or_hand_over(on_cluster):
+    """``cluster-require-full-coverage no``: the node of the families set (the active-lock
+    index) down. Every renewal and acquire sent it in the same pipeline as the lock's own
+    script, so locks on healthy nodes were lost, free ones refused, and a lock handed to a
+    waiter was left taken while its acquire raised. The index is now written apart, best
+    effort (the renewals refresh it)."""
+    index_node = on_cluster.node_of("joblock:families")
+    resources = [
+        f"elsewhere{n % 5}:{n}"
+        for n in range(10_000)
+        if index_node
+        not in (
+            on_cluster.node_of(lock_key(f"elsewhere{n % 5}:{n}")),
+            on_cluster.node_of(f"joblock:active:elsewhere{n % 5}"),
+            on_cluster.node_of("joblock:{metrics}:total"),
+        )
+    ][:3]
+    renewed, free, line = resources
+    held, holder = lock(renewed, ttl=3), lock(line, ttl=30)
+    assert held.acquire() and holder.acquire()
+    waiter, outcome = lock(line, ttl=30, wait=15), []
+    queued = threading.Thread(target=lambda: outcome.append(waiter.acquire()))
+    queued.start()
+    assert wait_for(
+        lambda: on_cluster.node_of(lock_key(line)).client().exists(LockKeys("joblock", line).queue),
+        timeout=5,
+    )
+    with node_down(on_cluster, index_node, full_coverage=False):
+        # Negative control: the index's node is really gone.
+        with pytest.raises(redis.RedisError):
+            connection("default").sadd("joblock:families", "probe")
+        time.sleep(held.ttl + 1)  # past the TTL: only renewals kept it
+        assert not held.lost and held.renew(), held.lost_reason
+        assert lock(free, ttl=5).acquire()
+        assert holder.release()
+        queued.join(15)
+        assert outcome == [True] and waiter.held
+        waiter.release()
+    held.release()

@@ -2,8 +2,9 @@
 
 - ``P:active:<family>`` (ZSET): one member ``resource#owner`` (``resource#owner#job_id``
   for an RQ job's lock) per holding, scored by its expiry (Unix ms). The ACQUIRE script
-  writes it and RELEASE removes it (on Redis Cluster, in the same pipeline); every renewal
-  refreshes its score. An entry whose score passed proves that its holding ended without a
+  writes it and RELEASE removes it (on Redis Cluster, and after a wait in line, a round trip
+  of its own follows them, best effort: another node's outage never fails a lock); every
+  renewal refreshes its score. An entry whose score passed proves that its holding ended without a
   release: readers skip it, and only the liveness sweep (:mod:`django_joblock.jobs.liveness`)
   removes it, after freeing the job's admission slot. Readers drop unexpired entries of
   lock-only holdings whose lock hash is gone or someone else's.

@@ -13,7 +13,7 @@ leaving a ``with`` block releases it in whatever ``contextvars`` context, and ra
 :class:`LockLost` if it had been lost and the block raised nothing; a ``Lock`` nobody
 references any more is not renewed and expires (docs/locks.md). An uncontended acquire, a
 ``wait=0`` try on a free lock and a release nobody waits for are one round trip each, the
-active-lock index (:mod:`.index`) included; a busy lock is waited for in line and handed over
+active-lock index (:mod:`.index`) included (on Redis Cluster, two); a busy lock is waited for in line and handed over
 by the release (:mod:`.waiting`).
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
@@ -169,33 +169,31 @@ class Lock(Holding):
             self.token, self._spent = secrets.token_hex(16), False
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
-        found = client(self.alias)
         entry = (self.resource, self.owner, self.ttl, self.job_id)
         started = time.monotonic()
         try:
+            found = client(self.alias)  # on Redis Cluster, made by asking a node
+            index_keys: list[str] = []
             if wait > 0:
                 deadline = started + wait
                 confirm = not self.heartbeat  # else the heartbeat renews a handed-over lock
                 turn = waiting.wait_in_line(
                     found, self.alias, self.keys, self.owner, args, deadline, confirm=confirm
                 )
-                if turn.reply > 0:
-                    send(found, index.add_calls(self.keys.prefix, [entry]))
             else:
                 index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
                 script_keys = [*waiting.lock_keys(self.keys), *index_keys]
                 calls: list[Call] = [(ACQUIRE, script_keys, [*args, *index_args])]
-                if not index_keys:  # Redis Cluster: the index lives in other slots
-                    calls += index.add_calls(self.keys.prefix, [entry])
                 try:
                     reply = send(found, calls)[0]
                 except RedisConnectionError:  # lost mid-call: safe to send again (see above)
                     reply = send(found, calls)[0]
                 if isinstance(reply, Exception):
                     raise reply
-                if reply <= 0 and not index_keys:  # busy: take the entry written back
-                    found.execute_command(*self._unindex())
                 turn = waiting.Turn(int(reply), started, None, "")
+            if turn.reply > 0 and not index_keys:  # after the line, or Cluster (other nodes):
+                with contextlib.suppress(*REDIS_ERRORS):  # best effort, renewals refresh it
+                    send(found, index.add_calls(self.keys.prefix, [entry]))
         except REDIS_ERRORS as exc:
             metrics.count("acquire_attempts", self.family, self.job_func)
             metrics.count("acquire_errors", self.family, self.job_func)
@@ -281,31 +279,36 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        found, retried = client(self.alias), False
         entry = (self.resource, self.owner, self.ttl, self.job_id)
-        index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
-        unindex = (index_keys[:1], index_args[1:2])  # Cluster: ZREM in the pipeline instead
-        also = [] if index_keys else [self._unindex()]
-        # Metrics ride along: always inside a job (a work horse may exit right after).
-        pending = metrics.take_for_flush(force=bool(self.job_id))
-        flush = [metrics.flush_call(pending)] if pending else []
+        retried, pending, after = False, {}, []
         try:
+            found = client(self.alias)
+            index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
+            unindex = (index_keys[:1], index_args[1:2])
+            # Metrics ride along: always inside a job (a work horse may exit right after). On
+            # Redis Cluster they and the index entry are on other nodes: sent after the
+            # release, best effort, so that another node's outage never fails a release.
+            pending = metrics.take_for_flush(force=bool(self.job_id))
+            also = [metrics.flush_call(pending)] if pending else []
+            if not index_keys:
+                also, after = [], [self._unindex(), *also]
             try:
-                code = waiting.release(
-                    found, self.keys, self.token, self._next_ticket, also + flush, unindex
-                )
-            except RedisConnectionError:  # lost mid-call: once more, without the metrics
-                retried = True  # (kept for the next flush: counted twice rather than lost)
-                if pending:
-                    metrics.restore(pending)
                 code = waiting.release(
                     found, self.keys, self.token, self._next_ticket, also, unindex
                 )
+            except RedisConnectionError:  # lost mid-call: once more, without the metrics,
+                metrics.restore(pending)  # kept for the next flush (twice rather than lost)
+                retried, pending, after = True, {}, after[:1]
+                code = waiting.release(found, self.keys, self.token, self._next_ticket, [], unindex)
         except REDIS_ERRORS as exc:
             self.mark_released()
-            if pending and not retried:
-                metrics.restore(pending)
+            metrics.restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
+        if after:
+            try:
+                send(found, after)
+            except REDIS_ERRORS:
+                metrics.restore(pending)
         # Sent twice, it finds the lock gone, or handed over (another owner), if the first one
         # ran: that was our own release, if the lock was still valid when sent.
         released = code is Outcome.OK or (retried and valid)

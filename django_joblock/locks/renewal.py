@@ -19,6 +19,7 @@ black-holed server is noticed in time. A failure inside the thread is logged and
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -31,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import conf, metrics
-from ..backend import client, send
+from ..backend import client, is_cluster, send
 from ..logs import logger
 from . import index, replicas
 from .scripts import RENEW, Outcome
@@ -265,12 +266,17 @@ class Renewer:
         items.sort(key=lambda item: item[1].valid_until)
         calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
         entries = [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items]
-        calls += index.add_calls(conf.get().KEY_PREFIX, entries)
+        refresh = index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
         wait = replicas.renewal_wait(timeout / 2)  # REPLICA_ACKS: ends the round trip
-        sent = time.monotonic()
+        sent, split = time.monotonic(), False
         try:
-            replies = send(client(alias, timeout), [*calls, wait] if wait else calls)
+            found = client(alias, timeout)
+            # Redis Cluster: the index is on other nodes, refreshed after (best effort), so
+            # that another node's outage never fails a renewal.
+            split = is_cluster(found)
+            calls += [] if split else refresh
+            replies = send(found, [*calls, wait] if wait else calls)
             if wait:
                 replicas.check_acked(wait, replies[-1])
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
@@ -306,6 +312,9 @@ class Renewer:
             metrics.count("renewed", family, func, count)
         for held, reason in lost:
             held.announce_lost(reason)
+        if split and renewed:
+            with contextlib.suppress(Exception):
+                send(found, refresh)
 
 
 _renewer: Renewer | None = None
