@@ -46,7 +46,11 @@ MAX_BLOCK = 1.0  # longest single BLPOP of a waiting acquire, seconds
 # Redis Cluster's "cannot serve you now": a node down (CLUSTERDOWN, redis-py drops the prefix),
 # a slot moving (TRYAGAIN; ClusterError when MOVED/ASK rounds exhaust redis-py's TTL), no node.
 _CLUSTER_NAMES = "ClusterError TryAgainError SlotNotCoveredError RedisClusterUnreachableError"
-_CLUSTER_UNAVAILABLE = tuple(getattr(redis_exceptions, name) for name in _CLUSTER_NAMES.split())
+_CLUSTER_UNAVAILABLE = tuple(  # (RedisClusterUnreachableError: redis-py >= 5.1)
+    getattr(redis_exceptions, name)
+    for name in _CLUSTER_NAMES.split()
+    if hasattr(redis_exceptions, name)
+)
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
 REDIS_ERRORS += _CLUSTER_UNAVAILABLE
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
