@@ -13,8 +13,8 @@ leaving a ``with`` block releases it in whatever ``contextvars`` context, and ra
 :class:`LockLost` if it had been lost and the block raised nothing; a ``Lock`` nobody
 references any more is not renewed and expires (docs/locks.md). An uncontended acquire, a
 ``wait=0`` try on a free lock and a release nobody waits for are one round trip each, the
-active-lock index (:mod:`.index`) included (on Redis Cluster, two); a busy lock is waited for in line and handed over
-by the release (:mod:`.waiting`).
+active-lock index (:mod:`.index`) included (on Redis Cluster, two); a busy lock is waited
+for in line and handed over by the release (:mod:`.waiting`).
 
 Failure modes: Redis down, timing out or out of memory raises :class:`LockBackendUnavailable`
 (never "busy") within ``JOBLOCK["REDIS_TIMEOUT"]``; so does a reply that arrives after the
