@@ -268,7 +268,7 @@ class Renewer:
         entries = [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items]
         refresh = index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
-        wait = replicas.renewal_wait(timeout / 2)  # REPLICA_ACKS: ends the round trip
+        wait = replicas.replica_wait(timeout / 2)  # REPLICA_ACKS: ends the round trip
         sent, split = time.monotonic(), False
         try:
             found = client(alias, timeout)

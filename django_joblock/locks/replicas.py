@@ -13,6 +13,7 @@ that the promoted primary lets expire and gives to another.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .. import conf
@@ -25,43 +26,37 @@ def shortfall(found: Any, key: str, token: str, ttl_ms: int) -> str:
     """Why the lock at ``key`` (held with ``token``) did not reach ``REPLICA_ACKS`` replicas
     within ``REPLICA_ACK_TIMEOUT``, or "" when it did. One round trip: a RENEW (a write of
     *this* connection, which is what ``WAIT`` counts), then ``WAIT acks timeout``."""
-    settings = conf.get()
-    acks, timeout = settings.REPLICA_ACKS, settings.REPLICA_ACK_TIMEOUT
     if is_cluster(found):
         raise JoblockConfigError(
             "JOBLOCK['REPLICA_ACKS'] cannot be used with a Redis Cluster client "
             "(system check django_joblock.E008)"
         )
-    calls = [(RENEW, [key], [token, ttl_ms]), ["WAIT", acks, int(timeout * 1000)]]
+    wait = replica_wait(math.inf)
     try:
-        renewed, acked = send(found, calls)
-        for reply in (renewed, acked):
-            if isinstance(reply, Exception):
-                raise reply
+        renewed, acked = send(found, [(RENEW, [key], [token, ttl_ms]), wait])
+        if isinstance(renewed, Exception):
+            raise renewed
+        if renewed != Outcome.OK:
+            return "the lock was lost before it was replicated"
+        check_acked(wait, acked)
+    except LockBackendUnavailable as exc:
+        return f"{exc} within {conf.get().REPLICA_ACK_TIMEOUT:g}s"
     except REDIS_ERRORS as exc:
-        acked, error = 0, f"{type(exc).__name__}: {exc}"
-    else:
-        error = "" if renewed == Outcome.OK else "lost before it was replicated"
-        acked = -1 if error else int(acked)
-    if acked >= acks:
-        return ""
-    return (
-        f"the lock reached {max(acked, 0)} of the {acks} replicas JOBLOCK['REPLICA_ACKS'] asks "
-        f"for within {timeout:g}s ({error or 'WAIT timed out'})"
-    )
+        return f"the WAIT for JOBLOCK['REPLICA_ACKS'] replicas failed: {type(exc).__name__}: {exc}"
+    return ""
 
 
-def renewal_wait(timeout: float) -> list[Any] | None:
-    """The ``WAIT`` that ends a round trip of heartbeat renewals, waiting at most ``timeout`` s
-    (and ``REPLICA_ACK_TIMEOUT``); None without ``REPLICA_ACKS``."""
+def replica_wait(timeout: float) -> Any:
+    """The ``WAIT`` for ``REPLICA_ACKS`` replicas (None without), for at most ``timeout`` s and
+    ``REPLICA_ACK_TIMEOUT``: it ends an acquire's round trip and each of the renewal thread's."""
     settings = conf.get()
     wait_ms = max(1, int(min(settings.REPLICA_ACK_TIMEOUT, timeout) * 1000))
     return ["WAIT", settings.REPLICA_ACKS, wait_ms] if settings.REPLICA_ACKS else None
 
 
 def check_acked(wait: list[Any], reply: Any) -> None:
-    """:class:`LockBackendUnavailable` (the renewals then count as failed) unless ``reply`` to
-    ``wait`` (:func:`renewal_wait`) counts the replicas it asked for."""
+    """:class:`LockBackendUnavailable` unless ``reply`` to ``wait`` (:func:`replica_wait`)
+    counts the replicas it asked for (renewals short of them count as failed)."""
     if isinstance(reply, Exception) or int(reply) < wait[1]:
-        why = f"the renewals reached {reply} of the {wait[1]} replicas JOBLOCK['REPLICA_ACKS'] "
-        raise LockBackendUnavailable(why + "asks for")
+        why = f"{reply} of the {wait[1]} replicas JOBLOCK['REPLICA_ACKS'] asks for acknowledged"
+        raise LockBackendUnavailable(why)
