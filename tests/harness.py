@@ -62,9 +62,19 @@ def proxy_url() -> str:
     return f"redis://127.0.0.1:{_port_from_env(PROXY_PORT_ENV)}/0"
 
 
+_RESERVED: list[socket.socket] = []
+
+
 def dead_url() -> str:
-    """A URL where nothing listens (a Redis that is down)."""
-    return f"redis://127.0.0.1:{_port_from_env(DEAD_PORT_ENV)}/0"
+    """A URL where nothing listens (a Redis that is down). The process that picks the port keeps
+    it bound without listening: connections are refused, and no server a later test starts on a
+    "free" port can take it (a cluster node once did: the "unreachable" cluster answered)."""
+    if DEAD_PORT_ENV not in os.environ:
+        reserved = socket.socket()  # no SO_REUSEADDR: redis-server's bind then fails
+        reserved.bind(("127.0.0.1", 0))
+        _RESERVED.append(reserved)
+        os.environ[DEAD_PORT_ENV] = str(reserved.getsockname()[1])
+    return f"redis://127.0.0.1:{os.environ[DEAD_PORT_ENV]}/0"
 
 
 def child_env(
