@@ -281,12 +281,23 @@ class Script:
 Call = tuple[Script, Sequence[str], Sequence[Any]] | Sequence[Any]
 
 
-def send(found: Any, calls: Sequence[Call]) -> list[Any]:
+def send(found: Any, calls: Sequence[Call], extra: Sequence[Call] = ()) -> list[Any]:
     """Several commands in one round trip (a pipeline without ``MULTI``; on Redis Cluster each
     command goes to the node of its key): one reply per call, in order. A command the server
     refused gives its exception as its reply (the others still ran); a script the server had
     forgotten is loaded and run again on its own. A connection error raises (it is not known
-    which commands ran)."""
+    which commands ran).
+
+    ``extra`` (index entries, metrics: bookkeeping a lock must not fail for) rides in the same
+    round trip on one server; on Redis Cluster, where it lives on other nodes, it follows in a
+    round trip of its own, and an error there becomes its replies (never raised)."""
+    if extra and is_cluster(found):
+        first = send(found, calls) if calls else []
+        try:
+            return [*first, *send(found, extra)]
+        except REDIS_ERRORS as exc:
+            return [*first, *[exc] * len(extra)]
+    calls = [*calls, *extra]
     if len(calls) == 1:  # no pipeline: redis-py's costs more than the command itself
         call = calls[0]
         try:

@@ -43,6 +43,7 @@ from django_joblock.backend import connection, is_cluster
 from django_joblock.locks.keys import LockKeys
 from django_joblock.models import LockAudit
 from django_joblock.monitor.active import active_locks
+from django_joblock.monitor.control import force_release
 from tests import cluster_client, cluster_jobs, harness
 from tests.harness import wait_for
 from tests.procs.redis_server import RedisServer
@@ -503,3 +504,25 @@ def test_a_node_down_elsewhere_fails_no_renewal_acquire_or_hand_over(on_cluster)
         assert outcome == [True] and waiter.held
         waiter.release()
     held.release()
+
+
+def test_a_node_down_elsewhere_fails_no_force_release(on_cluster):
+    """The node of a family's active-lock index down (full coverage off): an operator's
+    force-release, and the liveness sweep's release (the same call), sent the removal of the
+    index entry in the lock's own pipeline and failed; it now follows, best effort."""
+    index_node = on_cluster.node_of("joblock:families")
+    resource = next(
+        resource
+        for resource in (f"far{n}:x" for n in range(10_000))
+        if on_cluster.node_of(lock_key(resource)) is not index_node
+        and on_cluster.node_of(f"joblock:active:{resource.split(':')[0]}") is index_node
+    )
+    held = lock(resource, ttl=30, heartbeat=False)
+    assert held.acquire()
+    with node_down(on_cluster, index_node, full_coverage=False):
+        # Negative control: the index entry's node is really gone.
+        with pytest.raises(redis.RedisError):
+            connection("default").zcard(f"joblock:active:{resource.split(':')[0]}")
+        result = force_release(resource, reason="index node down")
+        assert result.released, result.outcome
+        assert not held.owned()

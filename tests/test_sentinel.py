@@ -119,7 +119,15 @@ def test_replica_acks_wait_for_the_replica(sentinel, settings):
     # The acquire returned after the replica had the lock.
     assert sentinel.group.replicas[0].client().exists("joblock:{order:9}:lock")
     held.release()
+    kept = lock("order:11", ttl=5, heartbeat=False)
+    assert kept.acquire()
     sentinel.link.set("blackhole")
+    # A manual renewal the replica did not get counts for nothing (it renewed on the old
+    # primary alone after a failover, extending a lock the promoted primary lets expire).
+    valid_until = kept.valid_until
+    with pytest.raises(LockBackendUnavailable, match=r"Renewal not counted.*REPLICA_ACKS"):
+        kept.renew()
+    assert kept.valid_until == valid_until
     refused = lock("order:10", ttl=5)
     started = time.monotonic()
     with pytest.raises(LockBackendUnavailable, match=r"REPLICA_ACKS.*not acquired"):
@@ -132,6 +140,8 @@ def test_replica_acks_wait_for_the_replica(sentinel, settings):
     alone = lock("order:10", ttl=5)
     assert alone.acquire()
     alone.release()
+    assert kept.renew() and kept.valid_until > valid_until
+    kept.release()
 
 
 @pytest.mark.parametrize("acks", [1, 0])

@@ -104,7 +104,7 @@ def release_ended(resource: str, job_id: str, worker: str) -> bool:
     if found is None or (found.job_id, found.worker) != (job_id, worker):
         return False
     unindex = index.remove_call(keys.prefix, resource, found.owner, job_id)
-    released = waiting.release(locks, keys, found.token, "", [unindex]) is Outcome.OK
+    released = waiting.release(locks, keys, found.token, "", [unindex])[0] is Outcome.OK
     if released:
         fields = {"job_id": job_id, "resource": resource, "outcome": "released_for_dead_horse"}
         message = "job %s's work horse exited holding %s: its lock is released"

@@ -240,14 +240,25 @@ class Lock(Holding):
     def renew(self) -> bool:
         """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours;
         False without asking Redis when not held, in a forked child, and once ``max_hold`` has
-        passed (the lock then runs out, as with the heartbeat)."""
+        passed (the lock then runs out, as with the heartbeat). With ``REPLICA_ACKS``, a renewal
+        short of the replicas raises :class:`LockBackendUnavailable` and counts for nothing, as
+        in the renewal thread (:mod:`.replicas`)."""
         if self.state not in _HOLDING or self._foreign():
             return False
         sent = time.monotonic()
         if sent >= self.hold_until:
             return False
+        wait = replicas.replica_wait(math.inf)
+        call: Call = (RENEW, [self.key], [self.token, self.ttl_ms])
         try:
-            code = Outcome(RENEW(client(self.alias), [self.key], [self.token, self.ttl_ms]))
+            reply, *acked = send(client(self.alias), [call, wait] if wait else [call])
+            if isinstance(reply, Exception):
+                raise reply
+            code = Outcome(reply)
+            if wait and code is Outcome.OK:
+                replicas.check_acked(wait, acked[0])
+        except LockBackendUnavailable as exc:
+            raise self._error(LockBackendUnavailable, f"Renewal not counted: {exc}") from exc
         except REDIS_ERRORS as exc:
             raise self._unavailable(exc, "renew the lock") from exc
         if code is not Outcome.OK:
@@ -280,35 +291,32 @@ class Lock(Holding):
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
         entry = (self.resource, self.owner, self.ttl, self.job_id)
-        retried, pending, after = False, {}, []
+        retried, pending = False, {}
         try:
             found = client(self.alias)
             index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
             unindex = (index_keys[:1], index_args[1:2])
-            # Metrics ride along: always inside a job (a work horse may exit right after). On
-            # Redis Cluster they and the index entry are on other nodes: sent after the
-            # release, best effort, so that another node's outage never fails a release.
+            also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
+            # Metrics ride along: always inside a job (a work horse may exit right after).
             pending = metrics.take_for_flush(force=bool(self.job_id))
-            also = [metrics.flush_call(pending)] if pending else []
-            if not index_keys:
-                also, after = [], [self._unindex(), *also]
+            flush = [metrics.flush_call(pending)] if pending else []
+            next_ticket = self._next_ticket
             try:
-                code = waiting.release(
-                    found, self.keys, self.token, self._next_ticket, also, unindex
+                code, replies = waiting.release(
+                    found, self.keys, self.token, next_ticket, [*also, *flush], unindex
                 )
             except RedisConnectionError:  # lost mid-call: once more, without the metrics,
                 metrics.restore(pending)  # kept for the next flush (twice rather than lost)
-                retried, pending, after = True, {}, after[:1]
-                code = waiting.release(found, self.keys, self.token, self._next_ticket, [], unindex)
+                retried, pending = True, {}
+                code, replies = waiting.release(
+                    found, self.keys, self.token, next_ticket, also, unindex
+                )
         except REDIS_ERRORS as exc:
             self.mark_released()
             metrics.restore(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        if after:
-            try:
-                send(found, after)
-            except REDIS_ERRORS:
-                metrics.restore(pending)
+        if pending and isinstance(replies[-1], Exception):  # refused, or its node down (Cluster)
+            metrics.restore(pending)
         # Sent twice, it finds the lock gone, or handed over (another owner), if the first one
         # ran: that was our own release, if the lock was still valid when sent.
         released = code is Outcome.OK or (retried and valid)

@@ -19,7 +19,6 @@ black-holed server is noticed in time. A failure inside the thread is logged and
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import math
@@ -32,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import conf, metrics
-from ..backend import client, is_cluster, send
+from ..backend import client, send
 from ..logs import logger
 from . import index, replicas
 from .scripts import RENEW, Outcome
@@ -261,24 +260,20 @@ class Renewer:
         return ""
 
     def _send(self, alias: str, items: list[_Work]) -> None:
-        """One round trip: the renewals, earliest deadline first, then the index refresh. Never
+        """One round trip: the renewals, earliest deadline first, then the index refresh (on
+        Redis Cluster, its own round trip after: :func:`~django_joblock.backend.send`). Never
         retried here: a failure makes the locks SUSPECT, and they are retried soon."""
         items.sort(key=lambda item: item[1].valid_until)
         calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
         entries = [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items]
         refresh = index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
-        wait = replicas.replica_wait(timeout / 2)  # REPLICA_ACKS: ends the round trip
-        sent, split = time.monotonic(), False
+        wait = replicas.replica_wait(timeout / 2)  # REPLICA_ACKS: right after the renewals
+        sent = time.monotonic()
         try:
-            found = client(alias, timeout)
-            # Redis Cluster: the index is on other nodes, refreshed after (best effort), so
-            # that another node's outage never fails a renewal.
-            split = is_cluster(found)
-            calls += [] if split else refresh
-            replies = send(found, [*calls, wait] if wait else calls)
+            replies = send(client(alias, timeout), [*calls, wait] if wait else calls, refresh)
             if wait:
-                replicas.check_acked(wait, replies[-1])
+                replicas.check_acked(wait, replies[len(calls)])
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
             replies = [exc] * len(items)
         lost: list[_Lost] = []
@@ -312,9 +307,6 @@ class Renewer:
             metrics.count("renewed", family, func, count)
         for held, reason in lost:
             held.announce_lost(reason)
-        if split and renewed:
-            with contextlib.suppress(Exception):
-                send(found, refresh)
 
 
 _renewer: Renewer | None = None

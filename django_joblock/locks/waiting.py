@@ -147,13 +147,15 @@ def release(
     expected: str,
     also: list[Any],
     unindex: tuple[list[str], list[Any]] = ([], []),
-) -> Outcome:
+) -> tuple[Outcome, list[Any]]:
     """Release the lock held with ``token``, handing it to the first live ticket in line.
 
     ``expected`` is the ticket the holder believes first ("" if none known); ``also`` are
-    commands sent in the first round trip, ``unindex`` the index key and member RELEASE removes
-    (:func:`.index.in_script`). One round trip when nobody waits or ``expected`` is right; one
-    more each time the line changed under it."""
+    commands sent with the first try as :func:`~django_joblock.backend.send`'s ``extra``,
+    ``unindex`` the index key and member RELEASE removes (:func:`.index.in_script`). Returns
+    the outcome and the replies of ``also``. One round trip when nobody waits or ``expected``
+    is right (on Redis Cluster, one more for ``also``); one more each time the line changed."""
+    extra: list[Any] = []
     for attempt in range(HAND_OVER_TRIES + 1):
         args = [token, expected]
         if attempt == HAND_OVER_TRIES:  # give up handing over: the first in line notices
@@ -163,11 +165,11 @@ def release(
             if attempt == 0 and unindex[0]:
                 script_keys += unindex[0]
                 args += unindex[1]
-        reply = send(client, [(RELEASE, script_keys, args), *also])[0]
-        also = []  # their replies are not looked at
+        reply, *replies = send(client, [(RELEASE, script_keys, args)], also)
+        also, extra = [], extra or replies  # sent with the first try
         if isinstance(reply, Exception):
             raise reply
         if not isinstance(reply, (bytes, str)):
-            return Outcome(reply)
+            return Outcome(reply), extra
         expected = text(reply)
     raise AssertionError("unreachable: the last try does not look at the line")

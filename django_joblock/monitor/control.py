@@ -127,7 +127,7 @@ def _release(redis: Any, keys: LockKeys, found: LockHash, note: notes.OperatorRe
     redis.set(keys.released, encoded, px=notes.ttl_ms(found.ttl_ms))
     # Entries are per owner: if the lock is gone or another's, this entry is stale anyway.
     unindex = index.remove_call(keys.prefix, keys.resource, found.owner, found.job_id)
-    outcome = waiting.release(redis, keys, found.token, "", [unindex])
+    outcome, _ = waiting.release(redis, keys, found.token, "", [unindex])
     if outcome is Outcome.OK:
         return True
     if redis.get(keys.released) == encoded.encode():
