@@ -72,14 +72,10 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     ordering = ("-pk",)  # the primary key index: no sort of the whole table per page
     show_full_result_count = False  # no COUNT(*) over a large table on every page
     paginator = EstimatedCountPaginator
-    # fmt: off
-    fields = (
-        "scope", "key", "status", "attempts", "result_pretty", "error", "fingerprint",
-        "owner_short", "fence", "rq_job_id", "deliveries", "lease_expires_at", "created_at",
-        "updated_at", "finished_at", "expires_at",
+    fields = readonly_fields = tuple(
+        "scope key status attempts result_pretty error fingerprint owner_short fence rq_job_id "
+        "deliveries lease_expires_at created_at updated_at finished_at expires_at".split()
     )
-    # fmt: on
-    readonly_fields = fields
 
     @admin.display(description="result")
     def result_pretty(self, obj: IdempotencyRecord) -> str:
@@ -92,12 +88,9 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         if not found:
             return "-"
         rows = format_html_join("", "<tr>" + "<td>{}</td>" * 6 + "</tr>", map(_cells, found))
-        return format_html(
-            '<p style="margin:0 0 4px">{}</p><table><tr><th>started (UTC)</th><th>RQ job</th>'
-            "<th>worker</th><th>host:pid</th><th>outcome</th><th></th></tr>{}</table>",
-            summary(found),
-            rows,
-        )
+        table = '<p style="margin:0 0 4px">{}</p><table><tr><th>started (UTC)</th><th>RQ job</th>'
+        table += "<th>worker</th><th>host:pid</th><th>outcome</th><th></th></tr>{}</table>"
+        return format_html(table, summary(found), rows)
 
     @admin.display(description="owner (hash)")
     def owner_short(self, obj: IdempotencyRecord) -> str:
@@ -133,11 +126,10 @@ def _bad_dashboard_parameter(family: str | None, health: str | None, timeline: s
 class DashboardAdmin(ReadOnlyAdmin):
     """The "Job locks" page: every staff user may look; releasing needs the permission."""
 
-    def has_module_permission(self, request: HttpRequest) -> bool:
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.is_active and request.user.is_staff)
 
-    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return self.has_module_permission(request)
+    has_module_permission = has_view_permission
 
     def get_urls(self) -> list[URLPattern]:
         wrap = self.admin_site.admin_view

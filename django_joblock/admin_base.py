@@ -58,14 +58,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return bad_request(f"This list cannot be filtered that way: {exc}")
         return response
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    has_change_permission = has_delete_permission = has_add_permission
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]

@@ -23,24 +23,18 @@ def _undelivered_handlers() -> list[str]:
 class OutboxMessageAdmin(ReadOnlyAdmin):
     """Read-only: messages are written by ``send_after_commit`` and its deliveries."""
 
-    # fmt: off
-    list_display = (
-        "key", "handler", "status", "attempts", "rq_job_id", "created_at", "next_attempt_at",
-        "delivered_at",
+    list_display = tuple(
+        "key handler status attempts rq_job_id created_at next_attempt_at delivered_at".split()
     )
-    # fmt: on
     list_filter = ("status", known_values_filter("handler", _undelivered_handlers))
     search_fields = ("key",)
     ordering = ("-pk",)
     show_full_result_count = False
     paginator = EstimatedCountPaginator
-    # fmt: off
-    fields = (
-        "key", "handler", "status", "attempts", "payload_pretty", "last_error", "rq_job_id",
-        "created_at", "next_attempt_at", "delivered_at",
+    fields = readonly_fields = tuple(
+        "key handler status attempts payload_pretty last_error rq_job_id created_at "
+        "next_attempt_at delivered_at".split()
     )
-    # fmt: on
-    readonly_fields = fields
     actions = ["deliver_now"]
 
     @admin.display(description="payload")

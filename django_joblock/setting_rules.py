@@ -136,9 +136,8 @@ class Secret(Rule):
         return f"a string of {self.length}+ characters"
 
     def problem(self, value: object) -> str:
-        if isinstance(value, str) and len(value) >= self.length:
-            return ""
-        return f"must be None or a secret string of at least {self.length} characters"
+        ok = isinstance(value, str) and len(value) >= self.length
+        return "" if ok else f"must be None or a secret string of at least {self.length} characters"
 
 
 @dataclass(frozen=True)

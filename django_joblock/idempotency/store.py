@@ -73,9 +73,8 @@ def insert(model: Any, using: str, values: Row) -> int | None:
                 return int(model.objects.using(using).create(**values).pk)
         except IntegrityError:
             return None
-    sql, params = _insert_sql(model, connection, values)
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(*_insert_sql(model, connection, values))
         row = cursor.fetchone()
     return None if row is None else int(row[0])
 

@@ -25,8 +25,7 @@ _guard = threading.Lock()
 
 def _handler(signum: int, frame: FrameType | None) -> None:
     armed = _armed
-    held = armed.lock if armed is not None else None
-    if armed is not None and held is not None and armed.reason:
+    if armed is not None and (held := armed.lock) is not None and armed.reason:
         message = f"Job aborted: its lock was lost ({armed.reason})"
         raise LockLost(message, resource=held.resource, key=held.key, owner=held.owner)
 

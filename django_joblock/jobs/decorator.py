@@ -129,15 +129,11 @@ def locked_job(
             lock=lock,
             idempotency_key=idempotency_key,
             ttl=ttl,
-            heartbeat=heartbeat,
             on_conflict=OnConflict(on_conflict),
             max_wait=max_wait,
             on_lost=on_lost,
             rq_options=dict(rq_options),
-            atomic=atomic,
-            admission=admission,
-            dedupe=dedupe,
-            on_commit=on_commit,
+            **flags,
         )
         if idempotency_key is not None:  # the scope is the dotted name: too long fails each run
             validate_scope(spec.scope, what=f"@locked_job {func.__qualname__}")

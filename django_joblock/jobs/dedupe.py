@@ -40,8 +40,7 @@ return 0
 
 def job_id_for(scope: str, key: str) -> str:
     """The RQ job id of the logical job ``key`` of the job named ``scope``."""
-    digest = hashlib.sha256(f"{scope}\x00{key}".encode()).hexdigest()[:40]
-    return f"joblock-{digest}"
+    return "joblock-" + hashlib.sha256(f"{scope}\x00{key}".encode()).hexdigest()[:40]
 
 
 def _status(queue: Any, job_id: str) -> str | None:

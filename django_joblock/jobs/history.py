@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -18,7 +16,6 @@ from typing import Any
 from .. import conf
 from ..backend import REDIS_ERRORS, text
 from ..idempotency.inputs import key_family
-from ..locks.info import HOST
 from ..locks.keys import family
 
 KEPT = 1000  # runs kept per family (the newest)
@@ -74,35 +71,6 @@ def family_of(resource: str, key: str) -> str:
 
 def _list_key(name: str) -> str:
     return f"{conf.get().KEY_PREFIX}:runs:{name}"
-
-
-def entry(
-    job: Any,
-    outcome: str,
-    began: float,
-    waited: float | None,
-    key: str | None,
-    resource: str | None,
-    duplicate_of: str,
-) -> Delivery:
-    """The entry of a run of ``job`` that began at monotonic ``began`` and ends now."""
-    took = time.monotonic() - began
-    limit = getattr(job, "timeout", None)
-    return Delivery(
-        job_id=str(job.id),
-        func=str(job.func_name or ""),
-        key=key or "",
-        resource=resource or "",
-        worker=str(getattr(job, "worker_name", "") or ""),
-        host=HOST,
-        pid=os.getpid(),
-        started=round(time.time() - took, 3),
-        took=round(took, 3),
-        outcome=outcome,
-        waited=None if waited is None else round(waited, 3),
-        duplicate_of=duplicate_of,
-        timeout=float(limit) if isinstance(limit, (int, float)) and limit > 0 else None,
-    )
 
 
 def add_calls(run: Delivery) -> list[list[Any]]:

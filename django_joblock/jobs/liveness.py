@@ -39,8 +39,7 @@ FORGET_AFTER = 600.0  # seconds after its expiry an entry of a job found nowhere
 
 def claim_turn() -> bool:
     """Take the next sweep (one ``SET NX PX``): False if another process swept within INTERVAL."""
-    settings = conf.get()
-    turn = f"{settings.KEY_PREFIX}:sweep"
+    turn = f"{conf.get().KEY_PREFIX}:sweep"
     return bool(client().set(turn, 1, nx=True, px=int(INTERVAL * 1000)))
 
 

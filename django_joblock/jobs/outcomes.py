@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import conf, metrics
 from ..backend import REDIS_ERRORS, Script, send
+from ..locks.info import HOST
 from ..logs import logger
 from . import history
 from .spec import JobSpec
@@ -83,6 +85,25 @@ class Run:
         self.waited = max(0.0, time.time() - created.timestamp())
         metrics.observe("start_wait_seconds", self.family, self.spec.name, self.waited)
 
+    def delivery(self, outcome: JobOutcome, duplicate_of: str) -> history.Delivery:
+        """This worker run's :mod:`.history` entry: it began at monotonic ``began`` and ends now."""
+        took, limit = time.monotonic() - self.began, getattr(self.job, "timeout", None)
+        return history.Delivery(
+            job_id=str(self.job.id),
+            func=str(self.job.func_name or ""),
+            key=self.key or "",
+            resource=self.resource or "",
+            worker=str(getattr(self.job, "worker_name", "") or ""),
+            host=HOST,
+            pid=os.getpid(),
+            started=round(time.time() - took, 3),
+            took=round(took, 3),
+            outcome=outcome.value,
+            waited=None if self.waited is None else round(self.waited, 3),
+            duplicate_of=duplicate_of,
+            timeout=float(limit) if isinstance(limit, (int, float)) and limit > 0 else None,
+        )
+
 
 def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     """Record ``outcome`` and log the run's line; count a worker's ``failed_runs``."""
@@ -106,9 +127,7 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     state.update(extra)
     calls: list[Any] = []
     if run.worker and (run.key is not None or run.resource is not None):
-        twin = str(extra.get("duplicate_of", ""))
-        done = history.entry(job, outcome.value, run.began, run.waited, run.key, run.resource, twin)
-        calls += history.add_calls(done)
+        calls += history.add_calls(run.delivery(outcome, str(extra.get("duplicate_of", ""))))
     try:
         swap = (_SWAP_META, [job.key], [held, job.serializer.dumps(job.meta)])
         if send(job.connection, [swap, *calls])[0] != 1:

@@ -129,10 +129,8 @@ def _long_holds(factor: float) -> list[Alert]:
     for family, held_long in sorted(worst.items()):
         longest = max(held_long, key=lambda lock: lock.held_for)
         p95 = usual[family] or 0.0
-        message = f"{len(held_long)} lock(s) held far longer than usual; longest "
-        message += (
-            f"{longest.resource} for {longest.held_for:.0f}s by {longest.host}:{longest.pid} "
-        )
+        where = f"{longest.resource} for {longest.held_for:.0f}s by {longest.host}:{longest.pid}"
+        message = f"{len(held_long)} lock(s) held far longer than usual; longest {where} "
         message += f"(job {longest.job_id or '-'}); the family's p95 hold is {p95:g}s"
         fired.append(Alert("long_hold", family, message, longest.held_for, factor * p95))
     return fired

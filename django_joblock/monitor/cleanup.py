@@ -8,6 +8,7 @@ that owns the prefix (:func:`other_project`): a purge, and ``check --deploy``, s
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,15 +69,9 @@ def purge_redis(*, dry_run: bool = False) -> Purge:
         clients.setdefault(server_of(each), each)  # each server and database once
     result = Purge()
     for each in clients.values():
-        batch: list[str] = []
-        for raw in each.scan_iter(match=f"{prefix}:*", count=1000):
-            key = text(raw)
-            result.kinds[_kind(key[len(prefix) + 1 :])] += 1
+        keys = map(text, each.scan_iter(match=f"{prefix}:*", count=1000))
+        while batch := list(itertools.islice(keys, BATCH)):
+            result.kinds.update(_kind(key[len(prefix) + 1 :]) for key in batch)
             if not dry_run:
-                batch.append(key)
-            if len(batch) >= BATCH:
                 result.removed += int(each.unlink(*batch))
-                batch = []
-        if batch:
-            result.removed += int(each.unlink(*batch))
     return result

@@ -7,6 +7,7 @@ no retries), audited with whether the release may have happened. See docs/admin.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -141,19 +142,13 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
     :class:`LockBackendUnavailable` when Redis does not answer."""
     rows = active_locks(limit=10_000)
     health = lock_health(rows)
+    release = functools.partial(force_release, actor=actor, action=AuditAction.REAP)
     done = []
     for row in rows:
         state, why = health[row.resource].state, f"holder dead: {health[row.resource].why}"
         if state is DEAD and dry_run:
             done.append((row.resource, f"would release ({why})"))
         elif state is DEAD:
-            result = force_release(
-                row.resource,
-                owner=row.owner,
-                actor=actor,
-                reason=why,
-                renewed_ms=row.renewed_ms,
-                action=AuditAction.REAP,
-            )
+            result = release(row.resource, owner=row.owner, reason=why, renewed_ms=row.renewed_ms)
             done.append((row.resource, result.outcome))
     return done

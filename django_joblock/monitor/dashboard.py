@@ -20,8 +20,7 @@ CHART_MINUTES = 60
 TIMELINE_MINUTES = 10
 TIMELINE_ROWS = 12  # resources drawn on the timeline (the most recently active)
 CONTENTION_AXIS = "% of acquires that found the lock busy"
-# The counters of the per-job-type table, in its column order.
-JOB_TYPE_COUNTERS = tuple(
+JOB_TYPE_COUNTERS = tuple(  # the counters of the per-job-type table, in its column order
     "acquire_attempts contended requeued given_up duplicates_in_flight duplicates_blocked lost "
     "near_timeout failed_runs rq_retries".split()
 )

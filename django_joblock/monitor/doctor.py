@@ -75,8 +75,7 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
     found.deliveries = [asdict(run) for run in runs]
     found.resource = resource or next((r.resource for r in runs if r.resource), "")
     if runs:
-        found.story.append(f"deliveries of {key or resource!r}: {summary(runs)}")
-        found.story += [_line(run) for run in runs]
+        found.story += [f"deliveries of {key or resource!r}: {summary(runs)}", *map(_line, runs)]
     if found.resource:
         found.story += _resource_story(found.resource)
     # The outbox messages the key's runs recorded (by RQ job id), or under the key itself.

@@ -63,11 +63,8 @@ class Command(BaseCommand):
                 name = option.replace("_", "-")
                 raise CommandError(f"--{name} must be >= 1, got {options[option]}.")
         worker_class = self._worker_class(options["worker_class"], simple=options["simple"])
-        extra = {
-            key: options[key]
-            for key in ("maintenance_interval", "worker_ttl", "job_class", "serializer")
-            if options[key] is not None
-        }
+        given = ("maintenance_interval", "worker_ttl", "job_class", "serializer")
+        extra = {key: options[key] for key in given if options[key] is not None}
         try:
             worker = worker_class(
                 queues, connection=queues[0].connection, name=options["name"], **extra
