@@ -47,7 +47,7 @@ from .current import current_lock, reset_current_lock, set_current_lock
 from .info import holder_details
 from .keys import LockKeys, validate_resource
 from .renewal import renewer
-from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, RENEW, Outcome
+from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, Outcome
 from .state import Holding, LockState, OnLost, drift
 
 __all__ = ["Lock", "LockState", "current_lock", "lock", "reset_current_lock", "set_current_lock"]
@@ -248,15 +248,8 @@ class Lock(Holding):
         sent = time.monotonic()
         if sent >= self.hold_until:
             return False
-        wait = replicas.replica_wait(math.inf)
-        call: Call = (RENEW, [self.key], [self.token, self.ttl_ms])
         try:
-            reply, *acked = send(client(self.alias), [call, wait] if wait else [call])
-            if isinstance(reply, Exception):
-                raise reply
-            code = Outcome(reply)
-            if wait and code is Outcome.OK:
-                replicas.check_acked(wait, acked[0])
+            code = replicas.renew(client(self.alias), self.key, self.token, self.ttl_ms)
         except LockBackendUnavailable as exc:
             raise self._error(LockBackendUnavailable, f"Renewal not counted: {exc}") from exc
         except REDIS_ERRORS as exc:

@@ -22,27 +22,35 @@ from ..exceptions import JoblockConfigError, LockBackendUnavailable
 from .scripts import RENEW, Outcome
 
 
+def renew(found: Any, key: str, token: str, ttl_ms: int) -> Outcome:
+    """RENEW the lock at ``key`` (held with ``token``) and, with ``REPLICA_ACKS``, ``WAIT`` in the
+    same round trip (a write of *this* connection, which is what ``WAIT`` counts). Raises
+    redis-py's errors, and :class:`LockBackendUnavailable` when renewed but short of the replicas
+    within ``REPLICA_ACK_TIMEOUT``."""
+    wait, call = replica_wait(math.inf), (RENEW, [key], [token, ttl_ms])
+    reply, *acked = send(found, [call, wait] if wait else [call])
+    if isinstance(reply, Exception):
+        raise reply
+    if wait and reply == Outcome.OK:
+        check_acked(wait, acked[0])
+    return Outcome(reply)
+
+
 def shortfall(found: Any, key: str, token: str, ttl_ms: int) -> str:
     """Why the lock at ``key`` (held with ``token``) did not reach ``REPLICA_ACKS`` replicas
-    within ``REPLICA_ACK_TIMEOUT``, or "" when it did. One round trip: a RENEW (a write of
-    *this* connection, which is what ``WAIT`` counts), then ``WAIT acks timeout``."""
+    within ``REPLICA_ACK_TIMEOUT``, or "" when it did (one :func:`renew`)."""
     if is_cluster(found):
         raise JoblockConfigError(
             "JOBLOCK['REPLICA_ACKS'] cannot be used with a Redis Cluster client "
             "(system check django_joblock.E008)"
         )
-    wait = replica_wait(math.inf)
     try:
-        renewed, acked = send(found, [(RENEW, [key], [token, ttl_ms]), wait])
-        if isinstance(renewed, Exception):
-            raise renewed
-        if renewed != Outcome.OK:
+        if renew(found, key, token, ttl_ms) is not Outcome.OK:
             return "the lock was lost before it was replicated"
-        check_acked(wait, acked)
     except LockBackendUnavailable as exc:
         return f"{exc} within {conf.get().REPLICA_ACK_TIMEOUT:g}s"
     except REDIS_ERRORS as exc:
-        return f"the WAIT for JOBLOCK['REPLICA_ACKS'] replicas failed: {type(exc).__name__}: {exc}"
+        return f"its RENEW and WAIT for JOBLOCK['REPLICA_ACKS'] failed: {type(exc).__name__}: {exc}"
     return ""
 
 
