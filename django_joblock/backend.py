@@ -261,8 +261,10 @@ def server_infos(found: Any, section: str) -> dict[str, dict[str, Any]]:
 
 
 class Script:
-    """A Lua script, sent by ``EVALSHA`` and loaded when the server does not know it (a restart,
-    ``SCRIPT FLUSH``, a failover; on Redis Cluster, ``SCRIPT LOAD`` goes to every primary)."""
+    """A Lua script, sent by ``EVALSHA``; by ``EVAL`` when the server does not know it (a restart,
+    ``SCRIPT FLUSH``, a failover), which also caches it there. ``EVAL`` goes to the node of the
+    keys on Redis Cluster, where redis-py's ``SCRIPT LOAD`` goes to every primary: one of them
+    down would fail the script everywhere."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -273,8 +275,7 @@ class Script:
         try:
             return found.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
-            found.script_load(self.source)
-            return found.evalsha(self.sha, len(keys), *keys, *args)
+            return found.eval(self.source, len(keys), *keys, *args)
 
 
 # One command of a round trip: a script call, or a plain command's arguments.

@@ -509,7 +509,8 @@ def test_a_node_down_elsewhere_fails_no_renewal_acquire_or_hand_over(on_cluster)
 def test_a_node_down_elsewhere_fails_no_force_release(on_cluster):
     """The node of a family's active-lock index down (full coverage off): an operator's
     force-release, and the liveness sweep's release (the same call), sent the removal of the
-    index entry in the lock's own pipeline and failed; it now follows, best effort."""
+    index entry in the lock's own pipeline and failed; it now follows, best effort. A script
+    the lock's node had forgotten was loaded on every primary, and failed the same way."""
     index_node = on_cluster.node_of("joblock:families")
     resource = next(
         resource
@@ -519,6 +520,9 @@ def test_a_node_down_elsewhere_fails_no_force_release(on_cluster):
     )
     held = lock(resource, ttl=30, heartbeat=False)
     assert held.acquire()
+    # The lock's node forgets the scripts (a restart): the release must not load RELEASE on
+    # every primary (redis-py's SCRIPT LOAD does), the dead one included.
+    on_cluster.node_of(lock_key(resource)).client().script_flush()
     with node_down(on_cluster, index_node, full_coverage=False):
         # Negative control: the index entry's node is really gone.
         with pytest.raises(redis.RedisError):
