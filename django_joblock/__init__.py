@@ -59,14 +59,17 @@ __all__ = [
     "lock",
     "lock_info",
     "locked_job",
+    "locked_task",
     "send_after_commit",
 ]
 
 
 def __getattr__(name: str) -> object:
     # Models import only once the app registry is ready: lazily, so that settings files can
-    # ``import django_joblock``. FencedModel comes from its own module (app uninstalled).
+    # ``import django_joblock``. FencedModel comes from its own module (app uninstalled);
+    # locked_task needs Django >= 6 or the django-tasks backport.
     module = {"FencedModel": "fenced", "IdempotencyRecord": "models", "OutboxMessage": "models"}
+    module["locked_task"] = "jobs.task"
     if name in module:
         return getattr(importlib.import_module(f".{module[name]}", __name__), name)
     raise AttributeError(f"module 'django_joblock' has no attribute {name!r}")

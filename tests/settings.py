@@ -25,6 +25,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_rq",
+    "django_tasks_db",
     "django_joblock",
     "tests.testapp",
 ]
@@ -48,6 +49,19 @@ if os.environ.get("JOBLOCK_CHILD_DB_NAME"):
     DATABASES["default"]["NAME"] = os.environ["JOBLOCK_CHILD_DB_NAME"]
 
 REDIS_URL = harness.redis_url()
+
+# Django tasks (tests/task_jobs.py): inline, on RQ through django-joblock, in the database.
+try:
+    import django.tasks  # noqa: F401  (Django >= 6.0)
+
+    _IMMEDIATE = "django.tasks.backends.immediate.ImmediateBackend"
+except ImportError:  # Django 5.2: the django-tasks backport
+    _IMMEDIATE = "django_tasks.backends.immediate.ImmediateBackend"
+TASKS = {
+    "default": {"BACKEND": _IMMEDIATE},
+    "rq": {"BACKEND": "django_joblock.jobs.rq_tasks.RQBackend", "QUEUES": ["default"]},
+    "db": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+}
 
 
 def _cache(location: str) -> dict[str, object]:

@@ -10,6 +10,7 @@ import functools
 import inspect
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from django.db import transaction
@@ -145,7 +146,7 @@ def locked_job(
         def enqueue(
             args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, **rq_options: Any
         ) -> Any:
-            return _enqueue(spec, wrapper, args, kwargs or {}, rq_options)
+            return enqueue_call(spec, wrapper, args, kwargs or {}, rq_options)
 
         def delay(*args: P.args, **kwargs: P.kwargs) -> Any:
             return enqueue(args, kwargs)
@@ -158,17 +159,22 @@ def locked_job(
     return decorate
 
 
-def _enqueue(
+def enqueue_call(
     spec: JobSpec[Any, Any],
-    wrapper: Callable[..., Any],
+    target: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     per_call: dict[str, Any],
+    *,
+    queue_name: str | None = None,
+    at: datetime | None = None,
 ) -> Any:
+    """Enqueue ``target`` (the job, or a Django task's dotted path) with the spec's options and
+    ``per_call`` on ``queue_name`` (default: the spec's), at the time ``at`` if given."""
     check_rq_options(per_call, f"{spec.name}.enqueue()")
     arguments = spec.bind(args, kwargs)  # TypeError now, not in the worker
     resource, key = spec.resource(arguments), spec.key(arguments)
-    queue = get_queue(spec.queue)  # an unknown queue name fails here, loudly
+    queue = get_queue(queue_name or spec.queue)  # an unknown queue name fails here, loudly
     options = {**spec.rq_options, **per_call}
     state: dict[str, Any] = {"resource": resource, "idempotency_key": key}
     if resource is not None:
@@ -181,7 +187,8 @@ def _enqueue(
 
     def put() -> Any:
         # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
-        job = queue.enqueue(wrapper, args=args, kwargs=kwargs, **options)
+        call = queue.enqueue if at is None else functools.partial(queue.enqueue_at, at)
+        job = call(target, args=args, kwargs=kwargs, **options)
         if resource is not None and job.get_status(refresh=False) == admission_mod.PARKED:
             metrics.count("parked", family(resource), spec.name)  # contention the lock never sees
             metrics.flush_now()  # an enqueuing web process may never flush otherwise

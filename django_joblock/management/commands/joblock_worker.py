@@ -8,6 +8,7 @@ probes: a job's long transaction must not stop a worker from starting."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -65,6 +66,8 @@ class Command(BaseCommand):
         worker_class = self._worker_class(options["worker_class"], simple=options["simple"])
         given = ("maintenance_interval", "worker_ttl", "job_class", "serializer")
         extra = {key: options[key] for key in given if options[key] is not None}
+        if "job_class" not in extra and importlib.util.find_spec("django_tasks_rq"):
+            extra["job_class"] = "django_joblock.jobs.rq_tasks.Job"  # tasks and plain jobs
         try:
             worker = worker_class(
                 queues, connection=queues[0].connection, name=options["name"], **extra

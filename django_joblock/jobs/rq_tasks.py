@@ -1,0 +1,109 @@
+"""Django tasks on RQ with ``@locked_job``'s admission (docs/tasks.md), on top of django-tasks-rq::
+
+    TASKS = {"default": {"BACKEND": "django_joblock.jobs.rq_tasks.RQBackend"}}
+
+:class:`RQBackend` enqueues a ``@locked_task`` as ``@locked_job`` does (admission: parked FIFO per
+resource by RQ's ``RateLimit``; ``dedupe``; the same checks in the caller) and any other task as
+django-tasks-rq does. Workers run tasks with :class:`Job` (``joblock_worker``'s default job class
+when django-tasks-rq is installed; ``rqworker --job-class django_joblock.jobs.rq_tasks.Job``),
+which runs every other RQ job like ``rq.job.Job``, so one worker serves both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import django_rq
+import django_tasks_rq
+from django.utils.functional import cached_property
+from django_tasks.base import TASK_MAX_PRIORITY, TaskResult, TaskResultStatus
+from django_tasks.exceptions import TaskResultDoesNotExist
+from django_tasks.signals import task_enqueued
+from django_tasks_rq.backend import RQ_STATUS_TO_RESULT_STATUS, failed_callback, success_callback
+from django_tasks_rq.compat import TASK_CLASSES
+from rq import Callback
+from rq.exceptions import NoSuchJobError
+from rq.job import JobStatus
+from rq.results import Result
+
+from .decorator import enqueue_call
+
+# rq 3's statuses of a job that has not run yet (RATE_LIMITED: parked by admission), which
+# django-tasks-rq 0.12's map lacks: a parked task's get_result() raised KeyError.
+for _status in JobStatus:
+    RQ_STATUS_TO_RESULT_STATUS.setdefault(_status, TaskResultStatus.READY)
+
+
+class RQBackend(django_tasks_rq.RQBackend):
+    """django-tasks-rq's backend; a ``@locked_task`` is enqueued with ``@locked_job``'s flow."""
+
+    def enqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
+        spec = getattr(task.func, "spec", None)
+        if spec is None:
+            return super().enqueue(task, args, kwargs)
+        self.validate_task(task)
+        options = {
+            "on_success": Callback(success_callback),
+            "on_failure": Callback(failed_callback),
+            "meta": {"backend_name": self.alias},
+            "at_front": task.priority == TASK_MAX_PRIORITY,
+        }
+        where = {"queue_name": task.queue_name, "at": task.run_after}
+        job = enqueue_call(spec, task.module_path, tuple(args), dict(kwargs), options, **where)
+        result: Any = TaskResult(
+            task=task,
+            id=job.id,
+            status=TaskResultStatus.READY,
+            enqueued_at=job.enqueued_at,
+            started_at=None,
+            last_attempted_at=None,
+            finished_at=None,
+            args=list(args),
+            kwargs=dict(kwargs),
+            backend=self.alias,
+            errors=[],
+            worker_ids=[],
+        )
+        task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def get_result(self, result_id: str) -> Any:
+        try:  # by Job below (django-tasks-rq's reads a requeued task's return value wrong)
+            job = Job.fetch(result_id, connection=django_rq.get_connection())
+            return cast(Job, job).task_result
+        except NoSuchJobError:
+            raise TaskResultDoesNotExist(result_id) from None
+
+
+class _Plain:
+    """An RQ job's function that is no task, as django-tasks-rq's ``Job`` calls tasks."""
+
+    takes_context = False
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.call = func
+
+
+class Job(django_tasks_rq.Job):
+    """django-tasks-rq's job class for tasks, ``rq.job.Job`` for every other job. A task's
+    return value is its latest run's (a requeued task has the ``Retry`` of each earlier one)."""
+
+    @property
+    def is_task(self) -> bool:
+        return isinstance(super(django_tasks_rq.Job, self).func, TASK_CLASSES)
+
+    @property
+    def func(self) -> Any:
+        found = super(django_tasks_rq.Job, self).func  # rq's: the function, not checked
+        return found if isinstance(found, TASK_CLASSES) else _Plain(found)
+
+    def perform(self) -> Any:  # rq's for a plain job: no task_started signal
+        return super().perform() if self.is_task else super(django_tasks_rq.Job, self).perform()
+
+    @cached_property
+    def task_result(self) -> Any:
+        found = super().task_result
+        latest = self.latest_result()
+        if latest is not None and latest.type == Result.Type.SUCCESSFUL:
+            object.__setattr__(found, "_return_value", latest.return_value)
+        return found

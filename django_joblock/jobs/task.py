@@ -1,0 +1,92 @@
+"""``@locked_task``: a Django task (``django.tasks`` on Django 6, the django-tasks backport on
+5.2) whose function runs ``@locked_job``'s safe flow (docs/tasks.md). What a busy resource does
+depends on the backend: on :class:`django_joblock.jobs.rq_tasks.RQBackend` everything
+``@locked_job`` does on RQ (admission, FIFO, requeue with backoff, ``max_wait``); on a backend
+that runs the task where it cannot requeue (immediate, database) the run waits up to
+``ACQUIRE_WAIT`` and then fails with :class:`~django_joblock.exceptions.LockNotAcquired`, a
+``FAILED`` result naming the holder (``on_conflict="skip"``: finished, not run). Arguments,
+resource and key are checked in ``enqueue()``, in the caller."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+from .decorator import locked_job
+from .spec import JobSpec, OnConflict, Template
+
+try:  # Django >= 6.0
+    from django.tasks.base import DEFAULT_TASK_BACKEND_ALIAS, DEFAULT_TASK_QUEUE_NAME, Task
+except ImportError:  # Django 5.2: pip install django-tasks
+    from django_tasks.base import (  # type: ignore[import-not-found,no-redef,assignment,unused-ignore]
+        DEFAULT_TASK_BACKEND_ALIAS,
+        DEFAULT_TASK_QUEUE_NAME,
+        Task,
+    )
+
+
+class LockedTask(Task):  # type: ignore[type-arg,misc,unused-ignore]
+    """A ``Task`` whose ``func`` is a ``@locked_job`` function; ``spec``: what it was told."""
+
+    __slots__ = ()
+
+    @property
+    def spec(self) -> JobSpec[Any, Any]:
+        return cast(JobSpec[Any, Any], cast(Any, self.func).spec)  # set by @locked_job
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise ``TypeError`` / ``ValueError`` now for arguments the task cannot run with."""
+        arguments = self.spec.bind(args, kwargs)
+        self.spec.resource(arguments), self.spec.key(arguments)
+
+    def enqueue(self, *args: Any, **kwargs: Any) -> Any:
+        self.check(args, kwargs)
+        return super().enqueue(*args, **kwargs)
+
+    async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
+        self.check(args, kwargs)
+        return await super().aenqueue(*args, **kwargs)
+
+
+def locked_task(
+    *,
+    lock: Template = None,
+    idempotency_key: Template = None,
+    ttl: float | None = None,
+    heartbeat: bool = True,
+    on_conflict: str = OnConflict.REQUEUE,
+    max_wait: float | None = None,
+    on_lost: Callable[..., Any] | None = None,
+    atomic: bool = True,
+    admission: bool = True,
+    dedupe: bool = False,
+    priority: int = 0,
+    queue_name: str = DEFAULT_TASK_QUEUE_NAME,
+    backend: str = DEFAULT_TASK_BACKEND_ALIAS,
+) -> Callable[[Callable[..., Any]], LockedTask]:
+    """Django's ``@task`` with ``@locked_job``'s options (same meanings; docs/jobs.md) plus
+    ``@task``'s ``priority``, ``queue_name`` and ``backend``. Not here: ``takes_context`` (the
+    context is no task argument a template or fingerprint could use; ``current_lock()`` gives
+    the lock) and ``on_commit`` (enqueue in ``transaction.on_commit`` as Django advises)."""
+    make = locked_job(
+        queue_name,
+        lock=lock,
+        idempotency_key=idempotency_key,
+        ttl=ttl,
+        heartbeat=heartbeat,
+        on_conflict=on_conflict,
+        max_wait=max_wait,
+        on_lost=on_lost,
+        atomic=atomic,
+        admission=admission,
+        dedupe=dedupe,
+        on_commit=False,
+    )
+
+    def decorate(func: Callable[..., Any]) -> LockedTask:
+        if isinstance(func, Task):
+            raise TypeError(f"@locked_task {func.name}: put @locked_task in place of @task")
+        locked = make(func)
+        return LockedTask(func=locked, priority=priority, queue_name=queue_name, backend=backend)
+
+    return decorate

@@ -1,0 +1,270 @@
+"""``@locked_task``: Django tasks with the safe flow, on the immediate backend (inline), the
+database backend (django-tasks-db's worker, in this process) and the RQ backend (real worker
+processes; slow)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from django.core.management import call_command
+
+from django_joblock import (
+    IdempotencyRecord,
+    InvalidResource,
+    LockNotAcquired,
+    lock,
+    lock_info,
+    locked_task,
+)
+from django_joblock.jobs import admission
+from django_joblock.jobs.rq_tasks import Job as TaskJob
+from django_joblock.jobs.task import LockedTask
+from tests import jobs, task_jobs
+from tests.harness import wait_for
+from tests.testapp.models import Account
+from tests.workers import DONE, Workers, intervals, pid_of, wait_status
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+try:
+    from django.tasks import TaskResultStatus
+except ImportError:  # Django 5.2
+    from django_tasks import TaskResultStatus  # type: ignore[no-redef]
+
+OK, FAILED, READY = TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED, TaskResultStatus.READY
+
+
+def _account(balance: int = 0) -> Account:
+    return Account.objects.create(name="acct", balance=balance)
+
+
+def _refreshed(result, timeout: float = 40, crew: Workers | None = None):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        result.refresh()
+        if result.is_finished:
+            return result
+        if time.monotonic() > deadline:
+            logs = crew.logs() if crew is not None else ""
+            raise AssertionError(f"task {result.id} still {result.status}\n{logs}")
+        time.sleep(0.05)
+
+
+# -- decoration and enqueue: mistakes fail in the caller ---------------------------------
+
+
+def test_locked_task_is_a_django_task_with_the_spec():
+    task = task_jobs.credit_inline
+    assert isinstance(task, LockedTask)
+    assert task.module_path == task.spec.name == "tests.task_jobs.credit_inline"
+    assert task.using(priority=1).spec is task.spec  # using() keeps the class
+
+
+def test_bad_options_and_arguments_fail_in_the_caller(rconn):
+    with pytest.raises(ValueError, match="on_conflict must be one of"):
+        locked_task(lock="x:{a}", on_conflict="wait")
+    with pytest.raises(TypeError, match="in place of @task"):
+        locked_task(lock="x:{name}")(task_jobs.credit_inline)
+    queued = rconn.llen("rq:queue:default")
+    with pytest.raises(TypeError, match="missing a required argument"):
+        task_jobs.credit_rq.enqueue("acct")
+    with pytest.raises(InvalidResource, match="it contains ' '"):
+        task_jobs.credit_inline.enqueue("a b", "C-1", 1)
+    assert rconn.llen("rq:queue:default") == queued, "nothing enqueued"
+    assert not Account.objects.exists()
+
+
+# -- the immediate backend: runs inline, real lock and idempotency -----------------------
+
+
+def test_inline_task_applies_once_and_replays(rconn):
+    _account()
+    first = task_jobs.credit_inline.enqueue("acct", "C-1", 10)
+    second = task_jobs.credit_inline.enqueue("acct", "C-1", 10)
+    assert (first.status, second.status) == (OK, OK), (first.errors, second.errors)
+    assert first.return_value == second.return_value == {"credited": 10}
+    assert Account.objects.get().balance == 10
+    assert int(rconn.get("test:effects:C-1")) == 1, "negative control: the body ran once"
+    record = IdempotencyRecord.objects.get(key="credit:C-1")
+    assert (record.status, record.attempts) == ("succeeded", 1)
+
+
+def test_inline_task_on_a_busy_resource_fails_visibly_after_acquire_wait(settings, rconn):
+    settings.JOBLOCK = {"ACQUIRE_WAIT": 0.3}
+    _account()
+    with lock("account:acct", ttl=10):
+        busy = task_jobs.credit_inline.enqueue("acct", "C-2", 5)
+        skipped = task_jobs.credit_or_skip.enqueue("acct", "C-3", 5)
+    assert busy.status == FAILED
+    assert busy.errors[0].exception_class is LockNotAcquired, busy.errors
+    assert skipped.status == OK and skipped.return_value is None
+    assert Account.objects.get().balance == 0 and not rconn.exists("test:effects:C-2")
+    # Nothing was recorded for the key: enqueued again once the resource is free, it runs.
+    again = task_jobs.credit_inline.enqueue("acct", "C-2", 5)
+    assert again.status == OK and Account.objects.get().balance == 5
+
+
+# -- the database backend: django-tasks-db's worker -------------------------------------
+
+
+def _db_worker() -> None:
+    call_command("db_worker", "--batch", "--backend=db", "--interval=0", verbosity=0)
+
+
+def test_db_backend_task_applies_once(rconn):
+    _account()
+    results = [task_jobs.credit_db.enqueue("acct", "D-1", 7) for _ in range(3)]
+    assert len({result.id for result in results}) == 3
+    _db_worker()
+    for result in results:
+        result.refresh()
+        assert result.status == OK, result.errors
+        assert result.return_value == {"credited": 7}
+    assert Account.objects.get().balance == 7
+    assert int(rconn.get("test:effects:D-1")) == 1
+
+
+def test_db_backend_task_on_a_busy_resource_fails_visibly(settings, rconn):
+    settings.JOBLOCK = {"ACQUIRE_WAIT": 0.3}
+    _account()
+    result = task_jobs.credit_db.enqueue("acct", "D-2", 7)
+    with lock("account:acct", ttl=10):
+        _db_worker()
+    result.refresh()
+    assert result.status == FAILED
+    assert result.errors[0].exception_class is LockNotAcquired, result.errors
+    assert Account.objects.get().balance == 0
+    control = task_jobs.credit_db.enqueue("acct", "D-2", 7)  # negative control: free, it runs
+    _db_worker()
+    control.refresh()
+    assert control.status == OK and Account.objects.get().balance == 7
+
+
+# -- the RQ backend: real worker processes ------------------------------------------------
+
+
+@pytest.fixture
+def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
+    settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 8}}
+    crew = Workers(settings.JOBLOCK)
+    yield crew
+    crew.stop()
+
+
+@pytest.mark.slow
+def test_rq_duplicate_deliveries_apply_once(workers, rconn):
+    _account()
+    workers.start(scheduler=True)
+    workers.start(simple=True)
+    results = [task_jobs.credit_rq.enqueue("acct", "C-1", 10) for _ in range(3)]
+    for result in results:
+        assert _refreshed(result, crew=workers).status == OK, result.errors
+        assert result.return_value == {"credited": 10}
+    assert Account.objects.get().balance == 10
+    assert int(rconn.get("test:effects:C-1")) == 1
+    outcomes = [TaskJob.fetch(r.id, connection=rconn).meta["joblock"]["outcome"] for r in results]
+    assert sorted(outcomes) == ["ran", "replayed", "replayed"], outcomes
+
+
+@pytest.mark.slow
+def test_rq_hot_resource_drains_fifo_parked_not_requeued(workers, rconn):
+    workers.start(scheduler=True)
+    workers.start()
+    workers.start(simple=True)
+    first = task_jobs.hold.enqueue(1, "t0", 1.5)
+    pid_of(rconn, "t0")
+    rest = [task_jobs.hold.enqueue(1, f"t{n}", 0.1) for n in range(1, 6)]
+    parked = task_jobs.hold.get_result(rest[-1].id)  # django-tasks-rq 0.12: KeyError
+    assert parked.status == READY
+    plain = jobs.hold_resource.delay(2, "plain", 0.1)  # a plain RQ job on the same workers
+    for result in [first, *rest]:
+        assert _refreshed(result, crew=workers).status == OK, result.errors
+    assert wait_status(plain, DONE, 30).value == "finished", workers.logs()
+    spans = intervals(rconn)
+    ends = sorted((spans[f"t{n}"] for n in range(6)), key=lambda span: span[0])
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends)), "never overlapped"
+    if not admission.supported():
+        return  # rq 2.x: the requeue path, not FIFO
+    order = [raw.decode() for raw in rconn.lrange("test:started", 0, -1)]
+    assert [label for label in order if label.startswith("t")] == [f"t{n}" for n in range(6)]
+    metas = [TaskJob.fetch(r.id, connection=rconn).meta["joblock"] for r in rest]
+    assert all(m["admission"] == "rate_limit" and not m.get("requeues") for m in metas), metas
+
+
+@pytest.mark.slow
+def test_rq_killed_holder_is_taken_over_with_a_larger_fence(workers, rconn):
+    _account()
+    workers.start(scheduler=True)
+    killed = task_jobs.credit_rq.enqueue("acct", "K-1", 10, 60.0)
+    horse = pid_of(rconn, "K-1")
+    info = lock_info("account:acct")
+    assert info is not None and info.pid == horse, info
+    os.kill(horse, signal.SIGKILL)
+    newer = task_jobs.credit_rq.enqueue("acct", "K-2", 5)
+    assert _refreshed(newer, crew=workers).status == OK, newer.errors
+    fences = dict(raw.decode().split(":") for raw in rconn.lrange("test:fences", 0, -1))
+    assert int(fences["K-2"]) > info.fence, (fences, info.fence)
+    assert "K-1" not in fences, "the killed run never wrote"
+    assert Account.objects.get().balance == 5
+    assert _refreshed(killed, crew=workers).status == FAILED  # RQ: abandoned, visible
+
+
+def _pause_past_ttl(workers, rconn, task):  # type: ignore[no-untyped-def]
+    """The holder of account:acct waits for its go flag; SIGSTOPped past its TTL, a newer
+    task writes 2; then the holder resumes into its own write of 1."""
+    _account()
+    workers.start()
+    workers.start()
+    paused = task.enqueue("acct", "P", 1)
+    horse = pid_of(rconn, "P")
+    os.kill(horse, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # past the 2 s TTL: the lock expires on the server
+        rconn.set("test:go:Q", 1)
+        newer = task.enqueue("acct", "Q", 2)
+        assert _refreshed(newer, 30, workers).status == OK, newer.errors
+        assert Account.objects.get().balance == 2
+        rconn.set("test:go:P", 1)
+    finally:
+        os.kill(horse, signal.SIGCONT)
+    return _refreshed(paused, 30, workers)
+
+
+@pytest.mark.slow
+def test_rq_stale_write_of_a_paused_holder_is_refused(workers, rconn, settings):
+    settings.JOBLOCK = {**settings.JOBLOCK, "ON_LOCK_LOST": "flag"}
+    workers.joblock = settings.JOBLOCK
+    paused = _pause_past_ttl(workers, rconn, task_jobs.paused_write)
+    assert paused.status == FAILED
+    assert paused.errors[0].exception_class_path.endswith("StaleFence"), paused.errors
+    assert Account.objects.get().balance == 2, "the newer holder's write stands"
+
+
+@pytest.mark.slow
+def test_rq_without_the_fence_the_stale_write_lands(workers, rconn, settings):
+    """Negative control for the test above."""
+    settings.JOBLOCK = {**settings.JOBLOCK, "ON_LOCK_LOST": "flag"}
+    workers.joblock = settings.JOBLOCK
+    paused = _pause_past_ttl(workers, rconn, task_jobs.unfenced_write)
+    assert paused.status == OK
+    assert Account.objects.get().balance == 1, "the stale write overwrote 2"
+    assert wait_for(lambda: rconn.llen("test:written") == 2, 5)
+
+
+@pytest.mark.slow
+def test_rq_requeued_task_returns_its_last_runs_value(workers, rconn):
+    workers.start(scheduler=True)
+    workers.start()
+    first = task_jobs.hold.enqueue(3, "r0", 3.0)
+    pid_of(rconn, "r0")
+    second = task_jobs.hold_requeue_only.enqueue(3, "r1", 0.1)
+    assert _refreshed(second, crew=workers).status == OK, second.errors
+    assert TaskJob.fetch(second.id, connection=rconn).meta["joblock"]["requeues"] >= 1
+    # django-tasks-rq 0.12 returned the first try's value: the Retry of the requeue (None).
+    assert second.return_value == "r1"
+    assert _refreshed(first, crew=workers).return_value == "r0"
