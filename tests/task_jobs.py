@@ -104,3 +104,30 @@ def hold(resource_id: int, label: str, seconds: float) -> str:
 def hold_requeue_only(resource_id: int, label: str, seconds: float) -> str:
     """``hold`` on the requeue path alone: a busy resource requeues with backoff."""
     return str(hold.spec.func(resource_id, label, seconds))
+
+
+def _seen(context, n: int) -> dict:  # type: ignore[no-untyped-def]
+    """What a task with context saw: its result id, attempt count and lock."""
+    held = current_lock()
+    assert held is not None
+    return {
+        "id": context.task_result.id,
+        "attempts": context.attempt,
+        "lock": held.resource,
+        "n": n,
+    }
+
+
+@locked_task(lock="res:{resource_id}", idempotency_key="ctx:{n}", takes_context=True)
+def with_context(context, resource_id: int, n: int) -> dict:  # type: ignore[no-untyped-def]
+    return _seen(context, n)
+
+
+@locked_task(lock="res:{resource_id}", idempotency_key="ctx:{n}", takes_context=True, backend="rq")
+def with_context_rq(context, resource_id: int, n: int) -> dict:  # type: ignore[no-untyped-def]
+    return _seen(context, n)
+
+
+@locked_task(lock="res:{resource_id}", idempotency_key="dd:{n}", dedupe=True, backend="rq")
+def deduped(resource_id: int, n: int) -> int:
+    return n

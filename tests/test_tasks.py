@@ -9,11 +9,14 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 
 from django_joblock import (
+    IdempotencyKeyMismatch,
     IdempotencyRecord,
     InvalidResource,
     LockNotAcquired,
@@ -268,3 +271,50 @@ def test_rq_requeued_task_returns_its_last_runs_value(workers, rconn):
     # django-tasks-rq 0.12 returned the first try's value: the Retry of the requeue (None).
     assert second.return_value == "r1"
     assert _refreshed(first, crew=workers).return_value == "r0"
+
+
+def test_takes_context_passes_the_context_and_keeps_it_out_of_templates(rconn):
+    first = task_jobs.with_context.enqueue(1, 5)
+    assert first.status == OK, first.errors
+    assert first.return_value == {"id": first.id, "attempts": 1, "lock": "res:1", "n": 5}
+    again = task_jobs.with_context.enqueue(1, 5)  # same key, same fingerprint: replayed
+    assert again.status == OK and again.return_value == first.return_value
+    with pytest.raises(TypeError, match="missing a required argument"):
+        task_jobs.with_context.enqueue(1)
+
+
+def test_dedupe_gives_one_rq_job_per_key(rconn):
+    first = task_jobs.deduped.enqueue(1, 7)
+    second = task_jobs.deduped.enqueue(1, 7)
+    assert first.id == second.id
+    assert task_jobs.deduped.get_result(first.id).status == READY
+    with pytest.raises(IdempotencyKeyMismatch):
+        task_jobs.deduped.enqueue(2, 7)  # the same key with other arguments
+    assert task_jobs.deduped.enqueue(1, 8).id != first.id
+
+
+@pytest.mark.slow
+def test_rq_context_and_run_after(workers, rconn):
+    workers.start(scheduler=True)
+    asked = timezone.now()
+    task = task_jobs.with_context_rq.using(run_after=asked + timedelta(seconds=2))
+    later = task.enqueue(2, 6)
+    assert task_jobs.with_context_rq.get_result(later.id).status == READY
+    assert _refreshed(later, crew=workers).status == OK, later.errors
+    assert later.return_value == {"id": later.id, "attempts": 1, "lock": "res:2", "n": 6}
+    assert later.started_at >= asked + timedelta(seconds=1), "ran at run_after (RQ: whole seconds)"
+
+
+@pytest.mark.slow
+def test_django_rq_rqworker_runs_tasks_with_the_job_class(workers, rconn):
+    _account()
+    plain = task_jobs.credit_rq.enqueue("acct", "W-1", 3)
+    # Negative control: rqworker with RQ's own job class cannot run a task (no such call).
+    workers.start(command="rqworker", burst=True).wait(60)
+    assert _refreshed(plain, crew=workers).status == FAILED
+    assert Account.objects.get().balance == 0
+    result = task_jobs.credit_rq.enqueue("acct", "W-2", 4)
+    workers.extra_args = ["--job-class=django_joblock.jobs.rq_tasks.Job"]
+    workers.start(command="rqworker", burst=True).wait(60)
+    assert _refreshed(result, crew=workers).status == OK, result.errors
+    assert Account.objects.get().balance == 4

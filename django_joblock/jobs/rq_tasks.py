@@ -10,6 +10,7 @@ which runs every other RQ job like ``rq.job.Job``, so one worker serves both."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -68,9 +69,13 @@ class RQBackend(django_tasks_rq.RQBackend):
         return result
 
     def get_result(self, result_id: str) -> Any:
-        try:  # by Job below (django-tasks-rq's reads a requeued task's return value wrong)
-            job = Job.fetch(result_id, connection=django_rq.get_connection())
-            return cast(Job, job).task_result
+        """By :class:`Job` (django-tasks-rq's reads a requeued task's return value wrong)."""
+        read = functools.partial(Job.fetch, result_id, connection=django_rq.get_connection())
+        try:
+            try:
+                return cast(Job, read()).task_result
+            except NoSuchJobError:  # (django-tasks-rq) a scheduled task moved between the
+                return cast(Job, read()).task_result  # reads of its status and its time
         except NoSuchJobError:
             raise TaskResultDoesNotExist(result_id) from None
 

@@ -9,6 +9,9 @@ resource and key are checked in ``enqueue()``, in the caller."""
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -23,6 +26,9 @@ except ImportError:  # Django 5.2: pip install django-tasks
         DEFAULT_TASK_QUEUE_NAME,
         Task,
     )
+
+
+_context: contextvars.ContextVar[Any] = contextvars.ContextVar("django_joblock_task_context")
 
 
 class LockedTask(Task):  # type: ignore[type-arg,misc,unused-ignore]
@@ -63,11 +69,12 @@ def locked_task(
     priority: int = 0,
     queue_name: str = DEFAULT_TASK_QUEUE_NAME,
     backend: str = DEFAULT_TASK_BACKEND_ALIAS,
+    takes_context: bool = False,
 ) -> Callable[[Callable[..., Any]], LockedTask]:
     """Django's ``@task`` with ``@locked_job``'s options (same meanings; docs/jobs.md) plus
-    ``@task``'s ``priority``, ``queue_name`` and ``backend``. Not here: ``takes_context`` (the
-    context is no task argument a template or fingerprint could use; ``current_lock()`` gives
-    the lock) and ``on_commit`` (enqueue in ``transaction.on_commit`` as Django advises)."""
+    ``@task``'s ``priority``, ``queue_name``, ``backend`` and ``takes_context`` (the context is
+    not one of the arguments templates and fingerprints see). Not here: ``on_commit`` (enqueue
+    in ``transaction.on_commit``, as Django advises)."""
     make = locked_job(
         queue_name,
         lock=lock,
@@ -86,7 +93,34 @@ def locked_task(
     def decorate(func: Callable[..., Any]) -> LockedTask:
         if isinstance(func, Task):
             raise TypeError(f"@locked_task {func.name}: put @locked_task in place of @task")
-        locked = make(func)
-        return LockedTask(func=locked, priority=priority, queue_name=queue_name, backend=backend)
+        if not takes_context:
+            locked = make(func)
+        else:  # the flow runs the function without its context: templates, fingerprint
+            params = list(inspect.signature(func).parameters.values())[1:]
+
+            def body(*args: Any, **kwargs: Any) -> Any:
+                return func(_context.get(), *args, **kwargs)
+
+            functools.update_wrapper(body, func)
+            del body.__wrapped__  # type: ignore[attr-defined]
+            body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+            inner = make(body)
+
+            @functools.wraps(func)
+            def locked(context: Any, *args: Any, **kwargs: Any) -> Any:
+                token = _context.set(context)
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    _context.reset(token)
+
+            locked.spec = inner.spec
+        return LockedTask(
+            func=locked,
+            priority=priority,
+            queue_name=queue_name,
+            backend=backend,
+            takes_context=takes_context,
+        )
 
     return decorate
