@@ -10,7 +10,10 @@ popularity (resource k drawn with weight 1/(k+1), fixed seed). W ``SimpleWorker`
 - plain RQ with RQ's own ``RateLimit(key=<resource>, concurrency=1)`` (rq >= 3.0);
 - ``@locked_job(lock="hot:{k}")`` as a new user writes it (admission, the new default);
 - ``@locked_job(..., admission=False)``: the requeue-only path (rq 2.x behaviour), which
-  waits for RQ's scheduler in whole seconds; run ``--requeue-rounds`` times only (it is slow).
+  waits for RQ's scheduler in whole seconds; run ``--requeue-rounds`` times only (it is slow);
+- ``@locked_task(lock="hot:{k}")``: the same as a Django task on django-joblock's RQ backend
+  (``django_joblock.jobs.rq_tasks.RQBackend``; the workers run ``joblock_worker``'s job class
+  for tasks, ``django_joblock.jobs.rq_tasks.Job``). Needs django-tasks-rq; skipped without it.
 
 Contenders alternate within each round (interleaved, so machine noise hits all alike).
 Printed per scenario and contender: makespan (first enqueue to last job end; median over
@@ -25,6 +28,7 @@ database: a throwaway SQLite file, migrated.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import statistics
@@ -46,18 +50,34 @@ from locks import private_redis  # noqa: E402
 from tests.procs.workers import WorkerProcesses  # noqa: E402
 
 QUEUE = "hot"
+#: The @locked_task contender runs (django-joblock's RQ backend is built on django-tasks-rq).
+TASKS = importlib.util.find_spec("django_tasks_rq") is not None
 
 
 def setup(url: str, db_path: str, *, migrate: bool) -> None:
     import django
     from django.conf import settings
 
+    apps = ["django.contrib.contenttypes", "django.contrib.auth", "django_joblock"]
+    tasks: dict[str, Any] = {}
+    if TASKS:  # the RQ backend's queues are django-rq's (the other contenders use them too)
+        apps.insert(2, "django_rq")
+        tasks = {
+            "RQ_QUEUES": {QUEUE: {"USE_REDIS_CACHE": "default"}},
+            "TASKS": {
+                "default": {
+                    "BACKEND": "django_joblock.jobs.rq_tasks.RQBackend",
+                    "QUEUES": [QUEUE],
+                }
+            },
+        }
     settings.configure(
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_joblock"],
+        INSTALLED_APPS=apps,
         DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db_path}},
         CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}},
         USE_TZ=True,
         JOBLOCK={"REQUEUE_MAX_WAIT": 3600},
+        **tasks,
     )
     django.setup()
     if migrate:
@@ -72,8 +92,30 @@ def worker_main(url: str, db_path: str, index: int) -> None:
     from django_joblock.worker import JoblockSimpleWorker
 
     queue = get_queue(QUEUE)
-    worker = JoblockSimpleWorker([queue], connection=queue.connection, name=f"hot-{index}")
+    # joblock_worker's default job class with django-tasks-rq: runs tasks and plain jobs alike.
+    job_class = {"job_class": "django_joblock.jobs.rq_tasks.Job"} if TASKS else {}
+    worker = JoblockSimpleWorker(
+        [queue], connection=queue.connection, name=f"hot-{index}", **job_class
+    )
     worker.work(with_scheduler=index == 0, logging_level="WARNING")
+
+
+def __getattr__(name: str) -> Any:
+    """``hot_key.hot_task``, the ``@locked_task`` contender, made on first use: a Django task
+    needs the settings, which this script configures at run time. Workers import it by that
+    dotted path (RQ refuses functions of ``__main__``)."""
+    if name != "hot_task":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from bench_jobs import _work
+
+    from django_joblock import locked_task
+
+    def hot_task(k: int, ms: float, tag: str) -> tuple[float, float]:
+        return _work(ms)
+
+    hot_task.__module__, hot_task.__qualname__ = __name__, "hot_task"
+    made = globals()["hot_task"] = locked_task(lock="hot:{k}", queue_name=QUEUE)(hot_task)
+    return made
 
 
 @dataclass
@@ -180,6 +222,12 @@ def main() -> int:
                 k, ms, tag
             ),
         }
+        if TASKS:
+            import hot_key  # this file as a module: the task's dotted path is hot_key.hot_task
+
+            contenders["@locked_task (RQ backend)"] = lambda k, ms, tag: hot_key.hot_task.enqueue(
+                k, ms, tag
+            )
         requeue = "@locked_job(admission=False), requeue"
         scenarios = {
             "1 resource": [0] * args.jobs,

@@ -19,6 +19,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django_rq",
     "django_joblock",
     "example_site.shop",
 ]
@@ -65,6 +66,11 @@ CACHES = {
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
     }
 }
+# django-rq's queues on that Redis: the demo's jobs and tasks run on DEMO_QUEUE.
+DEMO_QUEUE = os.environ.get("JOBLOCK_DEMO_QUEUE", "demo")
+RQ_QUEUES = {name: {"USE_REDIS_CACHE": "default"} for name in ("default", DEMO_QUEUE)}
+# Django tasks (shop/tasks.py) on RQ, with @locked_task's admission (docs/tasks.md).
+TASKS = {"default": {"BACKEND": "django_joblock.jobs.rq_tasks.RQBackend", "QUEUES": [DEMO_QUEUE]}}
 # Every key is optional; these are the defaults spelled out.
 JOBLOCK = {
     "REDIS_ALIAS": "default",

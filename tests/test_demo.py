@@ -1,5 +1,6 @@
 """The main job, end to end: ``manage.py joblock_demo --short`` on the example site, with real
-worker processes, a killed and a paused work horse, and its report's invariants."""
+worker processes, a killed and a paused work horse, a Django task (``@locked_task``) enqueued
+twice, and its report's invariants."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_demo_short_run_reports_all_invariants(tmp_path, redis_server):
         "PASS one receipt e-mail per order",
         "PASS overlaps of committed critical sections",
         "PASS no job lost or left failed",
+        "PASS a Django task (@locked_task) enqueued twice applied once",
         "PASS faults really injected",
     ):
         assert line in report, report
@@ -40,3 +42,5 @@ def test_demo_short_run_reports_all_invariants(tmp_path, redis_server):
     # Negative control inside the run: duplicates really arrived and were blocked.
     blocked = next(line for line in report.splitlines() if "duplicates blocked" in line)
     assert int(blocked.split()[-1]) > 0
+    task = next(line for line in report.splitlines() if "Django task" in line)
+    assert task.endswith("2 enqueues: SUCCESSFUL, SUCCESSFUL; ran + replayed"), task

@@ -71,6 +71,10 @@ def test_locked_task_is_a_django_task_with_the_spec():
 def test_bad_options_and_arguments_fail_in_the_caller(rconn):
     with pytest.raises(ValueError, match="on_conflict must be one of"):
         locked_task(lock="x:{a}", on_conflict="wait")
+    with pytest.raises(ValueError, match="job_timout is not an option of RQ's enqueue"):
+        locked_task(lock="res:{resource_id}", job_timout=5)(task_jobs.hold.spec.func)
+    with pytest.raises(TypeError, match="takes keywords"):
+        locked_task(task_jobs.hold.spec.func)
     with pytest.raises(TypeError, match="in place of @task"):
         locked_task(lock="x:{name}")(task_jobs.credit_inline)
     queued = rconn.llen("rq:queue:default")

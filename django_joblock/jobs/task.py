@@ -55,6 +55,8 @@ class LockedTask(Task):  # type: ignore[type-arg,misc,unused-ignore]
 
 
 def locked_task(
+    function: Callable[..., Any] | None = None,
+    /,
     *,
     lock: Template = None,
     idempotency_key: Template = None,
@@ -70,11 +72,17 @@ def locked_task(
     queue_name: str = DEFAULT_TASK_QUEUE_NAME,
     backend: str = DEFAULT_TASK_BACKEND_ALIAS,
     takes_context: bool = False,
+    **rq_options: Any,
 ) -> Callable[[Callable[..., Any]], LockedTask]:
     """Django's ``@task`` with ``@locked_job``'s options (same meanings; docs/jobs.md) plus
     ``@task``'s ``priority``, ``queue_name``, ``backend`` and ``takes_context`` (the context is
-    not one of the arguments templates and fingerprints see). Not here: ``on_commit`` (enqueue
-    in ``transaction.on_commit``, as Django advises)."""
+    not one of the arguments templates and fingerprints see). Other keywords are RQ's enqueue
+    options (``job_timeout``, ``retry``...), checked here and used on the RQ backend only. Not
+    here: ``on_commit`` (enqueue in ``transaction.on_commit``, as Django advises)."""
+    if function is not None:
+        name = getattr(function, "__qualname__", repr(function))
+        why = "takes keywords, e.g. @locked_task(lock='order:{order_id}')"
+        raise TypeError(f"@locked_task {why}; got the function {name!r}")
     make = locked_job(
         queue_name,
         lock=lock,
@@ -88,6 +96,7 @@ def locked_task(
         admission=admission,
         dedupe=dedupe,
         on_commit=False,
+        **rq_options,
     )
 
     def decorate(func: Callable[..., Any]) -> LockedTask:

@@ -76,6 +76,7 @@ class Demo:
         # the workers (they inherit it) and this process's outbox sweep deliver to it
         os.environ["JOBLOCK_DEMO_PROVIDER"] = self.provider.url
         self.jobs: list[Any] = []
+        self.tasks: list[Any] = []  # TaskResults of the Django task (shop/tasks.py)
         self.expected_refunds: dict[str, tuple[int, Decimal]] = {}
         self.faults: list[str] = []
 
@@ -91,12 +92,14 @@ class Demo:
 
         from .jobs import ALL
         from .models import Order, Receipt, Refund, Tenant
+        from .tasks import ALL as TASKS
 
         Receipt.objects.all().delete()
         Refund.objects.all().delete()
         Order.objects.all().delete()
         Tenant.objects.all().delete()
-        IdempotencyRecord.objects.filter(scope__in=[job.spec.name for job in ALL]).delete()
+        scopes = [job.spec.name for job in [*ALL, *TASKS]]
+        IdempotencyRecord.objects.filter(scope__in=scopes).delete()
         OutboxMessage.objects.filter(key__startswith="receipt:").delete()
         client = get_redis_connection("default")
         for key in client.smembers("demo:keys"):
@@ -151,6 +154,16 @@ class Demo:
         for tenant in tenants:
             for _ in range(3):
                 self.jobs.append(rebuild_tenant_cache.enqueue((tenant,), retry=retry))
+        self.enqueue_task(orders[0])
+
+    def enqueue_task(self, order: int) -> None:
+        """A goodwill refund as a Django task, enqueued twice: it must apply once."""
+        from .tasks import goodwill_refund
+
+        refund_id = f"G-{order}"
+        self.expected_refunds[refund_id] = (order, Decimal("5.00"))
+        for _ in range(2):
+            self.tasks.append(goodwill_refund.enqueue(order, refund_id, "5.00"))
 
     # -- faults --------------------------------------------------------------------------
     def _running_refund(self, exclude: set[int]) -> tuple[int, int] | None:
@@ -211,14 +224,22 @@ class Demo:
         return pid
 
     # -- run -----------------------------------------------------------------------------
-    def statuses(self) -> Counter[str]:
+    def statuses(self, ids: list[str] | None = None) -> Counter[str]:
+        """RQ statuses of the jobs (default) or of the RQ jobs with these ids (the tasks')."""
         from rq.job import Job
 
         from django_joblock.jobs.queues import get_queue
 
-        connection = get_queue("demo").connection
-        found = Job.fetch_many([job.id for job in self.jobs], connection=connection)
+        from .jobs import QUEUE
+
+        connection = get_queue(QUEUE).connection
+        ids = [job.id for job in self.jobs] if ids is None else ids
+        found = Job.fetch_many(ids, connection=connection)
         return Counter(job.get_status(refresh=False).value if job else "missing" for job in found)
+
+    def tasks_done(self) -> int:
+        counts = self.statuses([result.id for result in self.tasks])
+        return counts["finished"] + counts["failed"] + counts["missing"]
 
     def wait(self, limit: float) -> Counter[str]:
         started = time.monotonic()
@@ -227,11 +248,15 @@ class Demo:
         while True:
             counts = self.statuses()
             done = counts["finished"] + counts["failed"] + counts["missing"]
+            tasks = self.tasks_done()
             elapsed = time.monotonic() - started
             self.say(
                 f"  {elapsed:5.1f}s  jobs {done}/{len(self.jobs)} done  "
                 + "  ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                + f"  tasks {tasks}/{len(self.tasks)} done"
             )
+            if tasks < len(self.tasks):
+                done = -1  # not done until the tasks are
             if killed is None and elapsed > 2:
                 killed = self.kill_one()
                 ended.update([killed] if killed else [])
@@ -329,6 +354,7 @@ class Demo:
             "no job lost or left failed",
             f"{counts['finished']} of {len(self.jobs)} finished",
         )
+        report.check(*self.task_check())
         report.check(
             len(self.faults) == 2,
             "faults really injected",
@@ -336,6 +362,33 @@ class Demo:
         )
         report.fact("wall time", f"{elapsed:.0f}s")
         return report
+
+    def task_check(self) -> tuple[bool, str, str]:
+        """The Django task enqueued twice: both results successful with the same return
+        value, one run and one replay (the outcome in RQ's job meta, as for the jobs)."""
+        from django_joblock.jobs.queues import get_queue
+        from django_joblock.jobs.rq_tasks import Job
+
+        from .jobs import QUEUE
+
+        connection = get_queue(QUEUE).connection
+        statuses, values, outcomes = [], [], []
+        for result in self.tasks:
+            result.refresh()
+            statuses.append(str(result.status))
+            values.append(result.return_value if str(result.status) == "SUCCESSFUL" else None)
+            meta = Job.fetch(result.id, connection=connection).get_meta(refresh=True)
+            outcomes.append(meta.get("joblock", {}).get("outcome", "?"))
+        ok = (
+            statuses == ["SUCCESSFUL"] * len(self.tasks)
+            and sorted(outcomes) == ["ran", "replayed"]
+            and values[0] is not None
+            and values.count(values[0]) == len(values)
+        )
+        detail = (
+            f"{len(self.tasks)} enqueues: {', '.join(statuses)}; {' + '.join(sorted(outcomes))}"
+        )
+        return ok, "a Django task (@locked_task) enqueued twice applied once", detail
 
     def overlaps(self, client: Any) -> list[str]:
         from .models import Order, Tenant

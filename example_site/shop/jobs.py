@@ -9,6 +9,8 @@
   at ``JOBLOCK_DEMO_PROVIDER``), so a job killed before its commit has sent nothing.
 - ``rebuild_tenant_cache``: lock only. Rebuilding twice is harmless; twice at once is not.
 
+``tasks.goodwill_refund`` is a refund as a Django task (``@locked_task``), on the same lock.
+
 Every committed effect appends its [start, end] interval to a Redis list per resource, so the
 demo can prove no two committed critical sections overlapped.
 """
@@ -58,8 +60,13 @@ def _mark_running(name: str) -> None:
 
 @locked_job(QUEUE, lock="order:{order_id}", idempotency_key="refund:{refund_id}", ttl=2)
 def refund_order(order_id: int, refund_id: str, amount: str) -> dict[str, str]:
+    return apply_refund(order_id, refund_id, amount, running=f"refund {refund_id}")
+
+
+def apply_refund(order_id: int, refund_id: str, amount: str, *, running: str) -> dict[str, str]:
+    """A refund's effect, under the caller's ``order:{order_id}`` lock (a job's or a task's)."""
     started = time.time()
-    _mark_running(f"refund {refund_id}")
+    _mark_running(running)
     order = Order.objects.get(pk=order_id)
     time.sleep(WORK_SECONDS)  # the payment provider's refund API
     held = current_lock()

@@ -1,6 +1,6 @@
 """Chaos run: K RQ workers x N logical jobs over M resources on PostgreSQL, under real faults.
 
-    python -m tests.chaos.run                  # full: 8 workers x (2000 + 1000 + 1000) jobs
+    python -m tests.chaos.run                  # full: 8 workers x (2000 + 1000 + 1000 + 1000)
     python -m tests.chaos.run --short          # the version .ci/run runs (via pytest)
     python -m tests.chaos.run --negative       # fencing and idempotency off: must show damage
 
@@ -9,17 +9,21 @@ read-sleep-write, through ``fenced_update`` under ``@locked_job`` with an idempo
 a fifth of them are delivered twice (different job ids). Most wait for a busy resource parked
 by admission (the default); 15 % are enqueued with ``admission=False`` (holders outside
 admission: they requeue on contention and can take a lock that expired under a paused
-holder). Three phases, each with the same faults: **uniform** (jobs spread over M resources),
-**hot** (80 % of the jobs on 3 resources, the rest over 10) and **loaded** (as uniform, with
+holder). Four phases, each with the same faults: **uniform** (jobs spread over M resources),
+**hot** (80 % of the jobs on 3 resources, the rest over 10), **loaded** (as uniform, with
 every core busy: a load generator of one more busy process than cores competes with the
-workers, Redis and PostgreSQL for the CPU). Faults, injected for real while
+workers, Redis and PostgreSQL for the CPU) and **tasks** (as uniform, enqueued as Django tasks
+on django-joblock's RQ backend: ``@locked_task``, with the jobs' ``retry`` and ``job_timeout``;
+in the negative control a plain ``@task``). Faults, injected for real while
 the queues drain: SIGKILL of work horses and of worker parents, SIGSTOP of horses for longer
 than the lock TTL, one Redis restart (append-only file: the queues survive, as RQ needs),
 added latency and a short black hole in a TCP proxy between the workers and Redis.
 
 Checked afterwards: every logical job applied exactly once (or failed visibly with its
 reason); each balance equals the sum of its applied deltas; accepted fences increase per
-resource; no job lost; the queues drained within the bound. Per phase: drain time, requeues
+resource; no job lost; the queues drained within the bound (also per phase, with the
+applied, double and visibly failed jobs and the resources with a lost update). Per phase:
+drain time, requeues
 and the wait from enqueue to start (p50 / p99 / max, from each job's ``meta["joblock"]
 ["waited"]``). Prints a table and, with ``--json PATH``, writes the report as JSON. Exit
 status 1 if the run is damaged (safe mode) or shows no damage (negative control: then the run
@@ -61,6 +65,7 @@ class Chaos:
         self.hit: set[int] = set()
         self.rng = random.Random(args.seed)
         self.logical: dict[str, tuple[str, int]] = {}
+        self.phase_of: dict[str, str] = {}  # resource -> its phase
         self.deliveries: list[tuple[str, str]] = []  # (job id, logical id), every phase
         self.phases: dict[str, dict[str, Any]] = {}
 
@@ -128,7 +133,7 @@ class Chaos:
     # -- workload ------------------------------------------------------------------------
     def resources(self, phase: str) -> tuple[list[str], list[float]]:
         """The resources of a phase and their popularity weights."""
-        if phase in ("uniform", "loaded"):
+        if phase in ("uniform", "loaded", "tasks"):
             names = [f"{phase[0]}{i}" for i in range(self.args.resources)]
             return names, [1.0] * len(names)
         hot = ["h0", "h1", "h2"]
@@ -143,11 +148,19 @@ class Chaos:
         # This process's pooled connections may have died with a Redis restart: start afresh.
         get_redis_connection("default").connection_pool.disconnect()
 
-        from .jobs import apply, apply_direct, apply_unsafe, apply_unsafe_direct
+        from . import jobs as chaos_jobs
         from .models import Balance
 
-        parked, direct = (apply, apply_direct) if self.safe else (apply_unsafe, apply_unsafe_direct)
+        # (parked, direct): RQ jobs, or Django tasks in the Tasks phase (a plain @task in the
+        # negative control has no lock, so no admission either).
+        parked, direct = {
+            (False, True): (chaos_jobs.apply, chaos_jobs.apply_direct),
+            (False, False): (chaos_jobs.apply_unsafe, chaos_jobs.apply_unsafe_direct),
+            (True, True): (chaos_jobs.apply_task, chaos_jobs.apply_task_direct),
+            (True, False): (chaos_jobs.apply_plain_task, chaos_jobs.apply_plain_task),
+        }[phase == "tasks", self.safe]
         names, weights = self.resources(phase)
+        self.phase_of.update(dict.fromkeys(names, phase))
         Balance.objects.bulk_create([Balance(name=name) for name in names])
         deliveries: list[tuple[str, str]] = []  # (job id, logical id)
         retry = Retry(max=5, interval=1)
@@ -161,9 +174,11 @@ class Chaos:
             job = direct if self.rng.random() < 0.15 else parked
             copies = 2 if self.rng.random() < 0.2 else 1  # duplicate delivery
             for _ in range(copies):
-                # A short job_timeout lets RQ's registry cleanup hand the job of a worker that
-                # died with Redis (or hangs) to another worker within a short run.
-                queued = job.enqueue((resource, logical_id, delta), retry=retry, job_timeout=20)
+                if phase == "tasks":  # retry and job_timeout: the task's (jobs.py)
+                    queued = job.enqueue(resource, logical_id, delta)
+                else:  # A short job_timeout lets RQ's registry cleanup hand the job of a worker
+                    # that died with Redis (or hangs) to another worker within a short run.
+                    queued = job.enqueue((resource, logical_id, delta), retry=retry, job_timeout=20)
                 deliveries.append((queued.id, logical_id))
         self.deliveries += deliveries
         return deliveries
@@ -368,6 +383,27 @@ class Chaos:
         unordered = [
             r for r, seq in fences.items() if any(b <= a for a, b in itertools.pairwise(seq))
         ]
+        # The same findings per phase (a phase's resources and logical jobs are its own).
+        in_phase = Counter[tuple[str, str]]()
+        for logical_id, (resource, _delta) in self.logical.items():
+            phase = self.phase_of[resource]
+            in_phase[phase, "logical_jobs"] += 1
+            n = applied.get(logical_id, 0)
+            in_phase[phase, "applied_once"] += n == 1
+            in_phase[phase, "double_effects"] += n > 1
+        for finding, ids in (("failed_visibly", failed_visibly), ("lost_jobs", lost)):
+            for logical_id in ids:
+                in_phase[self.phase_of[self.logical[logical_id][0]], finding] += 1
+        for finding, resources in (
+            ("lost_updates_resources", wrong_sums),
+            ("stale_writes_accepted", unordered),
+        ):
+            for resource in resources:
+                in_phase[self.phase_of[resource], finding] += 1
+        findings = ("logical_jobs", "applied_once", "double_effects", "lost_updates_resources")
+        findings += ("stale_writes_accepted", "failed_visibly", "lost_jobs")
+        for phase, figures in self.phases.items():
+            figures.update({finding: in_phase[phase, finding] for finding in findings})
         from django_redis import get_redis_connection
 
         from django_joblock import backend, metrics
@@ -412,7 +448,9 @@ class Chaos:
                 self.start_worker()
             total, counts = 0.0, Counter[str]()
             phases = [("uniform", self.args.jobs), ("hot", self.args.hot_jobs)]
-            for phase, jobs in [*phases, ("loaded", self.args.loaded_jobs)]:
+            phases += [("loaded", self.args.loaded_jobs)]
+            phases += [("tasks", getattr(self.args, "tasks_jobs", 0))]  # (not in failover.py)
+            for phase, jobs in phases:
                 if not jobs:
                     continue
                 load = BusyCores() if phase == "loaded" else contextlib.nullcontext()
@@ -521,6 +559,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, help="logical jobs of the uniform phase")
     parser.add_argument("--hot-jobs", type=int, help="logical jobs of the hot phase (0: none)")
     parser.add_argument("--loaded-jobs", type=int, help="logical jobs of the loaded phase")
+    parser.add_argument("--tasks-jobs", type=int, help="logical jobs of the tasks phase")
     parser.add_argument("--resources", type=int, help="resources of the uniform phase")
     parser.add_argument("--kills", type=int)
     parser.add_argument("--pauses", type=int)
@@ -530,9 +569,10 @@ def main() -> int:
     parser.add_argument("--no-restart", action="store_true", help="skip the Redis restart")
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
-    names = ("workers", "jobs", "hot_jobs", "loaded_jobs", "resources", "kills", "pauses", "bound")
-    short = dict(zip(names, (4, 200, 100, 100, 10, 2, 1, 240), strict=True))
-    full = dict(zip(names, (8, 2000, 1000, 1000, 50, 5, 3, 900), strict=True))
+    names = ("workers", "jobs", "hot_jobs", "loaded_jobs", "tasks_jobs", "resources")
+    names += ("kills", "pauses", "bound")
+    short = dict(zip(names, (4, 200, 100, 100, 100, 10, 2, 1, 240), strict=True))
+    full = dict(zip(names, (8, 2000, 1000, 1000, 1000, 50, 5, 3, 900), strict=True))
     for key, value in (short if args.short else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -11,6 +11,7 @@ USE_TZ = True
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.auth",
+    "django_rq",
     "django_joblock",
     "tests.chaos",
 ]
@@ -22,6 +23,10 @@ CACHES = {
         "OPTIONS": {"SOCKET_CONNECT_TIMEOUT": 2, "SOCKET_TIMEOUT": 5},
     }
 }
+# The queue on the cache's connection (django-tasks-rq, for the Tasks phase, needs django-rq).
+RQ_QUEUES = {"chaos": {"USE_REDIS_CACHE": "default"}}
+# The Tasks phase (tests/chaos/jobs.py): Django tasks on RQ through django-joblock's backend.
+TASKS = {"default": {"BACKEND": "django_joblock.jobs.rq_tasks.RQBackend", "QUEUES": ["chaos"]}}
 SAFE = os.environ.get("CHAOS_MODE", "safe") == "safe"
 JOBLOCK = {
     "REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4},
@@ -39,7 +44,6 @@ if os.environ.get("CHAOS_SENTINELS"):
         (host, int(port))
         for host, port in (item.rsplit(":", 1) for item in os.environ["CHAOS_SENTINELS"].split(","))
     ]
-    INSTALLED_APPS.append("django_rq")
     RQ_QUEUES = {"chaos": {"URL": os.environ["CHAOS_REDIS_URL"]}}
     CACHES["locks"] = sentinel_cache(SENTINELS, os.environ["CHAOS_MASTER"])
     # --queues-on-sentinel: the queues on the same Sentinel group as the locks, with the
@@ -69,7 +73,6 @@ if os.environ.get("CHAOS_SENTINELS"):
 # The same run with the locks on Redis Cluster (tests/cluster_client.py reads the nodes from
 # JOBLOCK_TEST_CLUSTER_NODES).
 if os.environ.get("JOBLOCK_TEST_CLUSTER_NODES"):
-    INSTALLED_APPS.append("django_rq")
     RQ_QUEUES = {"chaos": {"URL": os.environ["CHAOS_REDIS_URL"]}}
     JOBLOCK["REDIS_CLIENT"] = "tests.cluster_client.make"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"

@@ -1,4 +1,6 @@
-"""The short chaos run inside the suite: no damage with the protections, damage without.
+"""The short chaos run inside the suite: no damage with the protections, damage without; for
+RQ jobs (``@locked_job``) and for Django tasks on django-joblock's RQ backend (``@locked_task``;
+the negative control: a plain ``@task``) alike.
 
 Each run is ``python -m tests.chaos.run`` in a subprocess (its own redis-server with an
 append-only file, a TCP proxy, a throwaway PostgreSQL database, real RQ workers). It needs
@@ -56,6 +58,9 @@ def test_short_chaos_run_loses_nothing_and_applies_nothing_twice(tmp_path):
     assert report["stale_writes_accepted"] == 0
     assert report["drained"] is True
     assert report["effects_applied_once"] == report["logical_jobs"]
+    phases: dict = report["phases"]  # type: ignore[assignment]
+    tasks = phases["tasks"]  # the Tasks phase ran, and on its own is whole too
+    assert tasks["logical_jobs"] > 0 and tasks["applied_once"] == tasks["logical_jobs"], tasks
     faults = " ".join(report["faults"])  # type: ignore[arg-type]
     for fault in ("SIGKILL worker parent", "Redis restarted", "black hole"):
         assert fault in faults, faults
@@ -67,3 +72,5 @@ def test_negative_control_without_fencing_and_idempotency_shows_damage(tmp_path)
     assert report["_exit"] == 0, report["_stdout"]
     assert report["verdict"].startswith("VALID")  # type: ignore[union-attr]
     assert report["double_effects"] + report["lost_updates_resources"] > 0  # type: ignore[operator]
+    tasks = report["phases"]["tasks"]  # type: ignore[index]
+    assert tasks["double_effects"] + tasks["lost_updates_resources"] > 0, "a plain @task shows it"
