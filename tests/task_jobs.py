@@ -131,3 +131,8 @@ def with_context_rq(context, resource_id: int, n: int) -> dict:  # type: ignore[
 @locked_task(lock="res:{resource_id}", idempotency_key="dd:{n}", dedupe=True, backend="rq")
 def deduped(resource_id: int, n: int) -> int:
     return n
+
+
+async def plain_async(n: int) -> int:
+    """A plain RQ job (no task, no lock) written as ``async def``: RQ awaits it."""
+    return n * 2

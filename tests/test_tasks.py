@@ -25,6 +25,7 @@ from django_joblock import (
     locked_task,
 )
 from django_joblock.jobs import admission
+from django_joblock.jobs.queues import get_queue
 from django_joblock.jobs.rq_tasks import Job as TaskJob
 from django_joblock.jobs.task import LockedTask
 from tests import jobs, task_jobs
@@ -322,3 +323,12 @@ def test_django_rq_rqworker_runs_tasks_with_the_job_class(workers, rconn):
     workers.start(command="rqworker", burst=True).wait(60)
     assert _refreshed(result, crew=workers).status == OK, result.errors
     assert Account.objects.get().balance == 4
+
+
+@pytest.mark.slow
+def test_plain_async_rq_job_still_runs_on_the_task_aware_worker(workers, rconn):
+    """joblock_worker's job class (tasks and plain jobs) awaits a plain async job as RQ does."""
+    job = get_queue("default").enqueue(task_jobs.plain_async, 21)
+    workers.start(simple=True, burst=True).wait(60)
+    assert wait_status(job, DONE, 30).value == "finished", workers.logs()
+    assert job.return_value(refresh=True) == 42

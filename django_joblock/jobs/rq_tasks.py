@@ -10,7 +10,9 @@ which runs every other RQ job like ``rq.job.Job``, so one worker serves both."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -81,12 +83,17 @@ class RQBackend(django_tasks_rq.RQBackend):
 
 
 class _Plain:
-    """An RQ job's function that is no task, as django-tasks-rq's ``Job`` calls tasks."""
+    """An RQ job's function that is no task, called as django-tasks-rq's ``Job`` calls tasks;
+    an ``async def`` job's coroutine runs to its end, as ``rq.job.Job`` runs it."""
 
     takes_context = False
 
     def __init__(self, func: Callable[..., Any]) -> None:
-        self.call = func
+        self.func = func
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.func(*args, **kwargs)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 class Job(django_tasks_rq.Job):

@@ -43,7 +43,8 @@ class LockedTask(Task):  # type: ignore[type-arg,misc,unused-ignore]
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise ``TypeError`` / ``ValueError`` now for arguments the task cannot run with."""
         arguments = self.spec.bind(args, kwargs)
-        self.spec.resource(arguments), self.spec.key(arguments)
+        self.spec.resource(arguments)
+        self.spec.key(arguments)
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Any:
         self.check(args, kwargs)
