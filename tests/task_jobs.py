@@ -8,29 +8,17 @@ import time
 
 from django_redis import get_redis_connection
 
-from django_joblock import current_lock, fenced_update, locked_task
-from tests.testapp.models import Account
-
-
-def _redis():  # type: ignore[no-untyped-def]
-    return get_redis_connection("default")
+from django_joblock import current_lock, locked_task
+from tests import jobs
 
 
 def _credit(name: str, credit_id: str, amount: int, seconds: float) -> dict:
-    """Fenced read-modify-write of a balance; counts its effect in Redis under credit_id."""
-    client = _redis()
-    client.set(f"test:pid:{credit_id}", os.getpid())
-    client.rpush("test:started", credit_id)
-    account = Account.objects.get(name=name)
-    time.sleep(seconds)
+    """``tests.jobs.credit``'s body (a fenced read-modify-write), then the fence it wrote with."""
+    result = jobs.credit.spec.func(name, credit_id, amount, seconds)
     held = current_lock()
-    assert held is not None and held.fence is not None
-    fenced_update(
-        Account.objects.filter(pk=account.pk), held.fence, balance=account.balance + amount
-    )
-    client.incr(f"test:effects:{credit_id}")
-    client.rpush("test:fences", f"{credit_id}:{held.fence}")
-    return {"credited": amount}
+    assert held is not None
+    get_redis_connection("default").rpush("test:fences", f"{credit_id}:{held.fence}")
+    return result
 
 
 LOCK, KEY = "account:{name}", "credit:{credit_id}"
@@ -56,42 +44,23 @@ def credit_or_skip(name: str, credit_id: str, amount: int) -> dict:
     return _credit(name, credit_id, amount, 0.0)
 
 
-def _wait_for_flag(label: str, limit: float = 60.0) -> None:
-    client = _redis()
-    client.set(f"test:pid:{label}", os.getpid())
-    deadline = time.monotonic() + limit
-    while not client.exists(f"test:go:{label}"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(label)
-        time.sleep(0.02)
-
-
+# As tests.jobs.paused_write / unfenced_write (see there), as tasks.
 @locked_task(lock="account:{name}", ttl=2, on_conflict="fail", backend="rq", admission=False)
 def paused_write(name: str, label: str, value: int) -> int:
-    """Waits for its go flag (a test pauses it meanwhile), then writes through the fence."""
-    _wait_for_flag(label)
-    held = current_lock()
-    assert held is not None and held.fence is not None
-    fenced_update(Account.objects.filter(name=name), held.fence, balance=value)
-    _redis().rpush("test:written", f"{label}:{held.fence}")
-    return value
+    return int(jobs.paused_write.spec.func(name, label, value))
 
 
 @locked_task(
     lock="account:{name}", ttl=2, on_conflict="fail", backend="rq", admission=False, atomic=False
 )
 def unfenced_write(name: str, label: str, value: int) -> int:
-    """The same without fencing: the negative control."""
-    _wait_for_flag(label)
-    Account.objects.filter(name=name).update(balance=value)
-    _redis().rpush("test:written", label)
-    return value
+    return int(jobs.unfenced_write.spec.func(name, label, value))
 
 
 @locked_task(lock="res:{resource_id}", ttl=2, backend="rq", atomic=False)
 def hold(resource_id: int, label: str, seconds: float) -> str:
     """Holds its resource for ``seconds``; logs when (the FIFO test reads the order)."""
-    client = _redis()
+    client = get_redis_connection("default")
     started = time.time()
     client.rpush("test:started", label)
     client.set(f"test:pid:{label}", os.getpid())
