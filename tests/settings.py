@@ -60,7 +60,7 @@ except ImportError:  # Django 5.2: the django-tasks backport
 TASKS = {
     "default": {"BACKEND": _IMMEDIATE},
     "rq": {"BACKEND": "django_joblock.jobs.rq_tasks.RQBackend", "QUEUES": ["default"]},
-    "db": {"BACKEND": "django_tasks_db.DatabaseBackend"},
+    "db": {"BACKEND": "django_tasks_db.DatabaseBackend", "QUEUES": []},  # any queue name
 }
 
 

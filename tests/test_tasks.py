@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.utils import timezone
 
 from django_joblock import (
@@ -22,9 +23,11 @@ from django_joblock import (
     LockNotAcquired,
     lock,
     lock_info,
+    locked_job,
     locked_task,
 )
 from django_joblock.jobs import admission
+from django_joblock.jobs.decorator import registry
 from django_joblock.jobs.queues import get_queue
 from django_joblock.jobs.rq_tasks import Job as TaskJob
 from django_joblock.jobs.task import LockedTask
@@ -332,3 +335,26 @@ def test_plain_async_rq_job_still_runs_on_the_task_aware_worker(workers, rconn):
     workers.start(simple=True, burst=True).wait(60)
     assert wait_status(job, DONE, 30).value == "finished", workers.logs()
     assert job.return_value(refresh=True) == 42
+
+
+def _nowhere(n: int) -> int:
+    return n
+
+
+_nowhere.__qualname__ = _nowhere.__name__ = "nowhere_task"  # module level for Django's checks
+
+
+def test_checks_look_only_at_tasks_that_run_on_rq(settings):
+    """A task on the database backend has no RQ queue: no E006 for a queue name RQ_QUEUES
+    lacks, no W012 for its scheduler; a @locked_job on that queue name gets E006."""
+    before = dict(registry)
+    try:
+        made = locked_task(lock="n:{n}", backend="db", queue_name="nowhere")(_nowhere)
+        assert not made.spec.on_rq and task_jobs.credit_rq.spec.on_rq
+        call_command("check")  # no SystemCheckError
+        locked_job("nowhere", lock="n:{n}")(_nowhere)  # the control: the same as an RQ job
+        with pytest.raises(SystemCheckError, match=r"E006.*nowhere"):
+            call_command("check")
+    finally:
+        registry.clear()
+        registry.update(before)

@@ -51,15 +51,18 @@ class LockedJob(Protocol[P, R_co]):
 registry: dict[str, JobSpec[Any, Any]] = {}  # every decorated job, by dotted name
 
 
-def registered_jobs() -> list[JobSpec[Any, Any]]:
-    """Every ``@locked_job``, after importing the ``jobs`` / ``tasks`` modules of the apps."""
+def registered_jobs(*, rq_only: bool = True) -> list[JobSpec[Any, Any]]:
+    """Every ``@locked_job`` and ``@locked_task`` (``rq_only``: only those that run on RQ, which
+    the checks, alerts and dashboard look at), after importing the apps' ``jobs`` / ``tasks``."""
     autodiscover_modules("jobs", "tasks")
-    return sorted(registry.values(), key=lambda spec: spec.name)
+    found = (spec for spec in registry.values() if spec.on_rq or not rq_only)
+    return sorted(found, key=lambda spec: spec.name)
 
 
 def idempotency_scopes() -> set[str]:
-    """The scopes the ``@locked_job`` jobs record under, and ``idempotent()``'s default ``""``."""
-    return {spec.scope for spec in registered_jobs() if spec.idempotency_key} | {""}
+    """The scopes the jobs and tasks record under, and ``idempotent()``'s default ``""``."""
+    specs = registered_jobs(rq_only=False)
+    return {spec.scope for spec in specs if spec.idempotency_key} | {""}
 
 
 def locked_job(

@@ -57,6 +57,7 @@ class JobSpec(Generic[P, R]):
     admission: bool = True
     dedupe: bool = False
     on_commit: bool = True
+    on_rq: bool = True  # False: a @locked_task whose backend runs it elsewhere (no RQ queue)
 
     @property
     def name(self) -> str:

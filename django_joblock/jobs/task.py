@@ -55,6 +55,16 @@ class LockedTask(Task):  # type: ignore[type-arg,misc,unused-ignore]
         return await super().aenqueue(*args, **kwargs)
 
 
+def _on_rq(task: LockedTask) -> bool:
+    """Does the task's backend run it on RQ (django-tasks-rq's backend, or ours)? The others
+    have no RQ queue for the checks' queue and scheduler findings, nor requeue."""
+    try:
+        from django_tasks_rq import RQBackend
+    except ImportError:
+        return False
+    return isinstance(task.get_backend(), RQBackend)
+
+
 def locked_task(
     function: Callable[..., Any] | None = None,
     /,
@@ -125,12 +135,14 @@ def locked_task(
                     _context.reset(token)
 
             locked.spec = inner.spec
-        return LockedTask(
+        task = LockedTask(
             func=locked,
             priority=priority,
             queue_name=queue_name,
             backend=backend,
             takes_context=takes_context,
         )
+        task.spec.on_rq = _on_rq(task)
+        return task
 
     return decorate
