@@ -44,8 +44,10 @@ def credit_or_skip(name: str, credit_id: str, amount: int) -> dict:
     return _credit(name, credit_id, amount, 0.0)
 
 
-# As tests.jobs.paused_write / unfenced_write (see there), as tasks.
-@locked_task(lock="account:{name}", ttl=2, on_conflict="fail", backend="rq", admission=False)
+# As tests.jobs.paused_write / unfenced_write, as tasks (see there for atomic= and admission=).
+@locked_task(
+    lock="account:{name}", ttl=2, on_conflict="fail", backend="rq", admission=False, atomic=False
+)
 def paused_write(name: str, label: str, value: int) -> int:
     return int(jobs.paused_write.spec.func(name, label, value))
 
