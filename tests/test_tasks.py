@@ -77,6 +77,8 @@ def test_bad_options_and_arguments_fail_in_the_caller(rconn):
         locked_task(lock="x:{a}", on_conflict="wait")
     with pytest.raises(ValueError, match="job_timout is not an option of RQ's enqueue"):
         locked_task(lock="res:{resource_id}", job_timout=5)(task_jobs.hold.spec.func)
+    with pytest.raises(ValueError, match=r"transaction\.on_commit"):
+        locked_task(lock="res:{resource_id}", on_commit=True)
     with pytest.raises(TypeError, match="takes keywords"):
         locked_task(task_jobs.hold.spec.func)
     with pytest.raises(TypeError, match="in place of @task"):

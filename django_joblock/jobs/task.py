@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from .decorator import locked_job
-from .spec import JobSpec, OnConflict, Template
+from .spec import JobSpec
 
 try:  # Django >= 6.0
     from django.tasks.base import DEFAULT_TASK_BACKEND_ALIAS, DEFAULT_TASK_QUEUE_NAME, Task
@@ -69,46 +69,25 @@ def locked_task(
     function: Callable[..., Any] | None = None,
     /,
     *,
-    lock: Template = None,
-    idempotency_key: Template = None,
-    ttl: float | None = None,
-    heartbeat: bool = True,
-    on_conflict: str = OnConflict.REQUEUE,
-    max_wait: float | None = None,
-    on_lost: Callable[..., Any] | None = None,
-    atomic: bool = True,
-    admission: bool = True,
-    dedupe: bool = False,
     priority: int = 0,
     queue_name: str = DEFAULT_TASK_QUEUE_NAME,
     backend: str = DEFAULT_TASK_BACKEND_ALIAS,
     takes_context: bool = False,
-    **rq_options: Any,
+    **options: Any,
 ) -> Callable[[Callable[..., Any]], LockedTask]:
-    """Django's ``@task`` with ``@locked_job``'s options (same meanings; docs/jobs.md) plus
-    ``@task``'s ``priority``, ``queue_name``, ``backend`` and ``takes_context`` (the context is
-    not one of the arguments templates and fingerprints see). Other keywords are RQ's enqueue
-    options (``job_timeout``, ``retry``...), checked here and used on the RQ backend only. Not
-    here: ``on_commit`` (enqueue in ``transaction.on_commit``, as Django advises)."""
+    """Django's ``@task`` (``priority``, ``queue_name``, ``backend``, ``takes_context``: the
+    context is not one of the arguments templates and fingerprints see) with ``@locked_job``'s
+    keywords: ``lock``, ``idempotency_key``, ``ttl``... (same meanings and checks; docs/jobs.md),
+    RQ's enqueue options among them (``job_timeout``, ``retry``...: the RQ backend only). Not
+    ``on_commit``: enqueue in ``transaction.on_commit``, as Django advises."""
     if function is not None:
         name = getattr(function, "__qualname__", repr(function))
         why = "takes keywords, e.g. @locked_task(lock='order:{order_id}')"
         raise TypeError(f"@locked_task {why}; got the function {name!r}")
-    make = locked_job(
-        queue_name,
-        lock=lock,
-        idempotency_key=idempotency_key,
-        ttl=ttl,
-        heartbeat=heartbeat,
-        on_conflict=on_conflict,
-        max_wait=max_wait,
-        on_lost=on_lost,
-        atomic=atomic,
-        admission=admission,
-        dedupe=dedupe,
-        on_commit=False,
-        **rq_options,
-    )
+    if "on_commit" in options:
+        why = "on_commit= is @locked_job's; enqueue in transaction.on_commit(lambda: ...)"
+        raise ValueError(f"@locked_task: {why}")
+    make = locked_job(queue_name, on_commit=False, **options)
 
     def decorate(func: Callable[..., Any]) -> LockedTask:
         if isinstance(func, Task):
