@@ -310,9 +310,11 @@ def test_restarted_primary_forgets_the_lock_and_the_fence_refuses_the_stale_hold
     assert fresh.acquire(), "the restart forgot the lock: a second holder gets in"
     assert fresh.fence > stale.fence  # type: ignore[operator]
     fenced_update(rows, fresh.fence, balance=10)  # type: ignore[arg-type]
-    # The heartbeat finds the key no longer its token and declares the lock lost...
+    # The heartbeat finds the key no longer its token and declares the lock lost (or, on a
+    # busy machine, its client still saw the cluster down until the validity deadline)...
     assert wait_for(lambda: stale.lost, 15), stale.state
-    assert stale.lost_reason in ("taken by another owner", "expired"), stale.lost_reason
+    reasons = ("taken by another owner", "expired", "renewals failing")
+    assert stale.lost_reason.startswith(reasons), stale.lost_reason
     # ... and the database refuses the stale holder's late write.
     with pytest.raises(StaleFence):
         fenced_update(rows, stale.fence, balance=666)  # type: ignore[arg-type]
