@@ -76,6 +76,7 @@ def setup(url: str, db_path: str, *, migrate: bool) -> None:
         DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": db_path}},
         CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}},
         USE_TZ=True,
+        SECRET_KEY="bench",  # migrate claims KEY_PREFIX with it (W016)
         JOBLOCK={"REQUEUE_MAX_WAIT": 3600},
         **tasks,
     )
@@ -171,7 +172,12 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> int:
+REQUEUE = "@locked_job(admission=False), requeue"
+RATE_LIMIT = "plain RQ + RateLimit(concurrency=1)"
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line (``--worker``, ``--url`` and ``--db``: a worker process's own)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=60)
     parser.add_argument("--ms", type=float, default=50.0)
@@ -183,7 +189,122 @@ def main() -> int:
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--db", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def start_workers(crew: WorkerProcesses, queue: Any, url: str, db_path: str, count: int) -> None:
+    """Start ``count`` worker processes of this script and wait until they are all registered
+    and the first one's scheduler runs."""
+    from rq import Worker
+    from rq.scheduler import RQScheduler
+
+    for index in range(count):
+        crew.start(
+            [sys.executable, __file__, "--worker", str(index), "--url", url, "--db", db_path]
+        )
+    deadline = time.monotonic() + 60
+    while len(Worker.all(queue=queue)) < count or not queue.connection.exists(
+        RQScheduler.get_locking_key(QUEUE)
+    ):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"workers did not start:\n{crew.logs()}")
+        time.sleep(0.1)
+
+
+def make_contenders(queue: Any) -> dict[str, Callable[..., Any]]:
+    """name -> enqueue one job ``(k, ms, tag)`` on resource ``k``, the contender's way."""
+    from bench_jobs import hot_locked, hot_plain, hot_requeue
+    from rq import RateLimit
+
+    contenders: dict[str, Callable[..., Any]] = {
+        RATE_LIMIT: lambda k, ms, tag: queue.enqueue(
+            hot_plain, args=(k, ms, tag), rate_limit=RateLimit(key=f"hot:{k}", concurrency=1)
+        ),
+        "@locked_job (admission, default)": lambda k, ms, tag: hot_locked.delay(k, ms, tag),
+        REQUEUE: lambda k, ms, tag: hot_requeue.delay(k, ms, tag),
+    }
+    if TASKS:
+        import hot_key  # this file as a module: the task's dotted path is hot_key.hot_task
+
+        contenders["@locked_task (RQ backend)"] = lambda k, ms, tag: hot_key.hot_task.enqueue(
+            k, ms, tag
+        )
+    return contenders
+
+
+def run_scenario(
+    queue: Any, keys: list[int], args: argparse.Namespace, contenders: dict[str, Callable[..., Any]]
+) -> dict[str, list[Sample]]:
+    """Drain ``keys`` with each contender in turn, round after round (the requeue path for
+    ``--requeue-rounds`` only); contender -> its samples."""
+    samples: dict[str, list[Sample]] = {name: [] for name in contenders}
+    for round_no in range(max(args.rounds, args.requeue_rounds)):
+        for name, enqueue in contenders.items():
+            limit = args.requeue_rounds if name == REQUEUE else args.rounds
+            if round_no < limit:
+                samples[name].append(drain(queue, keys, args.ms, args.workers, enqueue))
+    return samples
+
+
+def print_header(args: argparse.Namespace) -> None:
+    """The run's parameters and the table's header."""
+    print(
+        f"{args.jobs} jobs x {args.ms:g} ms, {args.workers} SimpleWorkers (one with the "
+        f"scheduler); {args.rounds} interleaved rounds ({args.requeue_rounds} for the "
+        "requeue path)\n",
+        flush=True,
+    )
+    header = (
+        f"{'scenario':22} {'contender':38} {'makespan':>9} {'effic.':>7} "
+        f"{'vs RateLimit':>12} {'requeues/job':>12} {'p50 wait':>9} {'p99 wait':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+
+
+def print_scenario(scenario: str, samples: dict[str, list[Sample]]) -> None:
+    """The table's rows of one scenario: its serial floor, then one row per contender that
+    ran."""
+    floor = samples[next(iter(samples))][0].floor
+    print(
+        f"{scenario:22} {'serial floor':38} {floor:8.2f}s {1.0:7.2f} "
+        f"{'':>12} {'':>12} {'':>9} {'':>9}"
+    )
+    base = samples[RATE_LIMIT]
+    for name, runs in samples.items():
+        if not runs:
+            continue
+        makespan = statistics.median(s.makespan for s in runs)
+        ratios = [b.makespan / s.makespan for b, s in zip(base, runs, strict=False)]
+        waits = [w for s in runs for w in s.waits]
+        requeues = sum(s.requeues for s in runs) / sum(s.jobs for s in runs)
+        print(
+            f"{scenario:22} {name:38} {makespan:8.2f}s {floor / makespan:7.2f} "
+            f"{statistics.median(ratios):11.2f}x {requeues:12.2f} "
+            f"{quantile(waits, 0.5):8.2f}s {quantile(waits, 0.99):8.2f}s",
+            flush=True,
+        )
+
+
+def benchmark(args: argparse.Namespace, url: str, db_path: str, crew: WorkerProcesses) -> None:
+    """Set up Django, start the workers, and print the table of every scenario."""
+    setup(url, db_path, migrate=True)
+    from django_joblock.jobs.queues import get_queue
+
+    queue = get_queue(QUEUE)
+    start_workers(crew, queue, url, db_path, args.workers)
+    contenders = make_contenders(queue)
+    scenarios = {
+        "1 resource": [0] * args.jobs,
+        f"{args.resources} resources, Zipf": zipf_keys(args.jobs, args.resources, args.seed),
+    }
+    print_header(args)
+    for scenario, keys in scenarios.items():
+        print_scenario(scenario, run_scenario(queue, keys, args, contenders))
+
+
+def main() -> int:
+    args = parse_args()
     if args.worker is not None:
         worker_main(args.url, args.db, args.worker)
         return 0
@@ -193,84 +314,7 @@ def main() -> int:
     crew = WorkerProcesses(cwd=HERE.parent)
     drained = False
     try:
-        setup(url, db.name, migrate=True)
-        from bench_jobs import hot_locked, hot_plain, hot_requeue
-        from rq import RateLimit, Worker
-        from rq.scheduler import RQScheduler
-
-        from django_joblock.jobs.queues import get_queue
-
-        queue = get_queue(QUEUE)
-        for index in range(args.workers):
-            crew.start(
-                [sys.executable, __file__, "--worker", str(index), "--url", url, "--db", db.name]
-            )
-        deadline = time.monotonic() + 60
-        while len(Worker.all(queue=queue)) < args.workers or not queue.connection.exists(
-            RQScheduler.get_locking_key(QUEUE)
-        ):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"workers did not start:\n{crew.logs()}")
-            time.sleep(0.1)
-
-        contenders: dict[str, Callable[..., Any]] = {
-            "plain RQ + RateLimit(concurrency=1)": lambda k, ms, tag: queue.enqueue(
-                hot_plain, args=(k, ms, tag), rate_limit=RateLimit(key=f"hot:{k}", concurrency=1)
-            ),
-            "@locked_job (admission, default)": lambda k, ms, tag: hot_locked.delay(k, ms, tag),
-            "@locked_job(admission=False), requeue": lambda k, ms, tag: hot_requeue.delay(
-                k, ms, tag
-            ),
-        }
-        if TASKS:
-            import hot_key  # this file as a module: the task's dotted path is hot_key.hot_task
-
-            contenders["@locked_task (RQ backend)"] = lambda k, ms, tag: hot_key.hot_task.enqueue(
-                k, ms, tag
-            )
-        requeue = "@locked_job(admission=False), requeue"
-        scenarios = {
-            "1 resource": [0] * args.jobs,
-            f"{args.resources} resources, Zipf": zipf_keys(args.jobs, args.resources, args.seed),
-        }
-        print(
-            f"{args.jobs} jobs x {args.ms:g} ms, {args.workers} SimpleWorkers (one with the "
-            f"scheduler); {args.rounds} interleaved rounds ({args.requeue_rounds} for the "
-            "requeue path)\n",
-            flush=True,
-        )
-        header = (
-            f"{'scenario':22} {'contender':38} {'makespan':>9} {'effic.':>7} "
-            f"{'vs RateLimit':>12} {'requeues/job':>12} {'p50 wait':>9} {'p99 wait':>9}"
-        )
-        print(header)
-        print("-" * len(header))
-        for scenario, keys in scenarios.items():
-            samples: dict[str, list[Sample]] = {name: [] for name in contenders}
-            for round_no in range(max(args.rounds, args.requeue_rounds)):
-                for name, enqueue in contenders.items():
-                    limit = args.requeue_rounds if name == requeue else args.rounds
-                    if round_no < limit:
-                        samples[name].append(drain(queue, keys, args.ms, args.workers, enqueue))
-            floor = samples[next(iter(contenders))][0].floor
-            print(
-                f"{scenario:22} {'serial floor':38} {floor:8.2f}s {1.0:7.2f} "
-                f"{'':>12} {'':>12} {'':>9} {'':>9}"
-            )
-            base = samples["plain RQ + RateLimit(concurrency=1)"]
-            for name, runs in samples.items():
-                if not runs:
-                    continue
-                makespan = statistics.median(s.makespan for s in runs)
-                ratios = [b.makespan / s.makespan for b, s in zip(base, runs, strict=False)]
-                waits = [w for s in runs for w in s.waits]
-                requeues = sum(s.requeues for s in runs) / sum(s.jobs for s in runs)
-                print(
-                    f"{scenario:22} {name:38} {makespan:8.2f}s {floor / makespan:7.2f} "
-                    f"{statistics.median(ratios):11.2f}x {requeues:12.2f} "
-                    f"{quantile(waits, 0.5):8.2f}s {quantile(waits, 0.99):8.2f}s",
-                    flush=True,
-                )
+        benchmark(args, url, db.name, crew)
         drained = True
     finally:
         crew.stop()  # each worker and its scheduler process

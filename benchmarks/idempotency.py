@@ -52,6 +52,7 @@ def setup(url: str) -> tuple[str, Any]:
             }
         },
         USE_TZ=True,
+        SECRET_KEY="bench",  # migrate claims KEY_PREFIX with it (W016)
     )
     django.setup()
     from django.core.management import call_command

@@ -87,6 +87,7 @@ def setup(url: str, db: dict[str, Any]) -> None:
         DATABASES={"default": {**db, "CONN_MAX_AGE": 600}},
         CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url}},
         USE_TZ=True,
+        SECRET_KEY="bench",  # migrate claims KEY_PREFIX with it (W016)
     )
     django.setup()
     from django.core.management import call_command

@@ -81,10 +81,7 @@ def setup_django(url: str, metrics: bool | None = None) -> None:
 
 def contenders(url: str) -> dict[str, Callable[[str], Any]]:
     """name -> one acquire+release cycle on a resource."""
-    import redis
     from django_redis import get_redis_connection
-
-    from django_joblock import Lock
 
     client = get_redis_connection("default")
     release_sha = client.script_load(RELEASE)
@@ -104,51 +101,68 @@ def contenders(url: str) -> dict[str, Callable[[str], Any]]:
         "raw SET NX PX + Lua release (floor)": raw_floor,
         "redis-py Lock": redis_py,
     }
+    found.update(python_redis_lock_contenders(client))
+    found.update(pottery_contenders(url))
+    found[SCRIPTS_ONLY] = scripts_only()
+    found["django-joblock, heartbeat off"] = joblock_cycle(False)
+    found["django-joblock, heartbeat on"] = joblock_cycle(True)
+    found[METRICS_OFF] = joblock_cycle(True)
+    return found
+
+
+def python_redis_lock_contenders(client: Any) -> dict[str, Callable[[str], None]]:
+    """python-redis-lock's cycles without and with ``auto_renewal``, on ``client``; none when
+    it is not installed."""
     try:
         import redis_lock
-
-        # python-redis-lock wants decoded responses off; django-redis' client fits.
-        def prl(auto: bool) -> Callable[[str], None]:
-            def cycle(resource: str) -> None:
-                held = redis_lock.Lock(client, f"prl:{resource}", expire=30, auto_renewal=auto)
-                if held.acquire(blocking=False):
-                    held.release()
-
-            return cycle
-
-        found["python-redis-lock"] = prl(False)
-        found["python-redis-lock auto_renewal"] = prl(True)
     except ImportError:
         print("(python-redis-lock not installed: pip install --group bench)")
-    try:
-        from pottery import Redlock
+        return {}
 
-        pottery_client = redis.Redis.from_url(url)
-
-        def pottery_cycle(resource: str) -> None:
-            held = Redlock(
-                key=f"bench:pottery:{resource}", masters={pottery_client}, auto_release_time=30
-            )
-            if held.acquire(blocking=False):
-                held.release()
-
-        found["pottery Redlock (1 master)"] = pottery_cycle
-    except ImportError:
-        print("(pottery not installed: pip install --group bench)")
-
-    def ours(heartbeat: bool) -> Callable[[str], None]:
+    # python-redis-lock wants decoded responses off; django-redis' client fits.
+    def prl(auto: bool) -> Callable[[str], None]:
         def cycle(resource: str) -> None:
-            held = Lock(resource, ttl=30, heartbeat=heartbeat)
-            if held.acquire():
+            held = redis_lock.Lock(client, f"prl:{resource}", expire=30, auto_renewal=auto)
+            if held.acquire(blocking=False):
                 held.release()
 
         return cycle
 
-    found[SCRIPTS_ONLY] = scripts_only()
-    found["django-joblock, heartbeat off"] = ours(False)
-    found["django-joblock, heartbeat on"] = ours(True)
-    found[METRICS_OFF] = ours(True)
-    return found
+    return {"python-redis-lock": prl(False), "python-redis-lock auto_renewal": prl(True)}
+
+
+def pottery_contenders(url: str) -> dict[str, Callable[[str], None]]:
+    """pottery's ``Redlock`` cycle on one master at ``url``; none when pottery is not
+    installed."""
+    try:
+        from pottery import Redlock
+    except ImportError:
+        print("(pottery not installed: pip install --group bench)")
+        return {}
+    import redis
+
+    pottery_client = redis.Redis.from_url(url)
+
+    def pottery_cycle(resource: str) -> None:
+        held = Redlock(
+            key=f"bench:pottery:{resource}", masters={pottery_client}, auto_release_time=30
+        )
+        if held.acquire(blocking=False):
+            held.release()
+
+    return {"pottery Redlock (1 master)": pottery_cycle}
+
+
+def joblock_cycle(heartbeat: bool) -> Callable[[str], None]:
+    """Our ``Lock``'s cycle, with its heartbeat on or off."""
+    from django_joblock import Lock
+
+    def cycle(resource: str) -> None:
+        held = Lock(resource, ttl=30, heartbeat=heartbeat)
+        if held.acquire():
+            held.release()
+
+    return cycle
 
 
 METRICS_OFF = "django-joblock, heartbeat on, metrics off"

@@ -25,6 +25,8 @@ from .exceptions import (
 )
 from .idempotency.claims import Claim, fingerprint_of, idempotent
 from .jobs.decorator import locked_job
+from .jobs.outcomes import JobOutcome
+from .jobs.spec import OnConflict
 from .locks.fencing import fenced_update
 from .locks.info import LockInfo, lock_info
 from .locks.lock import Lock, LockState, current_lock, lock
@@ -39,6 +41,7 @@ __all__ = [
     "IdempotencyKeyMismatch",
     "IdempotencyRecord",
     "InvalidResource",
+    "JobOutcome",
     "JoblockConfigError",
     "JoblockError",
     "Lock",
@@ -49,12 +52,14 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockState",
+    "OnConflict",
     "OutboxMessage",
     "ResourceInTransaction",
     "StaleFence",
     "current_lock",
     "fenced_update",
     "fingerprint_of",
+    "force_release",
     "idempotent",
     "lock",
     "lock_info",
@@ -67,9 +72,15 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # Models import only once the app registry is ready: lazily, so that settings files can
     # ``import django_joblock``. FencedModel comes from its own module (app uninstalled);
-    # locked_task needs Django >= 6 or the django-tasks backport.
-    module = {"FencedModel": "fenced", "IdempotencyRecord": "models", "OutboxMessage": "models"}
-    module["locked_task"] = "jobs.task"
+    # locked_task needs Django >= 6 or the django-tasks backport; force_release writes the
+    # audit log (a model).
+    module = {
+        "FencedModel": "fenced",
+        "IdempotencyRecord": "models",
+        "force_release": "monitor.control",
+        "OutboxMessage": "models",
+        "locked_task": "jobs.task",
+    }
     if name in module:
         return getattr(importlib.import_module(f".{module[name]}", __name__), name)
     raise AttributeError(f"module 'django_joblock' has no attribute {name!r}")

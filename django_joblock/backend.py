@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,17 +46,32 @@ MAX_BLOCK = 1.0  # longest single BLPOP of a waiting acquire, seconds
 
 # Redis Cluster's "cannot serve you now": a node down (CLUSTERDOWN, redis-py drops the prefix),
 # a slot moving (TRYAGAIN; ClusterError when MOVED/ASK rounds exhaust redis-py's TTL), no node.
-_CLUSTER_NAMES = "ClusterError TryAgainError SlotNotCoveredError RedisClusterUnreachableError"
-_CLUSTER_UNAVAILABLE = tuple(  # (RedisClusterUnreachableError: redis-py >= 5.1)
-    getattr(redis_exceptions, name)
-    for name in _CLUSTER_NAMES.split()
-    if hasattr(redis_exceptions, name)
+_CLUSTER_NAMES = (
+    "ClusterError",
+    "TryAgainError",
+    "SlotNotCoveredError",
+    "RedisClusterUnreachableError",  # redis-py >= 5.1
 )
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, ResponseError, OSError)
-REDIS_ERRORS += _CLUSTER_UNAVAILABLE
+_CLUSTER_UNAVAILABLE = tuple(
+    getattr(redis_exceptions, name) for name in _CLUSTER_NAMES if hasattr(redis_exceptions, name)
+)
+REDIS_ERRORS = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ResponseError,
+    OSError,
+    *_CLUSTER_UNAVAILABLE,
+)
 # Server replies that mean "cannot serve you now", as opposed to a bug in a command.
-_UNAVAILABLE_PREFIXES = tuple(
-    "OOM LOADING BUSY READONLY MASTERDOWN CLUSTERDOWN TRYAGAIN NOREPLICAS".split()
+_UNAVAILABLE_PREFIXES = (
+    "OOM",
+    "LOADING",
+    "BUSY",
+    "READONLY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "NOREPLICAS",
 )
 # redis-py maps some of those replies to classes of their own (without the prefix).
 _UNAVAILABLE_CLASSES = (
@@ -66,7 +82,7 @@ _UNAVAILABLE_CLASSES = (
 )
 
 _bases: dict[str, Any] = {}
-_clients: dict[tuple[str, float, bool], Any] = {}
+_clients: dict[tuple[str, float, str], Any] = {}
 _guard = threading.Lock()
 
 
@@ -81,27 +97,52 @@ def connection(alias: str) -> Any:
     return base
 
 
+def cache_argument(cache: str | None, using: str | None) -> str | None:
+    """The cache alias a caller chose: ``cache=``, or ``using=``, its old name (deprecated: in
+    Django ``using`` names a database), with a ``DeprecationWarning`` at the caller's call."""
+    if using is None:
+        return cache
+    if cache is not None:
+        raise TypeError(f"give the cache alias once: cache={cache!r} or using={using!r}")
+    message = "using= is deprecated for a lock's cache alias: pass cache= (using= names databases)"
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return using
+
+
 def client(alias: str | None = None, timeout: float | None = None) -> Any:
     """The command client of ``alias`` (default ``REDIS_ALIAS``, the locks' own): sockets time
     out after ``timeout`` s (default ``REDIS_TIMEOUT``)."""
     settings = conf.get()
-    alias, timeout = alias or settings.REDIS_ALIAS, timeout or settings.REDIS_TIMEOUT
-    return _dedicated(alias, timeout, blocking=False)
+    alias = alias or settings.REDIS_ALIAS
+    timeout = timeout or settings.REDIS_TIMEOUT
+    return _dedicated(alias, timeout, "commands")
+
+
+def renewal_client(alias: str | None = None, timeout: float | None = None) -> Any:
+    """:func:`client` for the renewal thread, a client object of its own: redis-py 5's Redis
+    Cluster client, on a node's connection error, disconnects every connection of its nodes'
+    pools, those other threads are reading from included (CI: a release failed with "I/O
+    operation on closed file" while a node was down)."""
+    settings = conf.get()
+    return _dedicated(alias or settings.REDIS_ALIAS, timeout or settings.REDIS_TIMEOUT, "renewal")
 
 
 def blocking_client(alias: str) -> Any:
     """The client waiting acquires block on: its sockets outlast any ``BLPOP`` block."""
-    return _dedicated(alias, MAX_BLOCK + conf.get().REDIS_TIMEOUT, blocking=True)
+    return _dedicated(alias, MAX_BLOCK + conf.get().REDIS_TIMEOUT, "blocking")
 
 
-def _dedicated(alias: str, timeout: float, *, blocking: bool) -> Any:
-    key = (alias, timeout, blocking)
+def _dedicated(alias: str, timeout: float, role: str) -> Any:
+    """The cached client of ``alias`` with ``timeout``-second sockets for ``role``: "commands",
+    "renewal" or "blocking" (one connection per concurrent caller)."""
+    key = (alias, timeout, role)
     found = _clients.get(key)
     if found is None:
         with _guard:
             found = _clients.get(key)
             if found is None:
-                found = _clients[key] = dedicated(connection(alias), timeout, grow=blocking)
+                found = dedicated(connection(alias), timeout, grow=role == "blocking")
+                _clients[key] = found
     return found
 
 
@@ -140,8 +181,16 @@ def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
 # Arguments RedisCluster puts among its nodes' connection arguments itself (bound to that
 # client, or its retry policy): a new client must not inherit them.
 _CLUSTER_OWN_KWARGS = frozenset(
-    "host port retry retry_on_error retry_on_timeout redis_connect_func "
-    "oss_cluster_maint_notifications_handler maint_notifications_config".split()
+    {
+        "host",
+        "port",
+        "retry",
+        "retry_on_error",
+        "retry_on_timeout",
+        "redis_connect_func",
+        "oss_cluster_maint_notifications_handler",
+        "maint_notifications_config",
+    }
 )
 
 

@@ -86,7 +86,7 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     if path is None:
         return []
     try:
-        client = backend.client_from_factory(path)
+        client = backend.connection(conf.get().REDIS_ALIAS)  # made once per process
     except LockBackendUnavailable:
         return []
     except JoblockConfigError as exc:
@@ -101,7 +101,7 @@ def check_redis_client(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
 @register(Tags.caches, TAG, deploy=True)
 def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W010: Redis answers; W011: its eviction policy cannot silently drop locks; W016: its
-    ``KEY_PREFIX`` is this project's (claimed here if unclaimed)."""
+    ``KEY_PREFIX`` is not another project's (claimed by ``migrate``). Reads only."""
     if _settings_broken() or check_redis_alias() or check_redis_client():
         return []
     alias = conf.get().REDIS_ALIAS
@@ -109,7 +109,7 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
         client = dedicated(connection(alias), 2.0)
         try:
             memories = server_infos(client, "memory")
-            other = cleanup.other_project(client)
+            other = cleanup.other_project(client, claim=False)
         finally:
             close(client)
     except Exception as exc:  # noqa: BLE001 - any failure to answer is the finding
@@ -118,18 +118,25 @@ def check_redis_server(app_configs: Any = None, **kwargs: Any) -> list[CheckMess
     found = []
     if other:
         prefix = conf.get().KEY_PREFIX
-        message = f"KEY_PREFIX {prefix!r} on the Redis of cache {alias!r} belongs to another "
-        message += f"project ({other}; its SECRET_KEY differs): each sees the other's locks, and a "
-        message += "purge removes the other's keys."
-        hint = "Give each project its own JOBLOCK['KEY_PREFIX'] (or Redis database); after "
-        hint += f"rotating SECRET_KEY, delete the key {prefix}:project."
+        message = (
+            f"KEY_PREFIX {prefix!r} on the Redis of cache {alias!r} belongs to another "
+            f"project ({other}; its SECRET_KEY differs): each sees the other's locks, and a "
+            "purge removes the other's keys."
+        )
+        hint = (
+            "Give each project its own JOBLOCK['KEY_PREFIX'] (or Redis database); after "
+            f"rotating SECRET_KEY, delete the key {prefix}:project."
+        )
         found.append(_message("W016", message, hint))
     for server, memory in memories.items():
         policy = str(memory.get("maxmemory_policy", "noeviction"))
         maxmemory = int(memory.get("maxmemory", 0) or 0)
         if maxmemory and policy != "noeviction":
-            where = f"Redis of cache {alias!r}" + (f" ({server})" if len(memories) > 1 else "")
-            message = f"{where} has maxmemory-policy={policy!r}: it may evict a held lock."
+            which = f" ({server})" if len(memories) > 1 else ""
+            message = (
+                f"Redis of cache {alias!r}{which} has maxmemory-policy={policy!r}: "
+                "it may evict a held lock."
+            )
             found.append(_message("W011", message, "Use maxmemory-policy noeviction."))
     return found
 
@@ -169,8 +176,10 @@ def check_sqlite(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     immediate = str((database.get("OPTIONS") or {}).get("transaction_mode", "")).upper()
     if not str(database.get("ENGINE", "")).endswith("sqlite3") or immediate == "IMMEDIATE":
         return []
-    message = f"DATABASES[{alias!r}] is SQLite with deferred transactions: jobs running at once "
-    message += "fail with 'database is locked' (10 of 12 in a test, on 12 different resources)."
+    message = (
+        f"DATABASES[{alias!r}] is SQLite with deferred transactions: jobs running at once "
+        "fail with 'database is locked' (10 of 12 in a test, on 12 different resources)."
+    )
     hint = "Set OPTIONS = {'transaction_mode': 'IMMEDIATE', 'timeout': 20} (Django >= 5.1)."
     return [_message("W015", message, hint)]
 

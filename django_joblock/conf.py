@@ -39,9 +39,12 @@ def _setting(default: Any, rule: rules.Rule, doc: str) -> Any:
 
 
 # The ranges of the arguments that stand in for a setting (``lock(ttl=)``...) too.
-TTL_RANGE = LEASE_RANGE = Range(0.01, MAX_TTL)
+TTL_RANGE = Range(0.01, MAX_TTL)
+LEASE_RANGE = Range(0.01, MAX_TTL)
 WAIT_RANGE = Range(0.0, MAX_DURATION)
-POSITIVE = HOLD_RANGE = MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
+POSITIVE = Range(0.0, MAX_DURATION, open_low=True)
+HOLD_RANGE = Range(0.0, MAX_DURATION, open_low=True)
+MAX_WAIT_RANGE = Range(0.0, MAX_DURATION, open_low=True)
 SHARE = Range(0.0, 1.0, open_low=True, unit="")
 
 
@@ -63,31 +66,60 @@ def _count(doc: str, alert: str, default: float = 1.0) -> SubKey:
     return SubKey(default, _times(1e9), f"{doc} in `WINDOW`", alert)
 
 
-# fmt: off
-ALERT_RULES = Mapping({
-    "CONTENTION_RATIO": SubKey(0.5, SHARE, "share of a family's acquires finding the lock busy "
-                               "in `WINDOW` (20+ attempts)", "contention"),
-    "CONTENTION_SPIKE": SubKey(3.0, _times(1000.0), "a family's contention in `WINDOW` is this "
-                               "many times that in `BASELINE` (and >= 10 %)", "contention_spike"),
-    "BASELINE": SubKey(3600.0, Range(600.0, 7 * DAY), "the period before `WINDOW` that "
-                       "`CONTENTION_SPIKE` compares with", "contention_spike"),
-    "RENEW_FAILURES": _count("failed renewals", "renew_failures", 5.0),
-    "ACQUIRE_ERRORS": _count("acquires failed as Redis was unavailable", "acquire_errors"),
-    "LOCKS_LOST": _count("locks lost by their holder", "locks_lost"),
-    "GIVEN_UP": _count("jobs that gave up on a busy lock", "given_up"),
-    "NEAR_TIMEOUT": _count("runs that took `TIMEOUT_RATIO`+ of their `job_timeout`",
-                           "near_timeout"),
-    "TIMEOUT_RATIO": SubKey(0.8, Range(0.1, 1.0, unit=""), "the share of its `job_timeout` "
-                            "that counts a run for `near_timeout`", "near_timeout"),
-    "LONG_WAIT": SubKey(300.0, POSITIVE, "a family's p99 wait from enqueue to start in `WINDOW`",
-                        "long_wait"),
-    "HOLD_FACTOR": SubKey(10.0, _times(1e6), "a lock held this many times its family's p95 hold "
-                          "time (and over 5 s)", "long_hold"),
-    "ACTIVE_GROWTH": SubKey(1800.0, POSITIVE, "active locks grew without falling this long",
-                            "active_growth"),
-    "WINDOW": SubKey(300.0, Range(60.0, DAY), "the sliding window of the rates above"),
-})
-# fmt: on
+ALERT_RULES = Mapping(
+    {
+        "CONTENTION_RATIO": SubKey(
+            0.5,
+            SHARE,
+            "share of a family's acquires finding the lock busy in `WINDOW` (20+ attempts)",
+            "contention",
+        ),
+        "CONTENTION_SPIKE": SubKey(
+            3.0,
+            _times(1000.0),
+            "a family's contention in `WINDOW` is this many times that in `BASELINE` (and >= 10 %)",
+            "contention_spike",
+        ),
+        "BASELINE": SubKey(
+            3600.0,
+            Range(600.0, 7 * DAY),
+            "the period before `WINDOW` that `CONTENTION_SPIKE` compares with",
+            "contention_spike",
+        ),
+        "RENEW_FAILURES": _count("failed renewals", "renew_failures", 5.0),
+        "ACQUIRE_ERRORS": _count("acquires failed as Redis was unavailable", "acquire_errors"),
+        "LOCKS_LOST": _count("locks lost by their holder", "locks_lost"),
+        "GIVEN_UP": _count("jobs that gave up on a busy lock", "given_up"),
+        "NEAR_TIMEOUT": _count(
+            "runs that took `TIMEOUT_RATIO`+ of their `job_timeout`", "near_timeout"
+        ),
+        "TIMEOUT_RATIO": SubKey(
+            0.8,
+            Range(0.1, 1.0, unit=""),
+            "the share of its `job_timeout` that counts a run for `near_timeout`",
+            "near_timeout",
+        ),
+        "LONG_WAIT": SubKey(
+            300.0,
+            POSITIVE,
+            "a family's p99 wait from enqueue to start in `WINDOW`",
+            "long_wait",
+        ),
+        "HOLD_FACTOR": SubKey(
+            10.0,
+            _times(1e6),
+            "a lock held this many times its family's p95 hold time (and over 5 s)",
+            "long_hold",
+        ),
+        "ACTIVE_GROWTH": SubKey(
+            1800.0,
+            POSITIVE,
+            "active locks grew without falling this long",
+            "active_growth",
+        ),
+        "WINDOW": SubKey(300.0, Range(60.0, DAY), "the sliding window of the rates above"),
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ class LockError(JoblockError):
         key: str | None = None,
         owner: str | None = None,
     ) -> None:
-        self.resource, self.key, self.owner = resource, key, owner
+        self.resource = resource
+        self.key = key
+        self.owner = owner
         found = {"resource": resource, "key": key, "owner": owner}
         context = ", ".join(f"{n}={v!r}" for n, v in found.items() if v is not None)
         super().__init__(f"{message} ({context})" if context else message)
@@ -64,7 +66,8 @@ class StaleFence(LockError):
     def __init__(
         self, message: str, *, fence: int, current: int | None = None, resource: str | None = None
     ) -> None:
-        self.fence, self.current = fence, current
+        self.fence = fence
+        self.current = current
         super().__init__(message, resource=resource)
 
 
@@ -72,7 +75,8 @@ class IdempotencyError(JoblockError):
     """Base class of idempotency-record errors; carries ``key`` and ``scope``."""
 
     def __init__(self, message: str, *, key: str | None = None, scope: str | None = None) -> None:
-        self.key, self.scope = key, scope
+        self.key = key
+        self.scope = scope
         super().__init__(message)
 
 

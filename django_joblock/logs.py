@@ -33,8 +33,15 @@ def log_lock(level: int, outcome: str, lock: Logged, message: str, reason: str =
     """Log one lock event with the structured ``extra`` fields."""
     if not logger.isEnabledFor(level):
         return
-    extra: dict[str, object] = {"job_id": lock.job_id or None, "resource": lock.resource}
-    extra.update(lock_key=lock.key, lock_owner=lock.owner, lock_ttl=lock.ttl, fence=lock.fence)
-    extra.update(outcome=outcome, reason=reason)
+    extra: dict[str, object] = {
+        "job_id": lock.job_id or None,
+        "resource": lock.resource,
+        "lock_key": lock.key,
+        "lock_owner": lock.owner,
+        "lock_ttl": lock.ttl,
+        "fence": lock.fence,
+        "outcome": outcome,
+        "reason": reason,
+    }
     line = "%s: %s (resource=%s owner=%s fence=%s)"
     logger.log(level, line, outcome, message, lock.resource, lock.owner, lock.fence, extra=extra)

@@ -6,8 +6,9 @@ the hot path), flushed by one Lua call (:data:`FLUSH`; both keys share the ``{me
 tag) into ``P:{metrics}:b:<minute>`` (expires after ``METRICS_RETENTION``: windows, rates,
 percentiles) and ``P:{metrics}:total`` (all-time, for Prometheus). In an RQ job a flush rides
 the lock release's round trip and ends every run (:func:`flush_now`), so a work horse that
-``os._exit``\\ s loses nothing; outside jobs, a release or the renewal thread flushes at most
-every ``FLUSH_INTERVAL`` seconds, and so does the exit.
+``os._exit``\\ s loses nothing. Otherwise a release, or the renewal thread, flushes increments
+once the oldest is ``FLUSH_INTERVAL`` s old (while a job holds its lock here,
+``renewal.JOB_FLUSH_INTERVAL`` s: its release carries them), and so does the exit.
 
 Fields: ``<metric>|<family>|<function>`` for a counter; ``<metric>:b<i>|...`` counts observations
 in histogram bucket ``i`` (bounds :data:`BOUNDS`, in s), ``<metric>:sum_us|...`` sums them (µs)."""
@@ -69,7 +70,9 @@ class Metric:
     exported: str = ""
 
 
-COUNTER, HISTOGRAM = "counter", "histogram"  # the kinds (Prometheus' names)
+# The kinds (Prometheus' names).
+COUNTER = "counter"
+HISTOGRAM = "histogram"
 
 # The one table: adding a metric is one line here (then record it with count()/observe()).
 METRICS = (
@@ -99,8 +102,29 @@ METRICS = (
 COUNTERS = frozenset(m.name for m in METRICS if m.kind == COUNTER)
 HISTOGRAMS = frozenset(m.name for m in METRICS if m.kind == HISTOGRAM)
 
-_BOUNDS = "0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10 25 60 150 300 600 1800 3600"
-BOUNDS = tuple(map(float, _BOUNDS.split()))  # histogram bucket upper bounds (s); the last is +Inf
+# Histogram bucket upper bounds (s); the last bucket is +Inf.
+BOUNDS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    25.0,
+    60.0,
+    150.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
 BUCKET_SECONDS = 60
 FLUSH_INTERVAL = 1.0
 
@@ -120,7 +144,7 @@ class Recorder:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.pending: dict[str, int] = defaultdict(int)
-        self.last_flush = time.monotonic()
+        self.since = 0.0  # monotonic time the oldest increment in ``pending`` was added
 
 
 _recorder = Recorder()
@@ -138,8 +162,12 @@ def enabled() -> bool:
     return bool(conf.get().METRICS)
 
 
-def _add(increments: dict[str, int]) -> None:
+def add(increments: dict[str, int]) -> None:
+    """Add ``increments`` (``field -> n``) to this process's buffer: new events, or those whose
+    flush failed, put back (they go out with the next one)."""
     with _recorder.lock:
+        if not _recorder.pending:
+            _recorder.since = time.monotonic()
         for name, n in increments.items():
             _recorder.pending[name] += n
 
@@ -149,7 +177,7 @@ def count(metric: str, family: str, func: str = "", n: int = 1) -> None:
     if metric not in COUNTERS:
         raise ValueError(f"{metric!r} is not a counter in django_joblock.metrics.METRICS")
     if enabled():
-        _add({f"{metric}|{family}|{func}": n})
+        add({f"{metric}|{family}|{func}": n})
 
 
 def _observation(metric: str, labels: str, seconds: float) -> dict[str, int]:
@@ -162,7 +190,7 @@ def observe(metric: str, family: str, func: str, seconds: float) -> None:
     if metric not in HISTOGRAMS:
         raise ValueError(f"{metric!r} is not a histogram in django_joblock.metrics.METRICS")
     if enabled():
-        _add(_observation(metric, f"|{family}|{func}", seconds))
+        add(_observation(metric, f"|{family}|{func}", seconds))
 
 
 def record_acquire(family: str, func: str, waited: float, *, acquired: bool) -> None:
@@ -171,25 +199,23 @@ def record_acquire(family: str, func: str, waited: float, *, acquired: bool) -> 
         labels = f"|{family}|{func}"
         outcome = "acquired" if acquired else "contended"
         counts = {"acquire_attempts" + labels: 1, outcome + labels: 1}
-        _add(counts | _observation("wait_seconds", labels, waited))
+        add(counts | _observation("wait_seconds", labels, waited))
 
 
 def pending() -> bool:
     return bool(_recorder.pending)
 
 
-def take_for_flush(*, force: bool) -> dict[str, int]:
-    """Remove and return the buffer when ``force`` or a flush is due (else ``{}``)."""
-    due = time.monotonic() - _recorder.last_flush >= FLUSH_INTERVAL
-    if not (force or (due and _recorder.pending)):
-        return {}
+def take_for_flush(*, force: bool, interval: float = FLUSH_INTERVAL) -> dict[str, int]:
+    """Remove and return the buffer when ``force``, or when its oldest increment is ``interval``
+    s old (else ``{}``)."""
     with _recorder.lock:
-        taken, _recorder.pending = dict(_recorder.pending), defaultdict(int)
-        _recorder.last_flush = time.monotonic()
+        due = time.monotonic() - _recorder.since >= interval
+        if not (force or (due and _recorder.pending)):
+            return {}
+        taken = dict(_recorder.pending)
+        _recorder.pending = defaultdict(int)
     return taken
-
-
-restore = _add  # puts back increments whose flush failed (they go out with the next one)
 
 
 def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
@@ -202,26 +228,23 @@ def flush_call(taken: dict[str, int], at: float | None = None) -> Call:
     return (FLUSH, keys, [int(settings.METRICS_RETENTION), *pairs])
 
 
-def flush_due(make_client: Callable[[], Any]) -> None:
-    """Flush the buffer if a flush is due; Redis trouble keeps it for the next one."""
-    if enabled() and (taken := take_for_flush(force=False)):
-        _flush(make_client, taken)
-
-
-def _flush(make_client: Callable[[], Any], taken: dict[str, int], at: float | None = None) -> None:
+def flush(make_client: Callable[[], Any], taken: dict[str, int], at: float | None = None) -> None:
+    """Add ``taken`` (from :func:`take_for_flush`) to Redis, through the client
+    ``make_client()`` returns, in the minute of ``at``; Redis trouble puts it back in the
+    buffer, for the next flush."""
     try:  # a Redis Cluster client asks a node when made
         (reply,) = send(make_client(), [flush_call(taken, at)])
         if isinstance(reply, Exception):
             raise reply
     except REDIS_ERRORS:
-        restore(taken)
+        add(taken)
 
 
 def flush_now(at: float | None = None) -> None:
     """Flush the buffer now, in this thread (the process may end next: at the end of every job
     run), into the minute of ``at`` (Unix seconds, default now); no round trip if empty."""
     if enabled() and (taken := take_for_flush(force=True)):
-        _flush(client, taken, at)
+        flush(client, taken, at)
 
 
 @atexit.register
@@ -266,8 +289,11 @@ class Series:
 
     def busy(self, family: str | None = None) -> int:
         """How often a resource was found busy: acquires that waited in vain, and jobs that
-        were parked behind it (admission; their own acquire then finds it free)."""
-        return self.total("contended", family) + self.total("parked", family)
+        were parked behind it (admission; their own acquire then finds it free, as a rule).
+        Never more than the acquires: a job parked and then found busy once more is one run
+        that found it busy, not two (a "busy 200 %" row)."""
+        found = self.total("contended", family) + self.total("parked", family)
+        return min(found, self.total("acquire_attempts", family))
 
     def merged_histogram(self, metric: str, family: str | None = None) -> list[int]:
         merged = [0] * (len(BOUNDS) + 1)

@@ -53,29 +53,49 @@ def send_after_commit(
     using: str | None = None,
 ) -> Any:
     """Record a side effect in the current transaction; deliver it after the commit (at once
-    outside ``transaction.atomic()``). ``handler``: a module-level function or its dotted path.
-    ``payload``: JSON (Django's encoder). ``key`` names the effect (``f"receipt:{order_id}"``):
-    a key recorded already returns the existing message and sends nothing more. ``ValueError``
-    for a bad key, payload or handler, or a key recorded before for another handler."""
+    outside ``transaction.atomic()``); a rollback drops it.
+
+    ``handler``: a module-level function or its dotted path, called with the payload.
+
+    ``payload``: JSON (Django's encoder).
+
+    ``key``: names the effect (``f"receipt:{order_id}"``): a key recorded already returns the
+    existing message and sends nothing more.
+
+    ``using``: the database alias of the transaction and of the message's row (default: the
+    database router's choice for :class:`OutboxMessage`).
+
+    Raises ``ValueError`` for a bad key, payload or handler, or a key recorded before for
+    another handler."""
     from .models import OutboxMessage
 
     path = _handler_path(handler)
     if not isinstance(key, str) or not key or len(key) > _KEY_MAX or "\x00" in key:
-        why = f"must be a non-empty str of at most {_KEY_MAX} characters without NUL"
-        raise ValueError(f"send_after_commit: key {why}, got {key!r}")
+        raise ValueError(
+            f"send_after_commit: key must be a non-empty str of at most {_KEY_MAX} characters "
+            f"without NUL, got {key!r}"
+        )
     try:
         storable_json(payload)
     except (TypeError, ValueError) as exc:
-        why = f"cannot be stored as JSON (no NaN, infinity or NUL): {exc}"
-        raise ValueError(f"send_after_commit: payload for key {key!r} {why}") from exc
+        raise ValueError(
+            f"send_after_commit: payload for key {key!r} cannot be stored as JSON "
+            f"(no NaN, infinity or NUL): {exc}"
+        ) from exc
     database = using or router.db_for_write(OutboxMessage)
-    defaults = {"handler": path, "payload": payload, "rq_job_id": job_context()[0]}
+    defaults = {
+        "handler": path,
+        "payload": payload,
+        "rq_job_id": job_context()[0],
+        "next_attempt_at": timezone.now(),
+    }
     message, created = OutboxMessage.objects.using(database).get_or_create(
-        key=key, defaults={**defaults, "next_attempt_at": timezone.now()}
+        key=key, defaults=defaults
     )
     if message.handler != path:
-        recorded = f"key {key!r} was recorded for {message.handler}"
-        raise ValueError(f"send_after_commit: {recorded}, not {path}")
+        raise ValueError(
+            f"send_after_commit: key {key!r} was recorded for {message.handler}, not {path}"
+        )
     if created:
         transaction.on_commit(lambda: _deliver_or_hold(message.pk, database), using=database)
     return message
@@ -137,16 +157,22 @@ def deliver(pk: int, *, using: str | None = None, dead: bool = False) -> bool:
             gone = message.attempts >= MAX_ATTEMPTS
             message.status = OutboxStatus.DEAD if gone else OutboxStatus.PENDING
             message.save(update_fields=["attempts", "status", "last_error", "next_attempt_at"])
-            what = (message.attempts, message.key, message.handler, message.last_error)
             then = "dead-lettered" if gone else f"retry in {delay:.0f} s"
-            logger.warning(f"outbox: delivery %d of %s (%s) failed, {then}: %s", *what)
+            logger.warning(
+                f"outbox: delivery %d of %s (%s) failed, {then}: %s",
+                message.attempts,
+                message.key,
+                message.handler,
+                message.last_error,
+            )
             return False
         message.status = OutboxStatus.DELIVERED
         message.delivered_at = timezone.now()
         message.last_error = ""  # it was delivered: an earlier attempt's error is history
         message.save(update_fields=["attempts", "status", "delivered_at", "last_error"])
-    sent = (message.key, message.handler, message.attempts)
-    logger.info("outbox: delivered %s (%s), attempt %d", *sent)
+    logger.info(
+        "outbox: delivered %s (%s), attempt %d", message.key, message.handler, message.attempts
+    )
     return True
 
 
@@ -169,8 +195,10 @@ def _handler_path(handler: Callable[..., object] | str) -> str:
     try:
         found = import_string(path)
     except ImportError as exc:
-        why = f"{exc}; use a module-level function"
-        raise ValueError(f"send_after_commit: handler {path!r} cannot be imported ({why})") from exc
+        raise ValueError(
+            f"send_after_commit: handler {path!r} cannot be imported "
+            f"({exc}; use a module-level function)"
+        ) from exc
     if not callable(found) or (not isinstance(handler, str) and found is not handler):
         raise ValueError(f"send_after_commit: {path!r} does not name the handler function")
     return path

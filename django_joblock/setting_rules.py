@@ -20,7 +20,7 @@ def number(value: float) -> str:
     text = str(int(value)) if value == int(value) else f"{value:g}"
     if value >= DAY and value % DAY == 0:
         days = int(value // DAY)
-        text += f" ({days} day{'s' if days > 1 else ''})"
+        return f"{text} ({days} day{'s' if days > 1 else ''})"
     return text
 
 
@@ -176,28 +176,54 @@ class Problem:
 
 def between_keys(merged: dict[str, Any]) -> list[Problem]:
     """The problems between the keys of a ``merged`` setting whose every key is valid."""
-    ttl, beat = merged["LOCK_TTL"], merged["HEARTBEAT_INTERVAL"]
-    keep, wait = merged["IDEMPOTENCY_TTL"], merged["REQUEUE_MAX_WAIT"]
-    lease, kept = merged["IDEMPOTENCY_LEASE"], merged["METRICS_RETENTION"]
-    window, baseline = merged["ALERTS"]["WINDOW"], merged["ALERTS"]["BASELINE"]
+    ttl = merged["LOCK_TTL"]
+    beat = merged["HEARTBEAT_INTERVAL"]
+    keep = merged["IDEMPOTENCY_TTL"]
+    wait = merged["REQUEUE_MAX_WAIT"]
+    lease = merged["IDEMPOTENCY_LEASE"]
+    kept = merged["METRICS_RETENTION"]
+    window = merged["ALERTS"]["WINDOW"]
+    baseline = merged["ALERTS"]["BASELINE"]
     needed = window + baseline + 60  # the spike also reads the bucket between the two
     beat_is = f"JOBLOCK['HEARTBEAT_INTERVAL'] ({beat}s)"
     keep_is = f"JOBLOCK['IDEMPOTENCY_TTL'] ({keep}s) is shorter than"
-    # fmt: off
     findings = [
-        ("E004", beat is not None and beat >= ttl, f"{beat_is} must be shorter than LOCK_TTL "
-         f"({ttl}s), or the lock expires between renewals."),
-        ("W001", beat is not None and ttl / 2 < beat < ttl, f"{beat_is} is more than half of "
-         f"LOCK_TTL ({ttl}s): one slow renewal loses the lock. Use TTL/3."),
-        ("W003", keep < wait, f"{keep_is} REQUEUE_MAX_WAIT ({wait}s): a requeued duplicate "
-         "could outlive the record that blocks it."),
-        ("W005", keep < lease, f"{keep_is} IDEMPOTENCY_LEASE ({lease}s): a record would expire "
-         "while its claim may still run."),
-        ("W013", baseline <= window, f"JOBLOCK['ALERTS']['BASELINE'] ({baseline:g}s) is not "
-         f"longer than WINDOW ({window:g}s): the contention_spike alert never fires."),
-        ("W014", needed > kept, f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the "
-         f"alerts read back (ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + 60 s = "
-         f"{needed:g}s): they would see less than their window."),
+        (
+            "E004",
+            beat is not None and beat >= ttl,
+            f"{beat_is} must be shorter than LOCK_TTL ({ttl}s), "
+            "or the lock expires between renewals.",
+        ),
+        (
+            "W001",
+            beat is not None and ttl / 2 < beat < ttl,
+            f"{beat_is} is more than half of LOCK_TTL ({ttl}s): "
+            "one slow renewal loses the lock. Use TTL/3.",
+        ),
+        (
+            "W003",
+            keep < wait,
+            f"{keep_is} REQUEUE_MAX_WAIT ({wait}s): "
+            "a requeued duplicate could outlive the record that blocks it.",
+        ),
+        (
+            "W005",
+            keep < lease,
+            f"{keep_is} IDEMPOTENCY_LEASE ({lease}s): "
+            "a record would expire while its claim may still run.",
+        ),
+        (
+            "W013",
+            baseline <= window,
+            f"JOBLOCK['ALERTS']['BASELINE'] ({baseline:g}s) is not longer than "
+            f"WINDOW ({window:g}s): the contention_spike alert never fires.",
+        ),
+        (
+            "W014",
+            needed > kept,
+            f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the alerts read back "
+            f"(ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + 60 s = {needed:g}s): "
+            "they would see less than their window.",
+        ),
     ]
-    # fmt: on
     return [Problem(id_, message) for id_, bad, message in findings if bad]

@@ -10,17 +10,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rq import SimpleWorker, Worker
+from rq import Worker
 from rq.job import Job, JobStatus
 
 from .jobs.admission import PARKED
 from .jobs.queues import get_queue
 from .locks.renewal import renewer
+from .worker import JoblockSimpleWorker, default_job_class
 
 
-class InProcessWorker(SimpleWorker):
-    """RQ's in-process worker, leaving the test case's database connections open; ``seen`` is
-    called with every job it runs, including those RQ promoted from admission."""
+class InProcessWorker(JoblockSimpleWorker):
+    """The in-process worker of ``joblock_worker --simple`` (its fixes to RQ's loop included),
+    which leaves the test case's database connections open; ``seen`` is called with every job
+    it runs, including those RQ promoted from admission."""
 
     seen: Any = None
 
@@ -60,10 +62,12 @@ def _refuse_live_workers(queues: list[Any]) -> None:
     for queue in queues:
         if found := Worker.all(queue=queue):
             names = ", ".join(sorted(f"{each.name} (pid {each.pid})" for each in found))
-            why = f"run_jobs(): queue {queue.name!r} has live workers on its Redis: {names}. "
-            why += "They would take the test's jobs and run them against their own database. "
-            why += "Give the tests a Redis database of their own (docs/testing.md, 'Settings for "
-            raise RuntimeError(why + "tests'), or stop those workers.")
+            raise RuntimeError(
+                f"run_jobs(): queue {queue.name!r} has live workers on its Redis: {names}. "
+                "They would take the test's jobs and run them against their own database. "
+                "Give the tests a Redis database of their own (docs/testing.md, 'Settings for "
+                "tests'), or stop those workers."
+            )
 
 
 def _fast_forward(queue: Any) -> int:
@@ -104,7 +108,7 @@ def run_jobs(*queues: Any, fast_forward: bool = True, max_rounds: int = 100) -> 
         for queue in resolved:
             note([*queue.get_job_ids(), *queue.scheduled_job_registry.get_job_ids()])
         run.rounds += 1
-        worker = InProcessWorker(resolved, connection=connection)
+        worker = InProcessWorker(resolved, connection=connection, job_class=default_job_class())
         worker.seen = note
         worker.work(burst=True, with_scheduler=False)
         moved = sum(_fast_forward(queue) for queue in resolved) if fast_forward else 0

@@ -1,17 +1,26 @@
-"""RQ workers (docs/jobs.md, "Workers and database connections" and "When the slot frees").
+"""RQ workers (docs/jobs.md, "Workers and database connections"; docs/architecture.md,
+"Recovery" lists every RQ hook overridden here, why, and its contract test).
 
 ``JoblockWorker`` closes Django's database connections before each fork, ``JoblockSimpleWorker``
-drops stale ones around each job. Both run RQ's maintenance every ``MAINTENANCE_INTERVAL`` s and,
-while idle, sweep once per liveness interval (:meth:`~_Loop.sweep`: slots of dead holders, stale
-maintenance locks, a dead scheduler, jobs whose end a failover forgot). They ride out a Redis
-outage: between jobs, where RQ quits, they log a warning and go on to the dequeue, which waits
-with backoff; during a job, the forking worker's parent keeps watching its horse, and the job's
-end is recorded once Redis answers again (waiting up to ``OUTAGE_WAIT`` s). Each override of
-RQ's worker exists because a test under tests/ fails without it."""
+drops stale ones around each job. Both add three things to RQ's loop:
+
+- **Redis outages are ridden out.** Between jobs, where RQ's worker quits, they log a warning
+  and go on to the dequeue, which waits with backoff; during a job, the forking worker's parent
+  keeps watching its horse, and the job's end is recorded once Redis answers again (waiting up
+  to :data:`OUTAGE_WAIT` s).
+- **A dead holder's admission slot is freed.** While idle they sweep once per liveness interval
+  (:func:`django_joblock.jobs.liveness.sweep`: the slots of jobs whose lock expired without a
+  release), and the forking worker releases the lock its killed horse still held before RQ
+  hands the slot on. Neither takes over a lease another process may still hold: RQ's
+  scheduler and maintenance locks are left to RQ, which takes them only once they expired.
+- **Stopping starts nothing.** Once asked to stop (warm or cold), a worker runs no sweep, no
+  maintenance and starts no scheduler; a burst worker never starts a scheduler process.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
@@ -23,18 +32,14 @@ from django.db import connections
 from rq import SimpleWorker, Worker
 from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.exceptions import NoSuchJobError
-from rq.scheduler import RQScheduler
-from rq.scripts import release_lock
+from rq.utils import current_timestamp
 
 from . import outbox
-from .backend import REDIS_ERRORS, text
+from .backend import REDIS_ERRORS
 from .jobs import liveness
 from .logs import logger
 
 MAINTENANCE_INTERVAL = 60
-SCHEDULER_STALE = 4  # seconds without a renewal of its lock after which a scheduler is dead
-MAINTENANCE_LOCK_TTL = 899  # RQ's (Queue.acquire_maintenance_lock)
-MAINTENANCE_STALE = 60  # seconds after which a maintenance pass is taken for dead
 # Longest wait for Redis before recording a job's end: below RQ's 60 s of slack after a job's
 # last heartbeat, after which RQ's maintenance may retry the job while it is recorded here.
 OUTAGE_WAIT = 45
@@ -42,14 +47,14 @@ OUTAGE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 class _Loop:
-    """RQ's worker loop with maintenance on time and Redis outages between jobs ridden out."""
+    """RQ's worker loop with outages ridden out, liveness sweeps while idle, and nothing
+    started once a stop was asked for (see the module docs)."""
 
     maintenance_interval: int
     name: str
     connection: Any
     exponential_backoff_factor: float
     max_connection_wait_time: float
-    scheduler: RQScheduler | None
     birth_date: datetime | None
     executions_key: str
 
@@ -62,10 +67,20 @@ class _Loop:
         super().__init__(*args, **kwargs)
         self._liveness_due = 0.0  # monotonic time of the next sweep
         self._burst = False
+        self.stop_requested = False
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
+        """RQ's loop; remembers ``burst`` (RQ keeps it to itself) for
+        :meth:`run_maintenance_tasks`."""
         self._burst = bool(kwargs.get("burst", args[0] if args else False))
+        self.stop_requested = False
         return super().work(*args, **kwargs)  # type: ignore[misc, no-any-return]
+
+    def handle_warm_shutdown_request(self) -> None:
+        """RQ's hook, called by its SIGINT / SIGTERM handler on the first signal (a second one
+        is a cold stop: RQ raises ``SystemExit``). From here on nothing new starts."""
+        self.stop_requested = True
+        super().handle_warm_shutdown_request()  # type: ignore[misc]
 
     @property
     def dequeue_timeout(self) -> int:
@@ -86,7 +101,8 @@ class _Loop:
         :data:`OUTAGE_WAIT` s for Redis: an outage when a job ends delays its outcome instead of
         losing it (RQ would record a success as a failure, or nothing, and quit). The write is
         repeated as it is: it sets the same fields again."""
-        deadline, pause = time.monotonic() + OUTAGE_WAIT, 0.25
+        deadline = time.monotonic() + OUTAGE_WAIT
+        pause = 0.25
         while True:
             try:
                 return super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc, no-any-return]
@@ -126,23 +142,20 @@ class _Loop:
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         """RQ's heartbeat; called by RQ's dequeue loop (without a pipeline) once per dequeue
-        timeout, it also runs :meth:`sweep` once per liveness interval."""
+        timeout, it also runs :meth:`sweep` once per liveness interval, unless stopping."""
         # On the caller's pipeline nothing is sent here: no outage to ride out.
         with self._outage("heartbeat") if pipeline is None else contextlib.nullcontext():
             super().heartbeat(timeout, pipeline)  # type: ignore[misc]
-        if pipeline is None and time.monotonic() >= self._liveness_due:
+        if pipeline is None and not self.stop_requested and time.monotonic() >= self._liveness_due:
             self._liveness_due = time.monotonic() + liveness.INTERVAL
             self.sweep()
 
     def sweep(self) -> None:
-        """:func:`~django_joblock.jobs.liveness.sweep` on this worker's Redis and
-        :meth:`free_stale_maintenance` unless another worker swept within the interval, then
-        :meth:`take_over_scheduler`; failures are logged."""
+        """:func:`~django_joblock.jobs.liveness.sweep` on this worker's Redis unless another
+        worker swept within the interval, then :meth:`settle_forgotten`; failures are logged."""
         try:
             if liveness.claim_turn():
                 liveness.sweep(self.connection)
-                self.free_stale_maintenance()
-            self.take_over_scheduler()
             self.settle_forgotten()
         except REDIS_ERRORS as exc:
             message = "worker %s: liveness sweep failed (%s); next one in %gs"
@@ -152,27 +165,52 @@ class _Loop:
         """Settle the executions that this idle worker's Redis still lists as its own (rq >= 3):
         a failover forgot how they ended (Sentinel replicates asynchronously), and RQ would hand
         each job out again ~60 s past its last heartbeat, the parked jobs of its resource waiting
-        meanwhile. The job's lock, if still its own, is released; its started-registry entry is
-        expired, and RQ's own cleanup settles it as abandoned at once (retried under its
-        ``Retry``, else failed) and frees its admission slot."""
+        meanwhile. No other process runs them (this worker is idle, and an execution is one
+        worker's own), so settling them takes nothing from anyone. One step per execution and
+        sweep (:meth:`_settle_step`): RQ's own cleanup settles it as abandoned (retried under its
+        ``Retry``, else failed) and frees its slot, within a few sweeps."""
         if getattr(self, "executions", True) or self.birth_date is None:  # busy, or rq 2
             return
         for execution in self.get_current_executions(refresh=True):  # type: ignore[attr-defined]
             if execution.created_at < self.birth_date:
                 continue  # an earlier worker's of this name: RQ's maintenance settles it
-            try:
-                job = execution.job
-            except NoSuchJobError:
-                self.connection.srem(self.executions_key, execution.composite_key)
-                continue
+            self._settle_step(execution)
+
+    def _settle_step(self, execution: Any) -> None:
+        """The next step for a forgotten ``execution``, by what Redis holds now:
+
+        1. still live in the started registry: release the job's lock, if still its own, and
+           expire the entry at the *next* second. RQ's registry cleanup removes every entry up
+           to its cut-off second after handling those it read: an entry expired in the second a
+           running cleanup read the registry would be removed unhandled (the job started, in no
+           registry, for ever);
+        2. expired: RQ's registry cleanup (this worker's, or any other's, settles it);
+        3. gone from the registry (settled, by this worker or RQ's maintenance): off this
+           worker's execution index.
+
+        An entry expiring within the next second waits for a later sweep.
+        """
+        try:
+            job = execution.job
+        except NoSuchJobError:
+            self.connection.srem(self.executions_key, execution.composite_key)
+            return
+        registry = job.started_job_registry
+        expires = self.connection.zscore(registry.key, execution.composite_key)
+        now = current_timestamp()
+        if expires is None:
+            self.connection.srem(self.executions_key, execution.composite_key)
+        elif expires > now + 1:
             message = "worker %s: Redis forgot how job %s ended (a failover?): settled as abandoned"
             logger.warning(message, self.name, job.id)
             self.release_lock_of(job)  # first: a retry of the job may take the lock again
-            registry = job.started_job_registry
             with self.connection.pipeline() as pipe:
-                registry.add_execution(execution, pipe, ttl=0, xx=True)
-                pipe.srem(self.executions_key, execution.composite_key)
+                registry.add_execution(execution, pipe, ttl=1, xx=True)
                 pipe.execute()
+        elif expires <= now:
+            # Not under RQ's maintenance lock: a Redis restart between taking and giving it back
+            # leaves it for 15 minutes, and RQ's maintenance (the intermediate queue's jobs,
+            # holding admission slots) with it (the likely cause of 7 jobs a chaos run left).
             registry.cleanup()
 
     def release_lock_of(self, job: Any) -> None:
@@ -203,62 +241,33 @@ class _Loop:
             return super().perform_job(job, queue, *args)  # type: ignore[misc]
 
     def run_maintenance_tasks(self) -> None:
-        """RQ's, riding out an outage. A burst worker drops its scheduler (its start-up enqueued
-        the due jobs): the pass would start a scheduler process, which the worker's exit then
-        waits on, for ever when the SIGTERM reaches it before its own signal handlers."""
-        if self._burst:
-            self.scheduler = None
+        """RQ's pass, riding out an outage; none once a stop was asked for. A burst worker runs
+        RQ's registry clean-up without RQ's scheduler step, which would start a scheduler process
+        in a worker about to exit (its start already enqueued the due jobs). Upstream, RQ's
+        ``Worker.run_maintenance_tasks`` would skip that step in burst mode and after a stop."""
+        if self.stop_requested:
+            return
         with self._outage("maintenance"):
-            super().run_maintenance_tasks()  # type: ignore[misc]
+            if not self._burst:
+                super().run_maintenance_tasks()  # type: ignore[misc]
+                return
+            self.clean_registries()  # type: ignore[attr-defined]
+            clean_groups = getattr(self, "clean_group_registries", None)  # rq >= 3.0
+            if clean_groups is not None:
+                clean_groups()
+            else:
+                from rq.group import Group  # rq 2.x's pass cleans them this way
+
+                Group.clean_registries(connection=self.connection)
 
     def unsubscribe(self) -> None:
         """RQ's, within RQ's own 1 s: redis-py 8's ``stop()`` waits for a pubsub thread that, having
-        read the UNSUBSCRIBE reply before the stop flag, waits RQ's 60 s (a daemon: left behind)."""
+        read the UNSUBSCRIBE reply before the stop flag, waits RQ's 60 s (a daemon: left behind).
+        Upstream, RQ's ``unsubscribe`` would bound ``PubSubWorkerThread.stop()`` as it bounds
+        ``join``."""
         rq_unsubscribe = threading.Thread(target=super().unsubscribe, daemon=True)  # type: ignore[misc]
         rq_unsubscribe.start()
         rq_unsubscribe.join(1)
-
-    def free_stale_maintenance(self) -> None:
-        """Release a queue's RQ maintenance lock held for :data:`MAINTENANCE_STALE` seconds: a
-        pass takes well under a second, and one that died (or lost Redis) leaves it for RQ's 899 s
-        while jobs a Redis restart left in RQ's intermediate queue wait for that maintenance."""
-        queues = self.queues  # type: ignore[attr-defined]
-        pipe = self.connection.pipeline(transaction=False)
-        for queue in queues:
-            pipe.ttl(queue.registry_cleaning_key)
-        for queue, ttl in zip(queues, pipe.execute(), strict=True):
-            if 0 < ttl < MAINTENANCE_LOCK_TTL - MAINTENANCE_STALE:
-                message = "worker %s: RQ's maintenance lock of queue %s is %ss old: released"
-                logger.warning(message, self.name, queue.name, MAINTENANCE_LOCK_TTL - ttl)
-                queue.release_maintenance_lock()
-
-    def take_over_scheduler(self) -> None:
-        """Run RQ's scheduler here when the holder of a queue's scheduler lock stopped renewing
-        it for :data:`SCHEDULER_STALE` seconds (a live one renews it every second), not after the
-        lock's 61 s and the next maintenance. The stale lock is deleted by its owner's name (RQ's
-        compare-and-delete): of two workers taking over, one wins."""
-        scheduler = self.scheduler
-        if scheduler is None or self._burst:  # a burst worker runs no scheduler process
-            return
-        names = self.queue_names()  # type: ignore[attr-defined]
-        pipe = self.connection.pipeline(transaction=False)
-        for name in names:
-            pipe.get(RQScheduler.get_locking_key(name))
-            pipe.ttl(RQScheduler.get_locking_key(name))
-        replies = pipe.execute()
-        renewed_to = scheduler.interval + 60  # RQ's lock TTL, set afresh on every renewal
-        vacant = False
-        for name, owner, ttl in zip(names, replies[::2], replies[1::2], strict=True):
-            if owner is None:
-                vacant = True
-            elif ttl < renewed_to - SCHEDULER_STALE:
-                message = "worker %s: the scheduler lock of queue %s was not renewed for %ss: its "
-                message += "holder %s is gone; taking over"
-                logger.warning(message, self.name, name, renewed_to - ttl, text(owner))
-                key = RQScheduler.get_locking_key(name)
-                vacant |= bool(release_lock(self.connection, key, text(owner)))
-        if vacant:
-            scheduler.acquire_locks(auto_start=True)  # type: ignore[no-untyped-call]
 
 
 class JoblockWorker(_Loop, Worker):
@@ -268,12 +277,15 @@ class JoblockWorker(_Loop, Worker):
         close_connections(stale_only=False)
         super().fork_work_horse(job, queue)
 
-    def monitor_work_horse(self, job: Any, *args: Any) -> None:
-        """RQ's, then the release of a lock the exited horse still held (killed by RQ's stop-job
-        command, ``job_timeout`` or the OOM killer): the next job of its resource starts now,
-        not after the lock's TTL (:func:`~django_joblock.jobs.liveness.release_ended`)."""
-        super().monitor_work_horse(job, *args)
-        self.release_lock_of(job)
+    def handle_job_failure(self, job: Any, *args: Any, **kwargs: Any) -> None:
+        """RQ's; in the parent (its horse exited without recording the job's end: killed by a
+        signal, RQ's stop-job command, ``job_timeout`` or the OOM killer) the lock the horse
+        still held is released first, then RQ frees the job's admission slot: the next job of
+        the resource starts now and finds the lock free, not held until its TTL
+        (:func:`~django_joblock.jobs.liveness.release_ended`)."""
+        if not self.is_horse:
+            self.release_lock_of(job)
+        super().handle_job_failure(job, *args, **kwargs)
 
 
 class JoblockSimpleWorker(_Loop, SimpleWorker):
@@ -285,6 +297,14 @@ class JoblockSimpleWorker(_Loop, SimpleWorker):
             return super().execute_job(job, queue)
         finally:
             close_connections(stale_only=True)
+
+
+def default_job_class() -> str | None:
+    """The job class our workers run with unless told otherwise: django-joblock's task job
+    class (Django tasks and plain RQ jobs alike) when django-tasks-rq is installed, else RQ's."""
+    if importlib.util.find_spec("django_tasks_rq") is None:
+        return None
+    return "django_joblock.jobs.rq_tasks.Job"
 
 
 def close_connections(*, stale_only: bool) -> None:

@@ -231,3 +231,22 @@ def sync_skip(k: int) -> str:
 def django_rq_work(k: int) -> str:
     """On django-rq's "default" queue (a test makes it ``ASYNC: False``)."""
     return "ran"
+
+
+PAUSE_TTL = 4  # the lock TTL of append_in_order (s)
+
+
+@locked_job("default", lock="account:{name}", ttl=PAUSE_TTL)
+def append_in_order(name: str, label: str, hold: bool) -> str:
+    """Adds 1 to the account's balance in the job's transaction; once it commits, appends
+    ``label:<time>`` to ``test:commits``. With ``hold`` it then waits inside its transaction
+    (a test stops its worker there)."""
+    from django.db import transaction
+    from django.db.models import F
+
+    Account.objects.filter(name=name).update(balance=F("balance") + 1)
+    transaction.on_commit(lambda: _redis().rpush("test:commits", f"{label}:{time.time()}"))
+    _redis().set(f"test:pid:{label}", os.getpid())
+    if hold:
+        _wait_for(f"test:go:{label}", limit=600)
+    return label

@@ -16,22 +16,73 @@ from tests import harness, workers
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# The fast tier (`./scripts/test -m "not slow"`) leaves out tests that start worker processes,
-# a redis-server of their own, a proxy, a browser or a wheel build (by their fixtures), and
-# the modules below, whose tests start processes themselves or sleep past lock TTLs.
+# The fast tier (`./scripts/test -m "not slow"`) is the tests without the ``slow`` marker. A test
+# that starts a process (a worker, a redis-server, a browser, a wheel build, manage.py) must carry
+# it, explicitly: a test that uses one of these fixtures without it is a collection error, and a
+# test without it that starts a process fails (the ``_fast_tier`` fixture below).
 SLOW_FIXTURES = {"crew", "server", "proxy", "live_server", "built_wheel", "built_wheel_site"}
-SLOW_MODULES = {
-    "test_alerts_workers", "test_browser", "test_cluster", "test_demo", "test_docs",
-    "test_heartbeat", "test_lock_robustness_workers", "test_lock_waiting", "test_sentinel",
-    "test_tls", "test_topologies", "test_workers",
-}  # fmt: skip
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if fixtures & SLOW_FIXTURES or item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+# Fixtures that give a test the database (pytest-django's, and those built on them).
+DATABASE_FIXTURES = {
+    "db",
+    "transactional_db",
+    "django_db_reset_sequences",
+    "django_db_serialized_rollback",
+    "admin_client",
+    "admin_user",
+    "django_user_model",
+    "live_server",
+}
+
+
+def _uses_the_database(item: pytest.Item) -> bool:
+    """Can the test, or a process it starts, touch the test database? Without the database
+    (no ``django_db`` mark, fixture or Django test case) pytest-django creates none for it."""
+    from django.test import TransactionTestCase
+
+    case = getattr(item, "cls", None)
+    return (
+        item.get_closest_marker("django_db") is not None
+        or bool(set(getattr(item, "fixturenames", ())) & DATABASE_FIXTURES)
+        or (case is not None and issubclass(case, TransactionTestCase))
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("JOBLOCK_TEST_DATABASE_ONLY"):
+        # .ci/run's second database: only the tests whose outcome the database can change.
+        kept = [item for item in items if _uses_the_database(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+    unmarked = [
+        item.nodeid
+        for item in items
+        if set(getattr(item, "fixturenames", ())) & SLOW_FIXTURES
+        and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "These tests start a process or server (by their fixtures) and need "
+            f"@pytest.mark.slow: {', '.join(unmarked)}"
+        )
+
+
+class StartsAProcess(AssertionError):
+    """A test of the fast tier started a process: mark it ``@pytest.mark.slow``."""
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests without the ``slow`` marker may not start a process (the fast tier stays fast)."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise StartsAProcess(f"{request.node.nodeid} starts a process: mark it slow")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 @pytest.fixture(scope="session", autouse=True)

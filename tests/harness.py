@@ -35,8 +35,12 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PORT_ENV = "JOBLOCK_TEST_REDIS_PORT"
-PROXY_PORT_ENV = "JOBLOCK_TEST_PROXY_PORT"
+# Under pytest-xdist each test process has its own throwaway servers: the variables carry the
+# process's name ("gw0"), which the worker processes a test starts inherit with the rest of the
+# environment. The dead port is shared: nothing listens on it.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+PORT_ENV = f"JOBLOCK_TEST_REDIS_PORT_{_XDIST_WORKER}".rstrip("_")
+PROXY_PORT_ENV = f"JOBLOCK_TEST_PROXY_PORT_{_XDIST_WORKER}".rstrip("_")
 DEAD_PORT_ENV = "JOBLOCK_TEST_DEAD_PORT"
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
+from django.db import connection as db_connection
+from django.db import transaction
 from django_redis import get_redis_connection
 
 from django_joblock import current_lock, fenced_update, locked_job, send_after_commit
@@ -27,6 +30,22 @@ def _log_interval(label: str, seconds: float) -> None:
 
 @locked_job("default", lock="res:{resource_id}", ttl=2)
 def hold_resource(resource_id: int, label: str, seconds: float) -> str:
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=30)
+def hold_steadily(resource_id: int, label: str, seconds: float) -> str:
+    """:func:`hold_resource` with a 30 s lock: on a busy machine no late renewal loses it."""
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="res:{resource_id}", ttl=2)
+def hold_past_timeout(resource_id: int, label: str, seconds: float) -> str:
+    """Holds on past its ``job_timeout``: RQ's timeout (SIGALRM in the horse) cannot reach it,
+    as it cannot reach a job stuck in a C call."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
     _log_interval(label, seconds)
     return label
 
@@ -246,3 +265,45 @@ def fails_once(k: int) -> int:
     if runs == 1:
         raise RuntimeError("the first run fails")
     return runs
+
+
+@locked_job("default", lock="cost:{n}")
+def report_connection(n: int, query: bool) -> bool:
+    """Lock-only, in the job's transaction: was a database connection open at the body's end
+    (after one query when ``query``)?"""
+    if query:
+        Account.objects.filter(name=f"cost:{n}").exists()
+    return db_connection.connection is not None
+
+
+@locked_job("default", lock="account:{name}", ttl=5)
+def add_in_own_transaction(name: str, amount: int) -> int:
+    """Lock-only: the body's first database use is its own transaction (a read-modify-write)."""
+    with transaction.atomic():
+        account = Account.objects.get(name=name)
+        Account.objects.filter(pk=account.pk).update(balance=account.balance + amount)
+    return account.balance + amount
+
+
+def plain_noop(n: int) -> int:
+    """A plain RQ job doing nothing: what a job costs RQ itself (tests/test_job_cost.py)."""
+    return n
+
+
+@locked_job("default", lock="cost:{n}", admission=False)
+def locked_noop(n: int) -> int:
+    """The same under a lock of its own, no admission: what the lock adds."""
+    return n
+
+
+def plain_nap(n: int, seconds: float) -> int:
+    """A plain RQ job that sleeps ``seconds`` (longer than a metrics flush interval)."""
+    time.sleep(seconds)
+    return n
+
+
+@locked_job("default", lock="cost:{n}", admission=False)
+def locked_nap(n: int, seconds: float) -> int:
+    """The same under a lock of its own: its metrics still wait for its release."""
+    time.sleep(seconds)
+    return n

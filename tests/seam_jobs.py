@@ -1,4 +1,4 @@
-"""Jobs of the deployment-seam tests (issue 13), importable by worker processes."""
+"""Jobs of the deployment-seam tests, importable by worker processes."""
 
 from __future__ import annotations
 

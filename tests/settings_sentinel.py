@@ -1,4 +1,4 @@
-"""Test settings with the locks *and* django-rq's queues on Redis Sentinel (issue 16).
+"""Test settings with the locks *and* django-rq's queues on Redis Sentinel.
 
 ``JOBLOCK_TEST_SENTINELS`` is ``host:port,host:port,...`` of the sentinels and
 ``JOBLOCK_TEST_MASTER`` the service name they monitor. The locks take django-redis'

@@ -107,3 +107,11 @@ def deduped(resource_id: int, n: int) -> int:
 async def plain_async(n: int) -> int:
     """A plain RQ job (no task, no lock) written as ``async def``: RQ awaits it."""
     return n * 2
+
+
+@locked_task(lock="scheduled:{n}", ttl=30, backend="rq", atomic=False)
+def count_run(n: int) -> int:
+    """A lock-only task that counts its runs (``test:runs``, field ``n``): tests/test_pauses.py
+    enqueues it with ``run_after`` and checks that each ran once."""
+    get_redis_connection("default").hincrby("test:runs", str(n), 1)
+    return n

@@ -232,6 +232,7 @@ def test_joblock_locks_json_lists_documented_fields(rconn):
     held.release()
 
 
+@pytest.mark.slow
 def test_reap_releases_dead_holders_and_leaves_live_ones(rconn):
     """A process takes a lock without heartbeat and is SIGKILLed; a live one keeps its own."""
     code = (
@@ -284,3 +285,21 @@ def test_a_reason_with_nul_is_refused_before_anything_is_released(rconn):
     assert LockAudit.objects.count() == 0
     call_command("joblock_release", "order:1", "--reason", "fine", stdout=StringIO())
     assert LockAudit.objects.get().released is True and not rconn.exists(held.key)
+
+
+def test_a_reason_of_a_megabyte_is_refused_before_anything_is_released(rconn):
+    """A 1 MB reason was stored as is in the audit log; now more than MAX_REASON characters are
+    refused, both ways, and nothing is released (at the limit it is kept whole)."""
+    held = held_lock()
+    huge = "x" * 1_000_000
+    with pytest.raises(CommandError, match="1000000 characters long; at most 2000"):
+        call_command("joblock_release", "order:1", "--reason", huge, stdout=StringIO())
+    operator = user("operator", can_release=True)
+    data = {"resource": "order:1", "owner": held.owner, "reason": huge}
+    response = csrf_post(operator, RELEASE, data)
+    assert response.status_code == 200 and b"at most 2000 are kept" in response.content
+    assert rconn.hget(held.key, "token").decode() == held.token, "still held"
+    assert LockAudit.objects.count() == 0
+    call_command("joblock_release", "order:1", "--reason", "y" * 2000, stdout=StringIO())
+    assert LockAudit.objects.get().reason == "y" * 2000
+    assert not rconn.exists(held.key)

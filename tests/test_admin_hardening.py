@@ -46,6 +46,7 @@ def test_a_token_shaped_owner_is_a_plain_400_and_releases_nothing(rconn):
     held.release()
 
 
+@pytest.mark.slow
 def test_the_lock_table_keeps_its_limit_and_its_count(crew, rconn, monkeypatch):
     crew.start()
     crew.start()
@@ -64,6 +65,7 @@ def test_the_lock_table_keeps_its_limit_and_its_count(crew, rconn, monkeypatch):
         job.cancel()
 
 
+@pytest.mark.slow
 def test_a_filter_does_not_hide_a_dead_holder_from_stuck_jobs(rconn):
     dead_holder("order:dead", rconn)
     client = _superuser()
@@ -192,3 +194,56 @@ def test_changelists_never_read_distinct_values_of_the_whole_table(rconn):
     assert f"?scope={jobs.credit.spec.scope}" in page, "the known scopes are offered"
     filtered = client.get(records, {"scope": "custom"}).content.decode()
     assert "other:F-2" in filtered and "credit:F-1" not in filtered, "any scope by URL"
+
+
+def _delivery(job_id: str, started: float) -> str:
+    return json.dumps(
+        {
+            "job_id": job_id,
+            "func": "tests.jobs.hold_resource",
+            "key": "",
+            "resource": "order:9",
+            "worker": "w1",
+            "host": "h",
+            "pid": 1,
+            "started": started,
+            "took": 0.5,
+            "outcome": "succeeded",
+        }
+    )
+
+
+def test_the_doctor_leaves_out_a_run_no_clock_can_show(rconn):
+    """A history entry started at 1e308 crashed ``joblock_doctor`` (OverflowError from
+    ``time.gmtime``): an entry outside the years a clock shows is left out, as an odd one."""
+    rconn.rpush("joblock:runs:order", _delivery("fine-1", 1_700_000_000.0))
+    rconn.rpush("joblock:runs:order", _delivery("odd-1", 1e308))
+    out = StringIO()
+    call_command("joblock_doctor", "--resource", "order:9", stdout=out)
+    assert "job fine-1" in out.getvalue(), "negative control: the history is read"
+    assert "odd-1" not in out.getvalue()
+
+
+def test_the_doctor_finds_a_job_rq_expired_by_its_idempotency_record(rconn):
+    """``--job`` failed once RQ expired the job (after its result_ttl); the record its run left
+    names its key and resource."""
+    from django.utils import timezone
+
+    from django_joblock import IdempotencyRecord
+
+    now = timezone.now()
+    IdempotencyRecord.objects.create(
+        scope="tests.jobs.refund",
+        key="refund:R-9",
+        status="succeeded",
+        rq_job_id="expired-job-1",
+        lock_resource="order:9",
+        created_at=now,
+        updated_at=now,
+        expires_at=now,
+    )
+    out = StringIO()
+    call_command("joblock_doctor", "--job", "expired-job-1", stdout=out)
+    assert "refund:R-9" in out.getvalue()
+    with pytest.raises(CommandError, match="no idempotency record of it: look it up with"):
+        call_command("joblock_doctor", "--job", "never-was-1", stdout=StringIO())

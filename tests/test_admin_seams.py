@@ -1,4 +1,4 @@
-"""Issue 13, items 3, 8 and 10: the admin and operator actions as an attacker, an operator on a
+"""The admin and operator actions as an attacker, an operator on a
 bad day, and a Django user managing permissions would meet them."""
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def workers(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
     crew.stop()
 
 
+@pytest.mark.slow
 def test_job_whose_lock_an_operator_released_says_so_with_the_audit_id(workers, rconn):
     operator = login("operator", perms=("force_release_lock",))
     workers.start()
@@ -173,6 +174,7 @@ def test_job_whose_lock_an_operator_released_says_so_with_the_audit_id(workers, 
     assert job.get_meta(refresh=True)["joblock"]["outcome"] == "aborted"
 
 
+@pytest.mark.slow
 def test_force_release_while_redis_is_black_holed_answers_a_clear_page(settings, proxy):
     settings.JOBLOCK = {"REDIS_ALIAS": "proxied"}
     held = lock("order:9", ttl=30)
@@ -195,6 +197,7 @@ def test_force_release_while_redis_is_black_holed_answers_a_clear_page(settings,
     assert wait_for(lambda: held.held, 5) and held.release(), "the holder keeps its lock"
 
 
+@pytest.mark.slow
 def test_dead_holder_row_names_the_evidence(rconn):
     pid = dead_holder("order:dead", rconn)
     page = login("root", superuser=True).get(DASHBOARD).content.decode()

@@ -1,4 +1,4 @@
-"""Admission (§4.8) through real RQ worker processes: waiting jobs start as soon as the resource
+"""Admission through real RQ worker processes: waiting jobs start as soon as the resource
 frees, in FIFO order, and none is lost when a holder dies or Redis restarts.
 
 On rq 2.x (the compatibility run) there is no RateLimit: the same scenarios assert the
@@ -64,6 +64,7 @@ def _no_overlap(rconn: Any) -> None:
         assert e1 <= s2, f"overlapping critical sections: {spans}"
 
 
+@pytest.mark.slow
 def test_waiters_on_one_resource_start_in_fifo_order(workers, rconn):
     workers.start(scheduler=True)
     workers.start()
@@ -88,6 +89,7 @@ def test_waiters_on_one_resource_start_in_fifo_order(workers, rconn):
         assert state["outcome"] == "ran" and state["waited"] > 0, state
 
 
+@pytest.mark.slow
 def test_negative_control_rq_rate_limit_alone_breaks_ties_by_job_id(workers, rconn):
     """What the FIFO scores fix: RQ scores waiting jobs in whole seconds and pops ties by job
     id (random), so eight jobs enqueued within one second start in a random order."""
@@ -122,16 +124,21 @@ def test_jobs_parked_in_one_second_wait_in_enqueue_order(rconn):
         return
     from rq.rate_limit import RateLimitRegistry
 
-    admission_jobs.hot_hold.delay(2, "holder2")  # no worker: it keeps the resource's slot
-    _next_second()
-    jobs = [admission_jobs.hot.delay(2, f"j{i}", 0.05) for i in range(20)]
-    _parked(jobs)
-    registry = RateLimitRegistry.from_job(jobs[0])
-    scores = {score for _, score in rconn.zrange(registry.rate_limited_key, 0, -1, withscores=True)}
-    assert len(scores) == 1, "negative control: RQ gave them all the same score"
+    # On a busy machine 20 enqueues may straddle a second: then try again on another resource.
+    for resource in range(2, 7):
+        admission_jobs.hot_hold.delay(resource, f"holder{resource}")  # no worker: keeps its slot
+        _next_second()
+        jobs = [admission_jobs.hot.delay(resource, f"j{i}", 0.05) for i in range(20)]
+        _parked(jobs)
+        registry = RateLimitRegistry.from_job(jobs[0])
+        waiting = rconn.zrange(registry.rate_limited_key, 0, -1, withscores=True)
+        if len({score for _, score in waiting}) == 1:
+            break
+    assert len({score for _, score in waiting}) == 1, "negative control: RQ gave one score"
     assert registry.get_rate_limited_job_ids() == [job.id for job in jobs]
 
 
+@pytest.mark.slow
 def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
     workers.start(scheduler=True)
     workers.start()
@@ -154,14 +161,16 @@ def test_waiting_jobs_run_after_the_holder_is_sigkilled(workers, rconn):
     _no_overlap(rconn)
 
 
+@pytest.mark.slow
 def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
     """Every waiting job runs, or fails visibly, within a bound. The jobs caught by the
     restart are RQ's to recover: one a worker popped just as Redis was killed sits in RQ's
     intermediate queue until RQ's maintenance has seen it there for a minute; one whose
     worker lost its bookkeeping stays "started" until its execution expires
     (min(job_timeout, 30) + 60 = 65 s here) and is then failed (AbandonedJobError) or retried by
-    the next maintenance (every 5 s here). Every other waiting job runs as soon as the
-    resource frees."""
+    the next maintenance (every 5 s here); one whose requeue (rq 2.x: RQ's ``Retry``) RQ was
+    recording when Redis went away is failed by RQ with the ``ConnectionError``, as RQ's own
+    worker fails it. Every other waiting job runs as soon as the resource frees."""
     settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 4}}
     workers = Workers(settings.JOBLOCK, extra_args=["--maintenance-interval", "5"])
     persistent(server, rconn, True)
@@ -171,7 +180,9 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         holder = admission_jobs.hot_hold.delay(4, "holder")
         pid_of(rconn, "holder")
         # job_timeout=5: RQ gives up a job lost with the restart 65 s after its last heartbeat
-        waiters = [admission_jobs.hot.enqueue((4, f"w{i}", 0.05), job_timeout=5) for i in range(4)]
+        waiters = [
+            admission_jobs.hot.enqueue_call((4, f"w{i}", 0.05), job_timeout=5) for i in range(4)
+        ]
         _parked(waiters)
         run_id = rconn.info("server")["run_id"]
         server.restart()
@@ -192,7 +203,9 @@ def test_waiting_jobs_run_after_a_redis_restart(server, rconn, settings):
         for job in waiters:
             if job.get_status() == JobStatus.FAILED:  # visibly, by RQ's recovery
                 failure = str(job.latest_result().exc_string)
-                assert "AbandonedJobError" in failure or "intermediate" in failure, failure
+                caught = ("AbandonedJobError", "intermediate")
+                retry_cut = "handle_job_retry" in failure and "ConnectionError" in failure
+                assert retry_cut or any(word in failure for word in caught), failure
         finished = [job for job in waiters if job.get_status() == JobStatus.FINISHED]
         assert len(finished) >= len(waiters) - 1, "at most the one caught by the restart"
         assert wait_status(holder, DONE, 30) in DONE
@@ -218,6 +231,7 @@ def test_workers_wake_up_for_the_liveness_sweep_every_second(rconn):
     assert Worker([queue], connection=rconn).dequeue_timeout == 405, "RQ's own default"
 
 
+@pytest.mark.slow
 def test_wait_to_start_is_measured_and_shown(workers, rconn):
     """meta["joblock"]["waited"], the start_wait_seconds histogram, the dashboard card and
     chart, and the Prometheus series."""
@@ -259,12 +273,12 @@ def test_how_admission_meets_rqs_own_options(rconn):
         assert mode(admission_jobs.hot.delay(20, "x", 0.0)) == "requeue_only"
         return
     mine = admission.RateLimit(key="tenant:7", concurrency=2)
-    job = admission_jobs.hot.enqueue((21, "mine", 0.0), rate_limit=mine)
+    job = admission_jobs.hot.enqueue_call((21, "mine", 0.0), rate_limit=mine)
     assert mode(job) == "caller_rate_limit" and job.rate_limit_key == "tenant:7"
-    unique = admission_jobs.hot.enqueue((22, "u", 0.0), job_id="mine-1", unique=True)
+    unique = admission_jobs.hot.enqueue_call((22, "u", 0.0), job_id="mine-1", unique=True)
     assert mode(unique) == "rq_unique" and not unique.rate_limit_key
     with rconn.pipeline() as pipe:
-        piped = admission_jobs.hot.enqueue((23, "p", 0.0), pipeline=pipe)
+        piped = admission_jobs.hot.enqueue_call((23, "p", 0.0), pipeline=pipe)
         pipe.execute()
     assert piped.meta["joblock"]["admission"] == "pipeline" and not piped.rate_limit_key
     parked = admission_jobs.hot.delay(24, "a", 0.0)

@@ -1,5 +1,5 @@
 """The alerts that tests/test_observability.py fires in-process, fired here by real RQ worker
-processes on real Redis (issue 17, item 3): contention and its spike against a baseline from
+processes on real Redis: contention and its spike against a baseline from
 jobs that find their resource busy, and Redis errors on acquire from a worker whose lock Redis
 (another server than its queue's) is down. Each with a negative control that does not fire."""
 
@@ -20,7 +20,7 @@ from tests.settings import _cache
 from tests.test_topologies import TopologyWorkers
 from tests.workers import DONE, Workers, wait_status
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
 def _names() -> set[str]:
@@ -30,13 +30,11 @@ def _names() -> set[str]:
 def test_contention_and_its_spike_fire_from_jobs_that_find_their_resource_busy(
     crew, rconn, settings
 ):
-    # The baseline: 2 of 41 acquires of family "res" busy, filed half an hour ago.
-    with lock("res:hot", ttl=5):
-        for _ in range(2):
-            assert not lock("res:hot").acquire()
-    for i in range(38):
-        with lock(f"res:{i}", ttl=5):
-            pass
+    # The baseline: 2 of 41 acquires of family "res" busy, filed half an hour ago. Recorded as
+    # the locks record them, all at once: 41 real acquires on a busy machine took over a second,
+    # and a release then flushed part of them into the current minute (CI).
+    for acquired in [True] * 39 + [False] * 2:
+        metrics.record_acquire("res", "", 0.0, acquired=acquired)
     metrics.flush_now(at=time.time() - 1800)
     assert not {"contention", "contention_spike"} & _names(), "negative control: quiet now"
     crew.start(scheduler=True)

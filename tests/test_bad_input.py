@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from django_joblock import InvalidResource, JoblockConfigError, lock
+from django_joblock import InvalidResource, JoblockConfigError, LockError, lock
 from django_joblock.locks.keys import family, validate_resource
 
 
@@ -69,18 +69,18 @@ def test_heartbeat_setting_not_shorter_than_ttl_fails_loudly(settings):
 
 def test_unknown_cache_alias(rconn):
     with pytest.raises(JoblockConfigError, match="nope"):
-        lock("order:1", using="nope").acquire()
+        lock("order:1", cache="nope").acquire()
 
 
 def test_non_django_redis_alias():
     with pytest.raises(JoblockConfigError, match="django-redis"):
-        lock("order:1", using="locmem").acquire()
+        lock("order:1", cache="locmem").acquire()
 
 
 def test_acquiring_twice_is_an_error(rconn):
     held = lock("order:1", ttl=5)
     assert held.acquire()
-    with pytest.raises(Exception, match="already holds"):
+    with pytest.raises(LockError, match="already holds"):
         held.acquire()
     held.release()
 

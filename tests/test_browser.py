@@ -16,27 +16,30 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
+from rq.job import JobStatus
 
 from django_joblock import lock, metrics
 from tests import jobs
 from tests.harness import wait_for
 from tests.workers import Workers
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = os.environ.get("JOBLOCK_CHROMIUM", "/usr/bin/chromium")
 
 
 def _stuck_job(rconn, workers: Workers):  # type: ignore[no-untyped-def]
-    """A job left 'started' by a worker and horse that were SIGKILLed, past its timeout."""
+    """A job left 'started' by a worker and horse that were SIGKILLed, past its timeout. The job
+    ignores its timeout: on a busy machine a horse could reach it before the kill."""
     worker = workers.start()
-    job = jobs.hold_resource.enqueue((42, "stuck", 60.0), job_timeout=2)
+    job = jobs.hold_past_timeout.enqueue_call((42, "stuck", 60.0), job_timeout=2)
     assert wait_for(lambda: rconn.get("test:pid:stuck"), 20), workers.logs()
     os.kill(int(rconn.get("test:pid:stuck")), signal.SIGKILL)
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait(10)
     time.sleep(2.5)  # past its 2 s timeout, still in RQ's started registry
+    assert job.get_status(refresh=True) == JobStatus.STARTED, "the kill left it started"
     return job
 
 
@@ -66,7 +69,7 @@ CONTRAST_JS = """
 def _check_polish(page, base_url: str, stuck_id: str) -> None:  # type: ignore[no-untyped-def]
     """Breadcrumbs styled like the admin's own, charts with axes or a "no data" note, the
     row count said plainly, the runbook linked online, RQ job ids linked to django-rq."""
-    from django_joblock.admin import rq_job_url
+    from django_joblock.admin.records import rq_job_url
 
     crumbs = page.eval_on_selector(
         ".breadcrumbs", "e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).padding]"
@@ -178,6 +181,78 @@ def _check_dark_and_narrow(page) -> None:  # type: ignore[no-untyped-def]
     page.set_viewport_size({"width": 1400, "height": 1000})
     page.reload()
     page.wait_for_selector("#joblock-dashboard")
+    # At 1,400 px the health and the Force release link were past the table's right edge.
+    for shown in ("td.jl-health", "a.jl-release"):
+        box = page.locator(f"#jl-locks tr:has-text('order:777') {shown}").bounding_box()
+        assert box is not None and box["x"] + box["width"] <= 1400, f"{shown} off-screen: {box}"
+
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _contended_lock_and_metrics(rconn, held) -> None:  # type: ignore[no-untyped-def]
+    """What the dashboard shows: ``held`` taken and contended 25 times, duplicates blocked,
+    hold and start-wait times of three families, and timeline spans."""
+    assert held.acquire()
+    # What a worker's holding shows (RQ's 32-character job id and worker name, a dotted job
+    # function, a container's host name): as wide as a row gets in production.
+    holder = {
+        "job_id": "5f0c3a9e1b7d4e2f8a6c0b9d3e1f7a2c",
+        "job_func": "shop.payments.jobs.refund_order_after_the_payment_provider_confirmed",
+        "worker": "9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b",
+        "host": "shop-worker-7d9f8c6b5-x2k4p.eu-central-1.compute.internal",
+    }
+    rconn.hset(held.key, mapping=holder)
+    for _ in range(25):  # contention on the held lock
+        assert not lock("order:777").acquire()
+    metrics.count("duplicates_blocked", "refund", "tests.jobs.credit", 3)
+    for family, seconds in (("order", 12.5), ("refund", 0.75), ("mail", 240.0)):
+        metrics.observe("hold_seconds", family, "tests.jobs.credit", seconds)
+        metrics.observe("start_wait_seconds", family, "tests.jobs.credit", seconds / 3)
+    metrics.flush_now()
+    _timeline_spans(rconn)
+    assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3)
+
+
+def _log_in(page, base_url: str) -> None:  # type: ignore[no-untyped-def]
+    """Log in as ``ops`` through the admin's login form, which leads to the dashboard."""
+    page.goto(f"{base_url}/admin/login/?next=/admin/django_joblock/dashboard/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "correct horse")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#joblock-dashboard")
+
+
+def _check_overview(page, held, stuck_id: str) -> None:  # type: ignore[no-untyped-def]
+    """The held lock listed (its token never shown), the contention alert, the stuck job."""
+    page.screenshot(path=str(ARTIFACTS / "1-dashboard.png"), full_page=True)
+    locks_table = page.inner_text("#jl-locks")
+    assert "order:777" in locks_table and held.token not in page.content()
+    assert "contention" in page.inner_text("#jl-alerts")
+    stuck_table = page.inner_text("#jl-stuck")
+    assert stuck_id in stuck_table and "past its timeout" in stuck_table
+
+
+def _force_release(page, rconn, held) -> None:  # type: ignore[no-untyped-def]
+    """Release ``order:777`` from its row: the confirmation page changes nothing, the release
+    with a reason does, and says so."""
+    page.click("#jl-locks tr:has-text('order:777') a.jl-release")
+    page.wait_for_selector("#jl-release")
+    page.screenshot(path=str(ARTIFACTS / "2-confirm.png"), full_page=True)
+    assert rconn.exists(held.key), "the confirmation page changes nothing"
+    page.fill("#jl-reason", "stuck refund, ticket OPS-7")
+    page.click("#jl-confirm")
+    page.wait_for_selector("#joblock-dashboard")
+    page.screenshot(path=str(ARTIFACTS / "3-released.png"), full_page=True)
+    assert "Released order:777" in page.inner_text("ul.messagelist")
 
 
 def test_dashboard_in_a_real_browser(live_server, rconn, settings):
@@ -191,55 +266,19 @@ def test_dashboard_in_a_real_browser(live_server, rconn, settings):
     held = lock("order:777", ttl=30)
     try:
         stuck = _stuck_job(rconn, workers)
-        assert held.acquire()
-        for _ in range(25):  # contention on the held lock
-            assert not lock("order:777").acquire()
-        metrics.count("duplicates_blocked", "refund", "tests.jobs.credit", 3)
-        for family, seconds in (("order", 12.5), ("refund", 0.75), ("mail", 240.0)):
-            metrics.observe("hold_seconds", family, "tests.jobs.credit", seconds)
-            metrics.observe("start_wait_seconds", family, "tests.jobs.credit", seconds / 3)
-        metrics.flush_now()
-        _timeline_spans(rconn)
-        assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3)
+        _contended_lock_and_metrics(rconn, held)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(
-                executable_path=CHROMIUM,
-                headless=True,
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-quic",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                ],
+                executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
             )
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{live_server.url}/admin/login/?next=/admin/django_joblock/dashboard/")
-            page.fill("#id_username", "ops")
-            page.fill("#id_password", "correct horse")
-            page.click("input[type=submit]")
-            page.wait_for_selector("#joblock-dashboard")
-            page.screenshot(path=str(ARTIFACTS / "1-dashboard.png"), full_page=True)
-            locks_table = page.inner_text("#jl-locks")
-            assert "order:777" in locks_table and held.token not in page.content()
-            assert "contention" in page.inner_text("#jl-alerts")
-            stuck_table = page.inner_text("#jl-stuck")
-            assert stuck.id in stuck_table and "past its timeout" in stuck_table
+            _log_in(page, live_server.url)
+            _check_overview(page, held, stuck.id)
             _check_polish(page, live_server.url, stuck.id)
             _check_timeline(page)
             _check_chart_text_fits(page)
             _check_dark_and_narrow(page)
-            page.click("#jl-locks tr:has-text('order:777') a.jl-release")
-            page.wait_for_selector("#jl-release")
-            page.screenshot(path=str(ARTIFACTS / "2-confirm.png"), full_page=True)
-            assert rconn.exists(held.key), "the confirmation page changes nothing"
-            page.fill("#jl-reason", "stuck refund, ticket OPS-7")
-            page.click("#jl-confirm")
-            page.wait_for_selector("#joblock-dashboard")
-            page.screenshot(path=str(ARTIFACTS / "3-released.png"), full_page=True)
-            assert "Released order:777" in page.inner_text("ul.messagelist")
+            _force_release(page, rconn, held)
             browser.close()
     finally:
         workers.stop()

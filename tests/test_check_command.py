@@ -2,7 +2,7 @@
 
 A finding must come out as the documented ``django_joblock.E0xx`` / ``W0xx`` message: errors
 stop the command with ``SystemCheckError``, warnings are printed and the command goes on.
-Nothing may crash the check framework itself (issue 13, item 1).
+Nothing may crash the check framework itself.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def test_w010_redis_unreachable_on_deploy(settings):
     assert_warning("W010", "does not answer", deploy=True)
 
 
+@pytest.mark.slow
 def test_w011_eviction_policy_on_deploy(server, rconn):
     rconn.config_set("maxmemory", 512 * 1024 * 1024)
     rconn.config_set("maxmemory-policy", "allkeys-lru")
@@ -182,6 +183,7 @@ def test_clean_settings_give_no_joblock_finding(scratch_registry):
     assert error is None and "django_joblock." not in printed, printed
 
 
+@pytest.mark.slow
 def test_a_warning_does_not_break_joblock_commands():
     """A real ``manage.py`` process runs the checks before the command, as users do."""
     env = dict(
@@ -266,6 +268,7 @@ TAGGED_RUNS: list[tuple[object, Any, set[str]]] = [
 ]
 
 
+@pytest.mark.slow
 def test_all_checks_registered_under_the_app_tag(scratch_registry, settings, server, rconn):
     """``manage.py check --tag django_joblock --deploy`` reports every id the checks module
     documents: a check registered without the app's tag (or not at all) would be missing."""
@@ -314,7 +317,8 @@ def test_w015_for_sqlite_with_deferred_transactions(settings):
 
 def test_w016_for_a_key_prefix_another_project_claimed(rconn):
     """Two projects on one Redis with the default KEY_PREFIX saw each other's locks, and a
-    purge removed the other's keys, without a word. The first to check claims the prefix."""
+    purge removed the other's keys, without a word. ``migrate`` claims the prefix; the check
+    only reads the claim."""
     from django_joblock.monitor import cleanup
 
     rconn.set("joblock:project", "0123456789ab")  # another project's SECRET_KEY hash
@@ -324,7 +328,34 @@ def test_w016_for_a_key_prefix_another_project_claimed(rconn):
     assert "django_joblock.W016" in tagged.getvalue()
     rconn.delete("joblock:project")
     printed, _error = check(deploy=True)
-    assert "django_joblock.W016" not in printed, "negative control: unclaimed, claimed now"
-    assert rconn.get("joblock:project").decode() == cleanup.project_id()
+    assert "django_joblock.W016" not in printed, "negative control: unclaimed"
+    assert not rconn.exists("joblock:project"), "the check writes nothing"
+    call_command("migrate", verbosity=0)
+    assert rconn.get("joblock:project").decode() == cleanup.project_id(), "claimed by migrate"
     printed, _error = check(deploy=True)
     assert "django_joblock.W016" not in printed, "this project's own claim"
+
+
+CALLS: list[str] = []
+
+
+def counting_client() -> Any:
+    """A ``REDIS_CLIENT`` factory that counts its calls (the test Redis)."""
+    import redis
+
+    from tests import harness
+
+    CALLS.append("made")
+    return redis.Redis.from_url(harness.redis_url())
+
+
+def test_check_deploy_makes_the_client_once_and_writes_nothing(settings, rconn):
+    """One ``check --deploy --tag django_joblock`` called the REDIS_CLIENT factory 4 times and
+    left ``joblock:project`` in Redis; now once, and no key."""
+    settings.JOBLOCK = {"REDIS_CLIENT": "tests.test_check_command.counting_client"}
+    CALLS.clear()
+    out = StringIO()
+    call_command("check", tags=[checks.TAG], deploy=True, stdout=out, stderr=out)
+    assert "W010" not in out.getvalue(), "negative control: the client answered"
+    assert CALLS == ["made"]
+    assert rconn.dbsize() == 0, rconn.keys()

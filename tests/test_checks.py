@@ -97,6 +97,7 @@ def test_w010_quiet_when_redis_answers():
     assert check_redis_server() == []
 
 
+@pytest.mark.slow
 def test_w011_eviction_policy(server, rconn):
     rconn.config_set("maxmemory", 512 * 1024 * 1024)
     rconn.config_set("maxmemory-policy", "allkeys-lru")

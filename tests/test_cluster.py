@@ -1,4 +1,4 @@
-"""Locks on Redis Cluster (issue 16, item 3): a real cluster of three primaries.
+"""Locks on Redis Cluster: a real cluster of three primaries.
 
 The locks' client is a ``RedisCluster`` made by the ``JOBLOCK["REDIS_CLIENT"]`` factory
 (``tests.cluster_client.make``); django-rq's queues stay on the ordinary test Redis. Resources
@@ -51,11 +51,13 @@ from tests.procs.topologies import ClusterNodes
 from tests.testapp.models import Account
 from tests.workers import Workers, wait_status
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 DASHBOARD = "/admin/django_joblock/dashboard/"
 RELEASE = "/admin/django_joblock/dashboard/release/"
 QUEUES = {"default": {"URL": harness.redis_url()}, "other": {"URL": harness.redis_url()}}
+
+REDIS_PY_MAJOR = int(redis.__version__.split(".")[0])
 
 
 @pytest.fixture(scope="module")
@@ -501,7 +503,18 @@ def test_a_node_down_elsewhere_fails_no_renewal_acquire_or_hand_over(on_cluster)
         time.sleep(held.ttl + 1)  # past the TTL: only renewals kept it
         assert not held.lost and held.renew(), held.lost_reason
         assert lock(free, ttl=5).acquire()
-        assert holder.release()
+        try:
+            released = holder.release()
+        except (ValueError, AttributeError, redis.RedisError, LockBackendUnavailable):
+            # redis-py 5's cluster client answers the woken waiter's connection error on the
+            # down node by disconnecting every pooled connection of its nodes, this thread's
+            # release waiting for its reply included (CI, compatibility stack; not seen with
+            # redis-py 8). The release ran on the server and handed the lock over: the
+            # waiter's outcome below shows it.
+            if REDIS_PY_MAJOR >= 6:
+                raise
+            released = True
+        assert released
         queued.join(15)
         assert outcome == [True] and waiter.held
         waiter.release()

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests import harness
+
+pytestmark = pytest.mark.slow  # runs the demo: worker processes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,6 +27,8 @@ from rq import Worker
 
 from tests import docblocks, harness
 
+pytestmark = pytest.mark.slow  # starts processes or servers
+
 README_REDIS = "redis://127.0.0.1:6379/"  # the docs' Redis databases, on the throwaway server
 DEV_ORDERS = (
     "from shop.models import Order; print(list(Order.objects.values_list('pk', 'refunded')))"
@@ -80,6 +82,90 @@ def _run(args: list[str], cwd: Path, env: dict[str, str], what: str) -> str:
     return done.stdout
 
 
+class _DevWorker:
+    """The development worker (``joblock_worker`` without ``--burst``) on the same Redis server,
+    started once a block ran the migrations and restarted on new code, as a developer does."""
+
+    def __init__(self, project: Path, env: dict[str, str], log: Path) -> None:
+        self.project = project
+        self.env = env
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.changed = False  # a block wrote a file since the dev worker started
+
+    def code_changed(self) -> None:
+        """A block wrote a file of the project."""
+        self.changed = True
+
+    def restart_if_changed(self) -> None:
+        """Before a block runs: restart the worker if a block changed a file since it started."""
+        if self.proc is not None and self.changed:
+            _stop(self.proc, self.log)
+            self.proc = _start_dev_worker(self.project, self.env, self.log)
+        self.changed = False
+
+    def start_after_migrations(self, command: str) -> None:
+        """After a command ran: start the worker if it ran the migrations and none runs yet."""
+        if "manage.py migrate" in command and self.proc is None:
+            self.proc = _start_dev_worker(self.project, self.env, self.log)
+
+    def stop(self) -> None:
+        """Stop it as a developer does; it must have been started."""
+        assert self.proc is not None, "no block ran the migrations"
+        _stop(self.proc, self.log)
+
+    def kill(self) -> None:
+        """Kill it (and its horses and scheduler) if it still runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _patch_settings(project: Path) -> bool:
+    """Add ``TEST_SETTINGS`` to the project's settings unless they set ``MAILERS``; False if
+    the project has no settings yet."""
+    settings_file = project / "mysite" / "settings.py"
+    if not settings_file.exists():
+        return False
+    text = settings_file.read_text()
+    if "MAILERS" not in text:
+        settings_file.write_text(text + TEST_SETTINGS)
+    return True
+
+
+def _append_file_block(target: Path, code: str, env: dict[str, str], where: str) -> None:
+    """Append a ``file`` block's code to its file in the project, and check its names."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as out:
+        out.write("\n" + code + "\n")
+    _lint([target], env, where)
+
+
+def _run_block(
+    block: docblocks.Block, code: str, project: Path, env: dict[str, str], dev: _DevWorker
+) -> None:
+    """Run a ``run`` or ``run-as`` block in the project: bash in bash, python in ``manage.py
+    shell`` (its names checked first). docs/testing.md's tests run beside the dev worker and
+    must not touch development data."""
+    command = block.argument if block.action == "run-as" else code
+    shell = [sys.executable, "manage.py", "shell", "-c", DEV_ORDERS]
+    before = _run(shell, project, env, "dev orders") if "manage.py test" in command else ""
+    if block.language == "bash" or block.action == "run-as":
+        _run(["bash", "-euo", "pipefail", "-c", command], project, env, block.where)
+        if before:
+            assert _run(shell, project, env, "dev orders") == before, "a test job ran in dev"
+        dev.start_after_migrations(command)
+    else:
+        script = project / "_block.py"
+        script.write_text(code + "\n")
+        _lint([script], env, block.where)
+        _run(
+            [sys.executable, "manage.py", "shell", "-c", script.read_text()],
+            project,
+            env,
+            block.where,
+        )
+
+
 def test_readme_and_docs_blocks_run_in_a_new_project(tmp_path, built_wheel_site, redis_server):
     venv_bin = Path(sys.executable).parent
     project = tmp_path / "project"
@@ -89,60 +175,24 @@ def test_readme_and_docs_blocks_run_in_a_new_project(tmp_path, built_wheel_site,
     patched = False
     ran = 0
     # A development worker on the same Redis server from the migrations on, as a developer has.
-    dev_worker: subprocess.Popen[bytes] | None = None
-    dev_log = tmp_path / "dev-worker.log"
-    changed = False  # a block wrote a file since the dev worker started
+    dev = _DevWorker(project, env, tmp_path / "dev-worker.log")
     try:
         for block in docblocks.all_blocks():
             code = block.code.replace(README_REDIS, url)
-            settings_file = project / "mysite" / "settings.py"
-            if settings_file.exists() and not patched:
-                text = settings_file.read_text()
-                if "MAILERS" not in text:
-                    settings_file.write_text(text + TEST_SETTINGS)
-                patched = True
+            if not patched:
+                patched = _patch_settings(project)
             if block.action == "skip":
                 continue
             if block.action == "file":
-                target = project / block.argument
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with target.open("a") as out:
-                    out.write("\n" + code + "\n")
-                _lint([target], env, block.where)
-                changed = True
+                _append_file_block(project / block.argument, code, env, block.where)
+                dev.code_changed()
                 continue
-            if dev_worker is not None and changed:  # restarted on new code, as a developer does
-                _stop(dev_worker, dev_log)
-                dev_worker = _start_dev_worker(project, env, dev_log)
-            changed = False
-            command = block.argument if block.action == "run-as" else code
-            shell = [sys.executable, "manage.py", "shell", "-c", DEV_ORDERS]
-            before = _run(shell, project, env, "dev orders") if "manage.py test" in command else ""
-            if block.language == "bash" or block.action == "run-as":
-                _run(["bash", "-euo", "pipefail", "-c", command], project, env, block.where)
-                # docs/testing.md's tests run beside it and must not touch development data.
-                if before:
-                    assert _run(shell, project, env, "dev orders") == before, (
-                        "a test job ran in dev"
-                    )
-                if "manage.py migrate" in command and dev_worker is None:
-                    dev_worker = _start_dev_worker(project, env, dev_log)
-            else:
-                script = project / "_block.py"
-                script.write_text(code + "\n")
-                _lint([script], env, block.where)
-                _run(
-                    [sys.executable, "manage.py", "shell", "-c", script.read_text()],
-                    project,
-                    env,
-                    block.where,
-                )
+            dev.restart_if_changed()
+            _run_block(block, code, project, env, dev)
             ran += 1
-        assert dev_worker is not None, "no block ran the migrations"
-        _stop(dev_worker, dev_log)
+        dev.stop()
     finally:
-        if dev_worker is not None and dev_worker.poll() is None:
-            os.killpg(dev_worker.pid, signal.SIGKILL)
+        dev.kill()
     assert ran >= 5, "the tour's blocks did not run"
     _lint(sorted(project.rglob("*.py")), env, "the assembled project")
     _run([sys.executable, "manage.py", "check"], project, env, "manage.py check (urls too)")

@@ -8,11 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 from django.db import transaction
+from rq import Worker
 from rq.job import JobStatus
 
 from django_joblock import locked_job
 from django_joblock.jobs.queues import get_queue
 from tests import jobs
+from tests.harness import wait_for
 from tests.testapp.models import Account
 from tests.workers import DONE, Workers, wait_status
 
@@ -26,12 +28,14 @@ def crew(settings) -> Iterator[Workers]:  # type: ignore[no-untyped-def]
     crew.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_commit", [True, False], ids=["on commit", "negative control: at once"])
 def test_a_worker_racing_the_commit_finds_the_row(on_commit, crew, rconn):
     """The job is delayed in the transaction that creates its account, and the commit comes
-    1.5 s later while a worker waits for work. Enqueued at once (``on_commit=False``), the job
+    4 s later while a worker waits for work. Enqueued at once (``on_commit=False``), the job
     runs first and fails with Account.DoesNotExist; on commit, it runs after the commit."""
     crew.start("default")
+    assert wait_for(lambda: len(Worker.all(connection=rconn)) == 1, 30), crew.logs()
     queue = get_queue("default")
     with transaction.atomic():
         Account.objects.create(name="fresh", balance=0)
@@ -40,7 +44,7 @@ def test_a_worker_racing_the_commit_finds_the_row(on_commit, crew, rconn):
             assert queue.count == 0, "not before the commit"
         else:
             job = jobs.read_account_at_once.delay("fresh")
-        time.sleep(1.5)
+        time.sleep(4.0)  # the waiting worker runs it meanwhile, on a busy machine too
     status = wait_status(job, DONE, 30, crew)
     if not on_commit:
         assert status is JobStatus.FAILED, crew.logs()

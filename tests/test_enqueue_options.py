@@ -11,8 +11,10 @@ Found by trying the app in a new project: RQ's ``enqueue`` called with ``args=``
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
+from rq import Retry
 
 from django_joblock import locked_job
 from django_joblock.jobs.queues import get_queue
@@ -45,10 +47,49 @@ def test_job_arguments_given_as_rq_options_fail_at_enqueue(scratch_registry, rco
     with pytest.raises(ValueError, match=r"lock_only.enqueue\(\): count is not an option"):
         lock_only.enqueue(kwargs={"name": "e1"}, count=5)
     with pytest.raises(ValueError, match=r"name is not an option.*\.delay\(\.\.\.\)"):
-        lock_only.enqueue(name="e1")
+        lock_only.enqueue_call(name="e1")
     assert queue.count == 0, "nothing may be enqueued after a bad call"
     job = lock_only.enqueue(kwargs={"name": "e1", "count": 5}, result_ttl=60)
-    assert job.kwargs == {"name": "e1", "count": 5} and job.result_ttl == 60
+    assert job.kwargs == {"name": "e1", "count": 5}
+    assert job.result_ttl == 60
+
+
+def test_enqueue_takes_the_jobs_arguments_as_rqs_enqueue_does(scratch_registry, rconn):
+    """An rq user's ``job.enqueue(1, "10")`` enqueues like ``.delay(1, "10")``; RQ's options
+    ride among the keywords as with ``Queue.enqueue``, except a keyword the job takes itself;
+    ``.enqueue_call(args, kwargs, **options)`` keeps them apart."""
+
+    @locked_job("default", lock="thing:{name}")
+    def lock_only(name: str, count: str = "1", description: str = "") -> str:
+        return count
+
+    queue = get_queue("default")
+    delayed = lock_only.delay(1, "10")
+    enqueued = lock_only.enqueue(1, "10")
+    assert (enqueued.args, enqueued.kwargs) == (delayed.args, delayed.kwargs) == ((1, "10"), {})
+    assert enqueued.meta["joblock"]["resource"] == "thing:1"
+    with_options = lock_only.enqueue(2, count="3", job_timeout=30, description="mine")
+    assert with_options.kwargs == {"count": "3", "description": "mine"}, "the job's keywords"
+    assert with_options.timeout == 30, "RQ's option"
+    called = lock_only.enqueue_call((3,), {"count": "4"}, job_timeout=40)
+    assert (called.args, called.kwargs, called.timeout) == ((3,), {"count": "4"}, 40)
+    before = queue.count
+    with pytest.raises(TypeError, match="positional arguments cannot be used with args="):
+        lock_only.enqueue(4, args=(5,))
+    assert queue.count == before, "nothing enqueued"
+
+
+def test_the_old_positional_spelling_of_enqueue_warns_and_still_works(scratch_registry, rconn):
+    @locked_job("default", lock="thing:{count}")
+    def lock_only(name: str, count: int = 1) -> int:
+        return count
+
+    with pytest.warns(DeprecationWarning, match=r"lock_only.enqueue\(args, kwargs\).*enqueue_call"):
+        job = lock_only.enqueue(("e2",), {"count": 2}, job_timeout=50)
+    assert (job.args, job.kwargs, job.timeout) == (("e2",), {"count": 2}, 50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tuple the job takes as its argument: no warning
+        assert lock_only.enqueue(("a", "b", "c")).args == (("a", "b", "c"),)
 
 
 # 10**12 s and '99999999999d' (regression, review): accepted, then every run failed in the
@@ -66,7 +107,7 @@ def test_a_bad_job_timeout_is_named_at_decoration_and_at_enqueue(scratch_registr
     def fine(n: int) -> None: ...
 
     with pytest.raises(ValueError, match=r"fine.enqueue\(\): job_timeout must be"):
-        fine.enqueue((1,), job_timeout=bad)
+        fine.enqueue_call((1,), job_timeout=bad)
     assert get_queue("default").count == 0
 
 
@@ -75,8 +116,8 @@ def test_rq_timeout_forms_are_accepted(scratch_registry, rconn):
     def slow(n: int) -> None: ...
 
     assert slow.delay(1).timeout == 600
-    assert slow.enqueue((2,), job_timeout=-1).timeout == -1
-    assert slow.enqueue((3,), job_timeout=90).timeout == 90
+    assert slow.enqueue_call((2,), job_timeout=-1).timeout == -1
+    assert slow.enqueue_call((3,), job_timeout=90).timeout == 90
 
 
 def test_decorator_arguments_of_the_wrong_kind_are_named():
@@ -124,3 +165,33 @@ def test_delay_reuses_the_queues_connection(rconn, settings):
     other_db = harness.redis_url().rsplit("/", 1)[0] + "/1"  # a settings change is seen
     settings.RQ_QUEUES = {**settings.RQ_QUEUES, "default": {"URL": other_db}}
     assert get_queue("default").connection.connection_pool.connection_kwargs["db"] == 1
+
+
+@pytest.mark.parametrize(
+    ("option", "bad", "expected"),
+    [
+        ("retry", 3, "retry must be an rq.Retry"),
+        ("meta", ["x"], "meta must be a dict"),
+        ("at_front", "yes", "at_front must be True or False"),
+        ("result_ttl", 1.5, "result_ttl must be whole seconds"),
+        ("failure_ttl", -5, "failure_ttl must be whole seconds"),
+        ("result_ttl", math.inf, "result_ttl must be whole seconds"),
+    ],
+)
+def test_rq_options_of_the_wrong_type_are_named_at_decoration_and_at_enqueue(
+    scratch_registry, rconn, option, bad, expected
+):
+    """``retry=3`` was accepted, then raised from deep inside RQ at every ``.delay()``."""
+
+    def sent(n: int) -> int:
+        return n
+
+    with pytest.raises(ValueError, match=rf"@locked_job .*sent: {expected}.*got"):
+        locked_job("default", lock="x:{n}", **{option: bad})(sent)
+    sent = locked_job("default", lock="x:{n}")(sent)
+
+    with pytest.raises(ValueError, match=rf"sent.enqueue\(\): {expected}"):
+        sent.enqueue_call((1,), **{option: bad})
+    assert get_queue("default").count == 0, "nothing enqueued"
+    job = sent.enqueue_call((1,), retry=Retry(max=2), meta={"a": 1}, result_ttl=-1)
+    assert job.retries_left == 2 and job.meta["a"] == 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from django_joblock import lock
 from tests import racers
 from tests.harness import wait_expired
@@ -47,6 +49,7 @@ def test_fence_counter_far_ahead_of_clock_still_increases(rconn):
     assert _fence_of_new_holder() == ahead + 1
 
 
+@pytest.mark.slow
 def test_fence_increases_after_redis_restart_without_persistence(server, rconn):
     before = _fence_of_new_holder()
     server.restart()
@@ -55,6 +58,7 @@ def test_fence_increases_after_redis_restart_without_persistence(server, rconn):
     assert _fence_of_new_holder() > before
 
 
+@pytest.mark.slow
 def test_fences_from_8_racing_processes_are_distinct_and_increasing(rconn):
     racers.run_all(rconn, [("fence_race", "10")] * 8)
     rows = [row.decode().split(":") for row in rconn.lrange("test:fences", 0, -1)]

@@ -58,6 +58,7 @@ def test_json_values_keep_the_fingerprint_they_always_had():
     )
 
 
+@pytest.mark.slow
 def test_sets_objects_bytes_and_odd_keys_fingerprint_alike_in_every_process():
     assert len(_set_orders()) == 2, "negative control: the two seeds order the set differently"
     code = (
@@ -74,6 +75,7 @@ def test_sets_objects_bytes_and_odd_keys_fingerprint_alike_in_every_process():
     assert fingerprint_of({"s": {1, 2}}) != fingerprint_of({"s": [1, 2]})
 
 
+@pytest.mark.slow
 def test_a_duplicate_with_set_and_object_arguments_replays_in_another_worker(rconn):
     assert len(_set_orders()) == 2, "negative control: the two seeds order the set differently"
     results = []

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from django_joblock import (
     IdempotencyClaimLost,
+    IdempotencyError,
     IdempotencyInProgress,
     IdempotencyKeyMismatch,
     IdempotencyRecord,
@@ -97,6 +98,7 @@ def test_16_threads_exactly_one_runs():
     assert IdempotencyRecord.objects.get(key="refund:threads").status == "succeeded"
 
 
+@pytest.mark.slow
 def test_16_processes_exactly_one_runs(rconn):
     outputs = racers.run_all(rconn, [("claim", "refund:procs", "0.3")] * 16)
     outcomes = [out.strip() for out in outputs]
@@ -149,6 +151,7 @@ def test_leaving_block_without_succeed_records_success_none():
     assert record.status == "succeeded" and record.result is None
 
 
+@pytest.mark.slow
 def test_sigkilled_claimer_blocks_until_lease_expires_then_is_taken_over(rconn):
     proc = racers.start("claim_and_hang", "refund:killed", "2.0")
     try:
@@ -228,7 +231,7 @@ def test_bad_input():
         idempotent("x" * 256)
     with pytest.raises(ValueError, match="lease"):
         idempotent("k", lease=0)
-    with pytest.raises(Exception, match="JSON"):
+    with pytest.raises(IdempotencyError, match="JSON"):
         with idempotent("k") as claim:
             claim.succeed(object())
     assert IdempotencyRecord.objects.get(key="k").status == "failed"

@@ -1,4 +1,4 @@
-"""Logs a person can read (issue 14): with the documented LOGGING, a real worker's log shows one
+"""Logs a person can read: with the documented LOGGING, a real worker's log shows one
 line per job outcome, with resource, key, job id and the holder of a busy resource; and
 idempotency keys fall into bounded metrics families."""
 
@@ -46,6 +46,7 @@ def test_the_documented_logging_snippet_is_the_one_tested():
     assert eval(block) == settings_logging.LOGGING  # our own docs
 
 
+@pytest.mark.slow
 def test_the_worker_log_shows_one_line_per_job_outcome(settings, rconn):
     settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 1}}
     crew = LoggingWorkers(settings.JOBLOCK)

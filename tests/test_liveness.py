@@ -13,21 +13,21 @@ import inspect
 import os
 import secrets
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import redis
 from rq import Queue, Worker
 from rq.command import send_stop_job_command
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.scheduler import RQScheduler
 
 from django_joblock import lock, lock_info
-from django_joblock.jobs import admission, liveness
-from django_joblock.monitor.control import force_release
+from django_joblock.jobs import admission
 from django_joblock.worker import JoblockWorker
 from tests import admission_jobs
 from tests.harness import free_port, persistent, wait_for
@@ -125,6 +125,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.slow
 @slots
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
@@ -148,6 +149,7 @@ def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
     assert scene.holder.get_status(refresh=True) in (JobStatus.FAILED, JobStatus.STARTED)
 
 
+@pytest.mark.slow
 @slots
 @pytest.mark.parametrize(
     "fault",
@@ -176,47 +178,40 @@ def _scheduler_owner(rconn: Any) -> bytes | None:
     return rconn.get(RQScheduler.get_locking_key("default"))  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("ours", [True, False], ids=["joblock_worker", "negative control: rq"])
-def test_a_requeued_job_does_not_wait_on_a_dead_scheduler(ours, crews, rconn):
+SCHEDULER_LOCK_TTL = 61  # RQ's scheduler lock: its interval (1 s) + 60 s, renewed every second
+MAINTENANCE = 5  # the workers' maintenance interval in the test (joblock_worker's default: 60)
+
+
+@pytest.mark.slow  # RQ's scheduler lock lives 61 s
+def test_a_dead_scheduler_is_taken_over_only_once_its_lock_expired(crews, rconn):
     """A job waits in a backoff (RQ's scheduled registry) when the worker running RQ's
     scheduler dies with it. Another worker with ``--with-scheduler`` takes the scheduler over
-    within seconds (RQ's own workers: once its lock expired, 61 s, at their next maintenance)."""
-    crew = crews(ours)
-    command = "joblock_worker" if ours else "rqworker"
-    first = crew.start("default", scheduler=True, command=command)
+    with RQ's own maintenance pass, once the dead scheduler's lock expired (RQ's 61 s): not
+    earlier, since a scheduler that stopped renewing may only be paused, and would enqueue the
+    jobs it had read a second time (tests/test_pauses.py). Bound: the lock's 61 s + the
+    maintenance interval."""
+    crew = crews(True)
+    crew.extra_args = [f"--maintenance-interval={MAINTENANCE}"]
+    first = crew.start("default", scheduler=True)
     assert wait_for(lambda: _scheduler_owner(rconn), 30), crew.logs()
     dead_owner = _scheduler_owner(rconn)
-    crew.start("default", scheduler=True, command=command)
+    crew.start("default", scheduler=True)
     queue = Queue("default", connection=rconn)
-    scheduled: list[float] = []
-
-    def due_time() -> bool:  # read while it waits (a busy box may enqueue it soon after)
-        score = rconn.zscore(queue.scheduled_job_registry.key, job.id)
-        scheduled.extend([] if score is None else [float(score)])
-        return score is not None
-
-    if ours:
-        with lock("hot:33", ttl=30):  # busy outside admission: the job requeues with a backoff
-            job = admission_jobs.hot_outside.delay(33, "next", 0.05)
-            assert wait_for(due_time, 20), crew.logs()
-    else:
-        job = queue.enqueue_in(timedelta(seconds=1), admission_jobs.plain_interval, "next", 0.05)
-        assert wait_for(due_time, 20)
-    due = scheduled[-1]
+    with lock("hot:33", ttl=30):  # busy outside admission: the job requeues with a backoff
+        job = admission_jobs.hot_outside.delay(33, "next", 0.05)
+        assert wait_for(lambda: job.id in queue.scheduled_job_registry, 20), crew.logs()
     os.killpg(first.pid, signal.SIGKILL)  # the worker and its scheduler process
     fault_at = time.time()
     assert wait_for(lambda: exited(first.pid), 10)
-    since = max(fault_at, due)
-    wait_for(lambda: "next" in intervals(rconn), since + WATCH - time.time())
-    spans = intervals(rconn)
-    waited = spans["next"][0] - since if "next" in spans else None
-    if not ours:
-        assert waited is None, "RQ's scheduler came back early"
-        assert _scheduler_owner(rconn) == dead_owner, "the dead scheduler's lock is still there"
-        return
-    assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
+    # The lease is respected: well past the job's due time, the dead scheduler's lock stands.
+    time.sleep(SCHEDULER_LOCK_TTL - 10)
+    assert _scheduler_owner(rconn) == dead_owner, "taken over before the lock expired"
+    assert "next" not in intervals(rconn), "negative control: nothing enqueued the due job"
+    bound = SCHEDULER_LOCK_TTL + MAINTENANCE + 5
+    assert wait_for(lambda: "next" in intervals(rconn), fault_at + bound - time.time()), crew.logs()
+    waited = intervals(rconn)["next"][0] - fault_at
     assert _scheduler_owner(rconn) not in (None, dead_owner), "another worker took it over"
-    print(f"\nscheduler's worker killed: the requeued job started {waited:.2f} s after it was due")
+    print(f"\nscheduler's worker killed: the requeued job started {waited:.2f} s after it")
 
 
 def _states(rconn: Any) -> list[str]:
@@ -232,6 +227,85 @@ KINDS = [
 ]
 
 
+def _holder_and_parked_job(
+    crew: Workers, rconn: Any, queue: Queue, ours: bool, simple: bool
+) -> tuple[subprocess.Popen[str], Job]:
+    """Start two workers (ours or plain RQ's), then the holder (2 s asleep on resource 34) and,
+    where RQ has ``RateLimit``, a job parked behind it; returns the worker running the holder
+    and the holder. The holder starts once both workers run: its 2 s are not spent waiting for
+    the second worker to start (on a busy machine it ended before the fault)."""
+    command = "joblock_worker" if ours else "rqworker"
+    workers = [crew.start("default", command=command, simple=simple) for _ in range(2)]
+    assert wait_for(lambda: len(Worker.all(connection=rconn)) == 2, 30), crew.logs()
+    # rq 2.x: no RateLimit, nothing parks; the job's end must still be recorded.
+    limited = {"rate_limit": admission.RateLimit("plain:34", 1)} if RATE_LIMITED else {}
+    if ours:
+        holder = admission_jobs.hot_sleep.delay(34, "holder", 2.0)
+    else:
+        holder = queue.enqueue(admission_jobs.plain_sleep, args=("holder", 2.0), **limited)
+    ran_in = pid_of(rconn, "holder")  # the worker itself, or its work horse
+    first = next(each for each in workers if each.pid in (ran_in, _parent_of(ran_in)))
+    if RATE_LIMITED and ours:
+        parked = admission_jobs.hot.delay(34, "next", 0.05)
+    elif RATE_LIMITED:
+        parked = queue.enqueue(admission_jobs.plain_interval, args=("next", 0.05), **limited)
+    if RATE_LIMITED:
+        assert parked.get_status(refresh=True) == "rate_limited"
+    return first, holder
+
+
+def _parent_of(pid: int) -> int:
+    """The parent pid of a running process (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def _restart_redis_while_the_holder_runs(server: Any) -> float:
+    """Kill the Redis server for 3 s, long enough for the holder's body to end during the
+    outage, and start it again; returns when it was back."""
+    server.kill()
+    time.sleep(3.0)  # the holder's body ends meanwhile
+    server.start()
+    return time.time()
+
+
+def _parked_job_waited(rconn: Any, back_at: float) -> float | None:
+    """Seconds from Redis being back to the parked job's start, None if it did not start
+    within ``WATCH`` (or nothing parked: rq 2.x)."""
+    if not RATE_LIMITED:
+        return None
+    wait_for(lambda: "next" in intervals(rconn), WATCH)
+    spans = intervals(rconn)
+    return spans["next"][0] - back_at if "next" in spans else None
+
+
+def _assert_plain_rq_left_it_started(
+    kind: str, first: subprocess.Popen[str], holder: Job, waited: float | None
+) -> None:
+    """Negative control: plain RQ kept the slot taken and the holder "started", and its
+    worker quit (unless it is a forking one)."""
+    if not RATE_LIMITED:
+        time.sleep(WATCH)  # as long as our workers get to record it
+    assert waited is None, "plain RQ freed the slot early"
+    assert holder.get_status(refresh=True) == JobStatus.STARTED, "left started"
+    assert first.poll() is not None or kind == "forking", "the worker quit"
+
+
+def _assert_ours_recorded_it(
+    crew: Workers, first: subprocess.Popen[str], holder: Job, waited: float | None
+) -> None:
+    """Ours: the parked job started within the bound, the holder's end was recorded, and the
+    worker outlived the outage."""
+    assert not RATE_LIMITED or (waited is not None and waited <= BOUND), (
+        f"waited {waited} s\n{crew.logs()}"
+    )
+    # Recorded: finished, or failed with LockLost when its renewals failed past the TTL.
+    if wait_status(holder, DONE, 10) is JobStatus.FAILED:
+        assert "LockLost" in str(holder.latest_result().exc_string), crew.logs()
+    assert first.poll() is None, "the worker outlived the outage"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.replace(" ", "-"))
 def test_a_job_ending_while_redis_restarts_is_recorded_and_the_next_one_starts(
     kind, crews, rconn, server
@@ -250,54 +324,20 @@ def test_a_job_ending_while_redis_restarts_is_recorded_and_the_next_one_starts(
     crew = crews(ours)
     persistent(server, rconn, True)
     try:
-        command = "joblock_worker" if ours else "rqworker"
-        simple = kind == "simple"
-        first = crew.start("default", command=command, simple=simple)
         queue = Queue("default", connection=rconn)
-        # rq 2.x: no RateLimit, nothing parks; the job's end must still be recorded.
-        limited = {"rate_limit": admission.RateLimit("plain:34", 1)} if RATE_LIMITED else {}
-        if ours:
-            holder = admission_jobs.hot_sleep.delay(34, "holder", 2.0)
-        else:
-            holder = queue.enqueue(admission_jobs.plain_sleep, args=("holder", 2.0), **limited)
-        pid_of(rconn, "holder")
-        crew.start("default", command=command, simple=simple)
-        assert wait_for(lambda: len(Worker.all(connection=rconn)) == 2, 30), crew.logs()
-        if RATE_LIMITED and ours:
-            parked = admission_jobs.hot.delay(34, "next", 0.05)
-        elif RATE_LIMITED:
-            parked = queue.enqueue(admission_jobs.plain_interval, args=("next", 0.05), **limited)
-        if RATE_LIMITED:
-            assert parked.get_status(refresh=True) == "rate_limited"
+        first, holder = _holder_and_parked_job(crew, rconn, queue, ours, simple=kind == "simple")
         cleaning = queue.registry_cleaning_key
         if in_maintenance:  # past the workers' start-up passes: the pass under way is this one
             assert wait_for(lambda: _states(rconn) == ["busy", "idle"], 30), _states(rconn)
             assert queue.acquire_maintenance_lock()
-        server.kill()
-        time.sleep(3.0)  # the holder's body ends meanwhile
-        server.start()
-        back_at = time.time()
-        waited = None
-        if RATE_LIMITED:
-            wait_for(lambda: "next" in intervals(rconn), WATCH)
-            spans = intervals(rconn)
-            waited = spans["next"][0] - back_at if "next" in spans else None
+        back_at = _restart_redis_while_the_holder_runs(server)
+        waited = _parked_job_waited(rconn, back_at)
         if in_maintenance:
             assert rconn.ttl(cleaning) > 0, "negative control: the maintenance lock outlived it"
         if not ours:
-            if not RATE_LIMITED:
-                time.sleep(WATCH)  # as long as our workers get to record it
-            assert waited is None, "plain RQ freed the slot early"
-            assert holder.get_status(refresh=True) == JobStatus.STARTED, "left started"
-            assert first.poll() is not None or kind == "forking", "the worker quit"
+            _assert_plain_rq_left_it_started(kind, first, holder, waited)
             return
-        assert not RATE_LIMITED or (waited is not None and waited <= BOUND), (
-            f"waited {waited} s\n{crew.logs()}"
-        )
-        # Recorded: finished, or failed with LockLost when its renewals failed past the TTL.
-        if wait_status(holder, DONE, 10) is JobStatus.FAILED:
-            assert "LockLost" in str(holder.latest_result().exc_string), crew.logs()
-        assert first.poll() is None, "the worker outlived the outage"
+        _assert_ours_recorded_it(crew, first, holder, waited)
         print(f"\n{kind} worker, Redis restarted under a job: next started {waited} s after")
     finally:
         persistent(server, server.client(), False)
@@ -324,32 +364,17 @@ def test_the_parent_heartbeat_during_a_job_takes_rqs_arguments_and_rides_out_an_
     worker.register_death()
 
 
-def test_a_maintenance_lock_left_by_a_dead_pass_is_released(crews, rconn):
-    """A worker that died (or lost Redis) during RQ's maintenance leaves RQ's maintenance lock
-    for 899 s: no worker cleans the registries meanwhile (jobs a Redis restart left in RQ's
-    intermediate queue wait for it). Ours release one older than 60 s; a fresh one stays."""
-    crews(True).start("default")
-    queue = Queue("default", connection=rconn)
-    # Idle: past its start-up maintenance pass, whose release would delete the lock taken here.
-    assert wait_for(lambda: _states(rconn) == ["idle"], 30)
-    key = queue.registry_cleaning_key
-    rconn.delete(key)
-    assert queue.acquire_maintenance_lock()
-    time.sleep(3 * liveness.INTERVAL)
-    assert rconn.ttl(key) > 0, "negative control: a pass under way keeps its lock"
-    rconn.expire(key, 899 - 61)  # taken 61 s ago
-    assert wait_for(lambda: not rconn.exists(key), 5), "the stale lock is released"
-
-
+@pytest.mark.slow
 @slots
 @pytest.mark.parametrize("kill", ["stop command", "horse SIGKILL"])
 @pytest.mark.parametrize("ours", [True, False], ids=["joblock_worker", "negative control: rq"])
 def test_a_killed_horses_lock_is_released_at_once(ours, kill, crews, rconn):
     """RQ's stop-job command (django-rq's admin "Stop"), or a SIGKILL (the OOM killer), ends the
-    horse of a job holding a 30 s lock. Our worker releases the lock the exited horse held, so
-    the next job of the resource starts at once. RQ's own worker frees the admission slot at
-    once too, but the next job then waits out the dead horse's lock TTL (the negative control:
-    the same fault on plain RQ with RateLimit, a lock in the job)."""
+    horse of a job holding a 30 s lock. Our worker releases the lock the exited horse held before
+    RQ frees the admission slot, so the next job of the resource starts at once and finds the
+    lock free (no requeue). RQ's own worker frees the admission slot at once too, but the next
+    job then finds the dead horse's lock and requeues until its TTL ran out (the negative
+    control: the same fault on plain RQ with RateLimit, a lock in the job)."""
     crew = crews(ours)
     command = "joblock_worker" if ours else "rqworker"
     crew.start("default", command=command)
@@ -373,21 +398,20 @@ def test_a_killed_horses_lock_is_released_at_once(ours, kill, crews, rconn):
     assert wait_status(holder, DONE | {JobStatus.STOPPED}, 10) != JobStatus.FINISHED
     if not ours:
         assert waited is None, f"the next job started {waited} s after the {kill}, in the TTL"
-        # Its horse waits in line for the dead holder's lock, in a session of its own that
-        # the crew's stop does not reach: hand it the lock, so it ends inside this test.
-        force_release("hot:35", reason="the negative control is over", actor="test")
-        assert wait_for(lambda: parked_label in intervals(rconn), 10)
+        assert parked.get_meta(refresh=True)["joblock"]["outcome"] == "requeued"
         return
     assert waited is not None and waited <= BOUND, f"waited {waited} s\n{crew.logs()}"
+    assert parked.get_meta(refresh=True)["joblock"].get("requeues", 0) == 0, "found it free"
     print(f"\n{kill}: the next job started {waited:.2f} s after it (lock TTL 30 s)")
 
 
+@pytest.mark.slow
 def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):
     """A job's horse SIGSTOPped before its heartbeat's first renewal (at TTL / 3) showed
     "healthy" until its lock expired: a lock never renewed proved nothing. A @locked_job with
     its heartbeat on renews by TTL / 3, so never renewed past TTL / 2 is a stopped heartbeat."""
     from django_joblock.monitor.active import active_locks
-    from django_joblock.monitor.health import HEALTHY, SILENT, lock_health
+    from django_joblock.monitor.health import Health, lock_health
 
     crews(True).start("default")
     admission_jobs.long_hold.delay(36, "stopped")  # TTL 30 s: first renewal after 10 s
@@ -399,14 +423,15 @@ def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):
             found = lock_health(active_locks()).get("hot:36")
             return (found.state.value, found.why) if found else ("", "")
 
-        assert health()[0] == HEALTHY.value, "negative control: young, it proves nothing yet"
+        assert health()[0] == Health.HEALTHY.value, "negative control: young, it proves nothing yet"
         assert int(rconn.hget("joblock:{hot:36}:lock", "renewals") or 0) == 0
-        assert wait_for(lambda: health()[0] == SILENT.value, 25), health()
+        assert wait_for(lambda: health()[0] == Health.SILENT.value, 25), health()
         assert "never renewed" in health()[1] and rconn.exists("joblock:{hot:36}:lock")
     finally:
         os.kill(horse, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_worker_releases_only_its_own_runs_lock(crews, rconn):
     """Regression (review): after a job's horse exited, its worker released the job's lock if
     the lock named the job, whoever held it: a retry of the job (RQ re-enqueues a failed job

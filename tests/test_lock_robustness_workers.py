@@ -1,4 +1,4 @@
-"""Issue 12 items 1 and 2 through real RQ worker processes: a Redis restart between two jobs,
+"""Through real RQ worker processes: a Redis restart between two jobs,
 a Redis outage while the worker is between jobs, and a worker whose connection pool is
 capped."""
 
@@ -13,7 +13,7 @@ from rq.suspension import suspend
 from tests import jobs
 from tests.workers import DONE, Workers, wait_status
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
 class CappedWorkers(Workers):
@@ -123,7 +123,7 @@ def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn)
     from django.core.management import call_command
 
     from django_joblock.monitor.active import active_locks
-    from django_joblock.monitor.health import HEALTHY, SILENT, lock_health
+    from django_joblock.monitor.health import Health, lock_health
     from tests.harness import ROOT, child_env, wait_for
 
     proc = subprocess.Popen(
@@ -138,9 +138,9 @@ def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn)
 
         renewed = lambda: int(rconn.hget("joblock:{ext:1}:lock", "renewals") or 0) >= 1  # noqa: E731
         assert wait_for(renewed, 10)
-        assert health() == HEALTHY.value, "negative control: a renewing holder is healthy"
+        assert health() == Health.HEALTHY.value, "negative control: a renewing holder is healthy"
         os.kill(proc.pid, signal.SIGSTOP)
-        assert wait_for(lambda: health() == SILENT.value, 10), health()
+        assert wait_for(lambda: health() == Health.SILENT.value, 10), health()
         rows = active_locks()
         assert "its heartbeat stopped" in lock_health(rows)["ext:1"].why
         out = io.StringIO()

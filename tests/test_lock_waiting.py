@@ -1,4 +1,4 @@
-"""``lock(wait=...)`` (issue 18): waiters in line, in arrival order, handed the lock on release.
+"""``lock(wait=...)``: waiters in line, in arrival order, handed the lock on release.
 
 Real processes (tests/waiters.py) where order, death and hand-over are the point; real
 faults (SIGKILL, SIGSTOP, a lock expired under its holder); commands counted on the wire
@@ -31,6 +31,8 @@ from tests import harness
 from tests.counting import CommandCounter
 from tests.harness import expire_now, wait_for
 from tests.waiters import Waiters
+
+pytestmark = pytest.mark.slow  # starts processes or servers
 
 
 def _keys(resource: str) -> LockKeys:
@@ -216,9 +218,9 @@ def test_waiting_works_whatever_the_reply_format(settings, rconn, pool_options):
         ),
     }
     keys = _keys("shaped:1")
-    holder = lock("shaped:1", ttl=30, using="shaped")
+    holder = lock("shaped:1", ttl=30, cache="shaped")
     assert holder.acquire()
-    waiters = [lock("shaped:1", ttl=30, wait=60, using="shaped") for _ in range(2)]
+    waiters = [lock("shaped:1", ttl=30, wait=60, cache="shaped") for _ in range(2)]
     got: list[int] = []
 
     def wait(index: int) -> None:
@@ -231,7 +233,7 @@ def test_waiting_works_whatever_the_reply_format(settings, rconn, pool_options):
         for index, thread in enumerate(threads):
             thread.start()
             assert _in_line(rconn, keys.queue, index + 1)
-        assert not lock("shaped:1", ttl=5, using="shaped").acquire()
+        assert not lock("shaped:1", ttl=5, cache="shaped").acquire()
         assert holder.release()
     finally:
         for thread in threads:
@@ -311,11 +313,11 @@ def counted(settings: Any) -> Iterator[CommandCounter]:
     counter.close()
 
 
-def test_wait_zero_and_uncontended_acquires_stay_one_round_trip(rconn, counted):
-    warm = lock("trips:warm", ttl=10, using="counted")
+def test_a_try_and_a_release_take_one_round_trip_a_free_lock_ready_to_wait_two(rconn, counted):
+    warm = lock("trips:warm", ttl=10, cache="counted")
     assert warm.acquire() and warm.release()  # connections made, scripts loaded
     counted.take()
-    free = lock("trips:1", ttl=10, wait=60, using="counted")
+    free = lock("trips:1", ttl=10, wait=60, cache="counted")
     assert free.acquire()
     # Ready to wait: the script, then the holding's entry in the active-lock index.
     assert counted.take() == ["EVALSHA", "ZADD", "SADD"], "uncontended, even when ready to wait"
@@ -327,7 +329,7 @@ def test_wait_zero_and_uncontended_acquires_stay_one_round_trip(rconn, counted):
     assert free.release()
     assert counted.take() == ["EVALSHA"], "a release with nobody waiting unindexes in its script"
     assert indexed(free) is None
-    once = lock("trips:3", ttl=10, wait=0, using="counted")
+    once = lock("trips:3", ttl=10, wait=0, cache="counted")
     assert once.acquire()
     assert counted.take() == ["EVALSHA"], "one try: the script writes the index entry itself"
     assert indexed(once) is not None
@@ -335,13 +337,13 @@ def test_wait_zero_and_uncontended_acquires_stay_one_round_trip(rconn, counted):
     counted.take()
     holder = lock("trips:2", ttl=10)  # on the default cache: not counted
     assert holder.acquire()
-    busy = lock("trips:2", ttl=10, wait=0, using="counted")
+    busy = lock("trips:2", ttl=10, wait=0, cache="counted")
     assert not busy.acquire()
     assert counted.take() == ["EVALSHA"], "wait=0 on a busy lock: one try, nothing indexed"
     assert indexed(busy) is None and indexed(holder) is not None
     assert rconn.exists(_keys("trips:2").queue) == 0, "one try does not join the line"
     # Negative control: the counter does see what a waiting acquire sends.
-    assert not lock("trips:2", ttl=10, wait=0.3, using="counted").acquire()
+    assert not lock("trips:2", ttl=10, wait=0.3, cache="counted").acquire()
     seen = counted.take()
     assert "BLPOP" in seen and seen.count("EVALSHA") >= 2, seen
     assert holder.release()
@@ -368,13 +370,13 @@ def test_fifty_waiters_on_a_capped_pool_do_not_break_the_cache(settings, rconn):
     }
     settings.JOBLOCK = {"WAITER_TTL": 30}
     keys = _keys("crowd:1")
-    holder = lock("crowd:1", ttl=30, using="capped")
+    holder = lock("crowd:1", ttl=30, cache="capped")
     assert holder.acquire()
     results: dict[int, object] = {}
     order: list[int] = []
 
     def waiter(index: int) -> None:
-        held = lock("crowd:1", ttl=30, wait=120, using="capped")
+        held = lock("crowd:1", ttl=30, wait=120, cache="capped")
         try:
             results[index] = held.acquire()
         except Exception as exc:  # reported by the assertion below
@@ -467,12 +469,14 @@ def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(settings, rconn)
     unpacked its missing details: a raw ResponseError, the lock left held for its TTL and the
     live waiter behind them waiting in vain. Now the release frees the lock and the waiter,
     cleaning the line on its next tries, takes it."""
-    settings.JOBLOCK = {"WAITER_TTL": 20}  # the live waiter looks at the line every 5 s
+    settings.JOBLOCK = {"WAITER_TTL": 40}  # the live waiter looks at the line every 10 s
     keys = _keys("order:dead")
     holder = lock("order:dead", ttl=30)
     assert holder.acquire()
-    for n in range(120):  # joined the line, then died: tickets of 100 ms, never refreshed
-        args = [f"dead{n}", 30_000, 86_400_000, "host", 1, "", "", "", f"t{n}", 100, 100, 0]
+    # Joined the line, then died: tickets of 1.5 s (long enough for the live waiter to join
+    # behind them on a busy machine), never refreshed.
+    for n in range(120):
+        args = [f"dead{n}", 30_000, 86_400_000, "host", 1, "", "", "", f"t{n}", 1500, 1500, 0]
         wake = keys.wake(f"t{n}")
         scripts.WAIT(rconn, [keys.lock, keys.fence, keys.queue, keys.tickets, wake], args)
     waiter = lock("order:dead", ttl=30, wait=30)
@@ -481,7 +485,7 @@ def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(settings, rconn)
     thread.start()
     try:
         assert _in_line(rconn, keys.queue, 121)  # the fault: 120 dead first, the live one last
-        time.sleep(0.3)  # the dead tickets' 100 ms run out
+        time.sleep(1.7)  # the dead tickets' 1.5 s run out
         assert rconn.zcard(keys.queue) == 121, "negative control: the dead are still first"
         assert holder.release() is True
         assert rconn.hget(keys.lock, "token") != holder.token.encode()

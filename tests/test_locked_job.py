@@ -84,7 +84,7 @@ def test_delay_enqueues_with_metadata_and_rq_options(scratch_registry, rconn):
         "admission": "rate_limit" if admission.supported() else "requeue_only",
     }
     assert job.result_ttl == 77
-    assert refund.enqueue((2, "R-2"), job_timeout=9).timeout == 9
+    assert refund.enqueue_call((2, "R-2"), job_timeout=9).timeout == 9
 
 
 def test_inline_call_runs_under_lock_and_idempotency(scratch_registry, rconn):
@@ -103,6 +103,33 @@ def test_inline_call_runs_under_lock_and_idempotency(scratch_registry, rconn):
     record = IdempotencyRecord.objects.get(key="refund:R-1")
     assert record.fence == seen[0] and record.lock_resource == "order:1"
     assert not rconn.exists("joblock:{order:1}:lock"), "released after the call"
+
+
+def test_scope_keeps_the_records_across_a_rename(scratch_registry, rconn):
+    """The records' scope was the function's dotted name: renaming or moving a job applied its
+    effects again. ``scope=`` keeps the records' scope across a rename."""
+    applied = []
+
+    def refund(refund_id: str) -> str:
+        applied.append(refund_id)
+        return "done"
+
+    def renamed(refund_id: str) -> str:
+        return refund(refund_id)
+
+    first = locked_job("default", idempotency_key="refund:{refund_id}", scope="shop.refund")
+    second = locked_job("default", idempotency_key="refund:{refund_id}", scope="shop.refund")
+    assert first(refund)("R-1") == "done"
+    assert second(renamed)("R-1") == "done", "replayed"
+    assert applied == ["R-1"]
+    assert IdempotencyRecord.objects.get(key="refund:R-1").scope == "shop.refund"
+    unscoped = locked_job("default", idempotency_key="refund:{refund_id}")
+    unscoped(renamed)("R-1")
+    assert applied == ["R-1", "R-1"], "negative control: without scope=, applied again"
+    with pytest.raises(ValueError, match=r"scope= names the scope.*needs an idempotency_key"):
+        locked_job("default", lock="r:{refund_id}", scope="shop.refund")
+    with pytest.raises(ValueError, match="scope"):
+        locked_job("default", idempotency_key="k:{refund_id}", scope="x" * 300)(refund)
 
 
 def test_inline_conflict_raises_instead_of_requeueing(scratch_registry, rconn):
@@ -161,6 +188,7 @@ def test_w004_job_waits_longer_than_records_live(scratch_registry):
     assert [m.msg.split(":")[0] for m in messages] == [late.spec.name]
 
 
+@pytest.mark.slow
 def test_w012_no_scheduler_for_a_requeueing_queue(rconn):
     assert [m.id for m in check_scheduler()] == ["django_joblock.W012"]
     crew = Workers()

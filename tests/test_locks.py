@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from django_joblock import (
+    Lock,
     LockBackendUnavailable,
+    LockLost,
     LockNotAcquired,
     LockState,
     current_lock,
     lock,
+    lock_info,
 )
 from django_joblock.locks import scripts
 from tests.harness import wait_expired
@@ -46,7 +52,7 @@ def test_context_manager_sets_current_lock(rconn):
     assert rconn.exists(held.key) == 0
 
 
-def test_blocking_acquire_waits_for_release(rconn):
+def test_a_waiting_acquire_gets_the_lock_once_the_holders_ttl_ends(rconn):
     holder = lock("order:2", ttl=0.3, heartbeat=False)
     assert holder.acquire()
     waiter = lock("order:2", ttl=5)
@@ -100,9 +106,8 @@ def test_expiry_frees_the_lock(rconn):
     assert held.acquire()
     wait_expired(rconn, held.key, held.ttl)
     assert held.lost and not held.held
-    with pytest.raises(Exception) as info:
+    with pytest.raises(LockLost):
         held.ensure_held()
-    assert type(info.value).__name__ == "LockLost"
     other = lock("order:7", ttl=1)
     assert other.acquire()
     other.release()
@@ -121,11 +126,31 @@ def test_holder_details_are_stored(rconn):
 
 def test_redis_down_raises_backend_unavailable():
     with pytest.raises(LockBackendUnavailable) as info:
-        lock("order:8", using="down").acquire()
+        lock("order:8", cache="down").acquire()
     assert info.value.resource == "order:8"
     assert "busy" not in str(info.value).lower()
 
 
+def test_using_the_old_name_of_cache_still_picks_the_cache_and_warns():
+    """``using=`` named the cache alias before ``cache=`` (in Django it names a database)."""
+    with pytest.warns(DeprecationWarning, match="pass cache=") as warned:
+        held = lock("order:9", using="down")
+    assert warned[0].filename == __file__, "the warning points at the caller's line"
+    assert held.cache == "down"
+    with pytest.raises(LockBackendUnavailable):
+        held.acquire()
+    with pytest.warns(DeprecationWarning, match="pass cache="):
+        assert Lock("order:9", using="down").cache == "down"
+    with (
+        pytest.warns(DeprecationWarning, match="pass cache="),
+        pytest.raises(LockBackendUnavailable),
+    ):
+        lock_info("order:9", using="down")
+    with pytest.raises(TypeError, match="give the cache alias once"):
+        lock("order:9", cache="default", using="down")
+
+
+@pytest.mark.slow
 def test_redis_killed_raises_backend_unavailable(server, rconn):
     server.kill()
     try:
@@ -140,6 +165,7 @@ def test_redis_killed_raises_backend_unavailable(server, rconn):
     held.release()
 
 
+@pytest.mark.slow
 def test_out_of_memory_raises_backend_unavailable(server, rconn):
     rconn.config_set("maxmemory-policy", "noeviction")
     rconn.config_set("maxmemory", 1)
@@ -162,3 +188,50 @@ def test_state_transitions_on_release(rconn):
     held.release()
     assert held.state is LockState.RELEASED
     assert held.release() is False
+
+
+def test_lock_decorates_a_function_each_call_holding_a_new_lock(rconn):
+    """``@lock("r")`` holds the lock around each call, as ``transaction.atomic`` decorates: a
+    new holding (a greater fence) per call, released after it; calls from two threads never
+    overlap; a busy lock raises ``LockNotAcquired`` from the call."""
+    seen: list[tuple[str, int | None]] = []
+    inside = threading.Semaphore(1)
+    overlaps: list[bool] = []
+
+    @lock("report:daily", ttl=5, wait=10)
+    def build(n: int) -> int:
+        held = current_lock()
+        assert held is not None and held.held
+        seen.append((held.resource, held.fence))
+        overlaps.append(not inside.acquire(blocking=False))
+        time.sleep(0.05)
+        inside.release()
+        return n * 2
+
+    assert build(2) == 4
+    assert current_lock() is None
+    assert not rconn.exists(Lock("report:daily").key), "released after the call"
+    threads = [threading.Thread(target=build, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [resource for resource, _ in seen] == ["report:daily"] * 5
+    fences = [fence for _, fence in seen]
+    assert fences == sorted(fences) and len(set(fences)) == 5, "a new holding per call"
+    assert overlaps == [False] * 5, "no two calls held it at once"
+
+    @lock("report:daily", wait=0)
+    def busy() -> None:
+        raise AssertionError("ran without the lock")
+
+    with lock("report:daily"), pytest.raises(LockNotAcquired):
+        busy()
+
+
+def test_lock_refuses_to_decorate_an_async_function():
+    async def report() -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"lock\('report'\) cannot decorate the async def"):
+        lock("report")(report)

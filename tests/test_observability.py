@@ -45,7 +45,7 @@ def test_each_lock_event_counts_exactly_once(rconn):
     with lock("order:1", ttl=5):
         assert not lock("order:1", ttl=5).acquire()
     with pytest.raises(LockBackendUnavailable):
-        lock("order:2", using="down").acquire()
+        lock("order:2", cache="down").acquire()
     seen = totals()
     assert seen.counters["acquire_attempts"][("order", "")] == 3
     assert seen.counters["acquired"][("order", "")] == 1
@@ -70,9 +70,10 @@ def test_renewals_and_loss_count_once_each(rconn):
     assert seen.counters["lost"][("report", "")] == after.lost - before.lost == 1
 
 
+@pytest.mark.slow
 def test_renew_failures_count_once_each(proxy, rconn):
     before = renewer().stats()
-    held = lock("report:2", ttl=1.0, using="proxied")
+    held = lock("report:2", ttl=1.0, cache="proxied")
     assert held.acquire()
     proxy.set("blackhole")
     assert wait_for(lambda: held.lost, 3.0)
@@ -96,6 +97,7 @@ def test_duplicates_and_stale_fences_count_once(rconn):
     assert seen.total("stale_fence_rejections") == 1
 
 
+@pytest.mark.slow
 def test_counts_from_forked_work_horses_are_not_lost(rconn, settings):
     settings.JOBLOCK = {"REQUEUE_BACKOFF": {"base": 1, "factor": 2, "max": 2}}
     crew = Workers(settings.JOBLOCK)
@@ -122,6 +124,7 @@ def test_counts_from_forked_work_horses_are_not_lost(rconn, settings):
     assert sum(seen.histograms["hold_seconds"][label]) == 2
 
 
+@pytest.mark.slow
 def test_a_lock_less_replay_in_a_forked_horse_is_counted(rconn):
     """A job with an idempotency key and no lock, run twice by a forking worker: the replay's
     duplicate count is flushed before the work horse ``os._exit``s (before the fix it was
@@ -207,7 +210,9 @@ def test_log_records_carry_extras_and_never_the_token(caplog, rconn):
     assert held.acquire()
     assert not lock("order:55", ttl=1).acquire()
     expire_now(rconn, held.key)
-    assert wait_for(lambda: held.lost, 2 * held.ttl)
+    # The renewal thread marks the lock lost, then logs it (and calls on_lost).
+    logged_lost = lambda: any(getattr(r, "outcome", "") == "lost" for r in caplog.records)  # noqa: E731
+    assert wait_for(lambda: held.lost and logged_lost(), 2 * held.ttl)
     held.release()
     records = [r for r in caplog.records if r.name == "django_joblock"]
     outcomes = {r.outcome for r in records}
@@ -299,7 +304,7 @@ def test_acquire_errors_alert(no_jobs, rconn, settings):
     assert "acquire_errors" not in names(alerts.evaluate()), "negative control"
     for _ in range(2):
         with pytest.raises(LockBackendUnavailable):
-            lock("order:2", ttl=5, using="down").acquire()
+            lock("order:2", ttl=5, cache="down").acquire()
     metrics.flush_now()
     fired = {alert.name: alert for alert in alerts.evaluate()}
     assert fired["acquire_errors"].value == 2 and "order 2" in fired["acquire_errors"].message
@@ -363,6 +368,7 @@ def test_active_growth_alert(no_jobs, rconn, settings):
     assert alerts.evaluate(now=now + 1) == [], "it fell: quiet again"
 
 
+@pytest.mark.slow
 def test_no_scheduler_alert_and_joblock_alerts_exit_status(rconn):
     from django.core.management import call_command
 
@@ -392,6 +398,75 @@ def test_resources_without_a_colon_share_one_metrics_family(rconn):
     assert active_index.active_counts() == {}
 
 
+FAMILY_CASES = {
+    "inv-42": "other",
+    "order:7": "order",
+    "f" * 196 + ":123": "f" * 196,  # 200 characters
+    "n" * 200: "other",
+}
+
+
+def test_every_reader_agrees_on_a_resources_family(no_jobs, rconn, monkeypatch):
+    """Regression: the index computed a resource's family on its own (``inv-42`` was its own
+    family there, ``other`` in the metrics), so the long-hold alert compared it with a family
+    that had no samples. The index, the metrics, the Prometheus export, the alerts and the
+    dashboard all name the family of ``locks.keys.family``."""
+    from django_joblock.locks.keys import family
+    from django_joblock.monitor import dashboard
+
+    monkeypatch.setattr(alerts, "MIN_HOLD", 0.5)
+    for resource, expected in FAMILY_CASES.items():
+        assert family(resource) == expected
+        for _ in range(30):
+            metrics.observe("hold_seconds", expected, "", 0.01)
+    metrics.flush_now()
+    held = [lock(resource, ttl=30) for resource in FAMILY_CASES]
+    for one in held:
+        assert one.acquire()
+    try:
+        wanted = set(FAMILY_CASES.values())
+        assert wait_for(lambda: len(monitoring.active_locks()) == len(held), 3)
+        assert {row.resource: row.family for row in monitoring.active_locks()} == FAMILY_CASES
+        assert set(active_index.active_counts()) == wanted
+        assert totals().families() == wanted  # the acquires' counters
+        exported = {
+            sample.labels["family"]
+            for found in text_string_to_metric_families(exposition().decode())
+            if found.name == "joblock_active_locks"
+            for sample in found.samples
+        }
+        assert exported == wanted
+        page = dashboard.build(None, None, claims=False)
+        assert set(page["families"]) == wanted
+        assert {row["lock"].family for row in page["rows"]} == wanted
+        time.sleep(0.6)  # past MIN_HOLD: every lock is long against its family's 0.01 s
+        fired = {alert.family for alert in alerts.evaluate() if alert.name == "long_hold"}
+        assert fired == wanted, "the long-hold alert found each family's samples"
+    finally:
+        for one in held:
+            one.release()
+
+
+def test_300_resources_without_a_colon_are_one_prometheus_series(rconn):
+    """300 ``inv-N`` locks held at once were 300 ``joblock_active_locks`` series (one per
+    resource id); they are one, ``family="other"``."""
+    held = [lock(f"inv-{n}", ttl=30) for n in range(300)]
+    for one in held:
+        assert one.acquire()
+    try:
+        series = [
+            sample
+            for found in text_string_to_metric_families(exposition().decode())
+            if found.name == "joblock_active_locks"
+            for sample in found.samples
+        ]
+    finally:
+        for one in held:
+            one.release()
+    assert len(series) < 20, [sample.labels for sample in series][:30]
+    assert [(sample.labels["family"], sample.value) for sample in series] == [("other", 300.0)]
+
+
 @pytest.mark.skipif(not admission.supported(), reason="rq 2.x has no RateLimit: jobs requeue")
 def test_jobs_parked_behind_a_hot_resource_count_as_contention(rconn):
     """With admission a job waits parked in RQ and its own acquire finds the lock free: a hot
@@ -410,3 +485,23 @@ def test_jobs_parked_behind_a_hot_resource_count_as_contention(rconn):
     client.force_login(User.objects.create_superuser("hot", password="pw"))
     page = client.get("/admin/django_joblock/dashboard/").content.decode()
     assert "67% (2/3)" in page, "the family's contention bar"
+
+
+def test_the_busy_share_of_a_job_type_never_passes_100_percent():
+    """A job parked behind a busy resource whose own acquire then found it busy again counted
+    twice over one acquire: a "busy 200%" row on the dashboard."""
+    from django_joblock import metrics
+    from django_joblock.monitor import dashboard
+
+    hour = metrics.Series(
+        {
+            "acquire_attempts|order|shop.refund": 1,
+            "contended|order|shop.refund": 1,
+            "parked|order|shop.refund": 1,
+            "acquire_attempts|report|shop.report": 4,
+            "contended|report|shop.report": 1,
+        }
+    )
+    rows = {row["func"]: row["busy"] for row in dashboard.job_types(hour)}
+    assert rows == {"shop.refund": "100%", "shop.report": "25%"}
+    assert hour.busy("order") == 1 and hour.busy("report") == 1

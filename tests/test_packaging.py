@@ -7,6 +7,9 @@ from email.parser import Parser
 from pathlib import Path
 
 import django
+import pytest
+
+pytestmark = pytest.mark.slow  # builds the wheel with pip
 
 
 def _metadata(wheel: Path) -> tuple[list[str], object]:

@@ -1,4 +1,4 @@
-"""django_joblock/ uses only the public APIs of redis-py, django-redis and rq (DESIGN §4.14).
+"""django_joblock/ uses only the public APIs of redis-py, django-redis and rq.
 
 Read from the source (``ast``): an import of a private module or name (a dotted part or a name
 starting with ``_``) of ``redis``, ``django_redis`` or ``rq``, and an attribute access
@@ -78,3 +78,18 @@ def test_the_check_finds_what_it_looks_for():
     )
     found = findings(source)
     assert sorted(line.split(":")[1] for line in found) == ["1", "2", "3", "4", "5"], found
+
+
+def test_every_public_name_resolves_the_types_users_match_on_included():
+    """``from django_joblock import X`` works for each name of ``__all__``: the outcomes and
+    policies users compare with (``JobOutcome``, ``OnConflict``) and ``force_release``, too."""
+    import django_joblock
+    from django_joblock.jobs.outcomes import JobOutcome
+    from django_joblock.jobs.spec import OnConflict
+    from django_joblock.monitor.control import force_release
+
+    for name in django_joblock.__all__:
+        assert getattr(django_joblock, name) is not None, name
+    assert django_joblock.JobOutcome is JobOutcome
+    assert django_joblock.OnConflict is OnConflict
+    assert django_joblock.force_release is force_release

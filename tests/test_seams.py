@@ -1,4 +1,4 @@
-"""Issue 13, items 4-7 and 11: idempotency records, results, keys, transactions and outcomes,
+"""Idempotency records, results, keys, transactions and outcomes,
 on the real database (PostgreSQL with DATABASE_URL, else SQLite) and real RQ workers."""
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def test_scope_too_long_for_the_column_fails_at_decoration(scratch_registry):
 
 
 # -- item 7: lock-only jobs run in a transaction --------------------------------------------
+@pytest.mark.slow
 def test_lock_only_job_that_loses_its_lock_leaves_no_write(workers, rconn):
     workers.start()
     job = seam_jobs.write_then_wait.delay(7)
@@ -154,6 +155,7 @@ def _outcome(job) -> str | None:  # type: ignore[no-untyped-def]
     return job.get_meta(refresh=True).get("joblock", {}).get("outcome")
 
 
+@pytest.mark.slow
 def test_every_outcome_is_recorded_in_job_meta(workers, rconn):
     workers.start(scheduler=True)
     ran = seam_jobs.plain.delay(1)
@@ -208,10 +210,10 @@ def test_per_call_job_timeout_is_checked_at_enqueue(scratch_registry, caplog):
     def claim_only(a: int) -> None: ...
 
     with caplog.at_level(logging.WARNING, logger="django_joblock"):
-        unrenewed.enqueue((1,), job_timeout=600)
-        claim_only.enqueue((1,), job_timeout="1h")
-        unrenewed.enqueue((2,), job_timeout=10)  # negative control: shorter than the TTL
-        claim_only.enqueue((2,), job_timeout=60)  # and shorter than the lease
+        unrenewed.enqueue_call((1,), job_timeout=600)
+        claim_only.enqueue_call((1,), job_timeout="1h")
+        unrenewed.enqueue_call((2,), job_timeout=10)  # negative control: shorter than the TTL
+        claim_only.enqueue_call((2,), job_timeout=60)  # and shorter than the lease
     found = [r.getMessage() for r in caplog.records if "[django_joblock.W00" in r.getMessage()]
     assert len(found) == 2, found
     assert "[django_joblock.W002]" in found[0] and "unrenewed" in found[0]

@@ -360,3 +360,116 @@ def test_checks_look_only_at_tasks_that_run_on_rq(settings):
     finally:
         registry.clear()
         registry.update(before)
+
+
+def test_a_priority_is_refused_by_the_rq_backend_and_honoured_inline(rconn):
+    """docs/tasks.md: ``priority`` is for the backends that support it; the RQ backend refuses
+    a task with another priority than the default at ``.enqueue()``, and enqueues nothing."""
+    from django_tasks.exceptions import InvalidTaskError  # django-tasks-rq's, on Django 6 too
+
+    _account()
+    queued = rconn.llen("rq:queue:default")
+    with pytest.raises(InvalidTaskError, match="does not support setting priority"):
+        task_jobs.credit_rq.using(priority=10).enqueue("acct", "P-1", 1)
+    assert rconn.llen("rq:queue:default") == queued, "nothing enqueued"
+    result = task_jobs.credit_inline.using(priority=10).enqueue("acct", "P-2", 1)
+    assert result.status == OK, "negative control: the immediate backend runs it"
+
+
+@pytest.mark.parametrize("takes_context", [False, True])
+def test_an_async_task_is_refused_at_decoration_with_or_without_context(takes_context):
+    """``takes_context=True`` on an ``async def`` was accepted, then failed differently on
+    each backend."""
+
+    async def credit(context: object, name: str) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"@locked_task .*credit: async def tasks are not"):
+        locked_task(lock="account:{name}", takes_context=takes_context)(credit)
+
+
+def credit_anywhere(name: str) -> None:
+    """A task function at module level (Django's tasks refuse local ones)."""
+
+
+def test_a_task_on_django_tasks_rqs_own_backend_is_refused_at_decoration(
+    settings, scratch_registry
+):
+    """django-tasks-rq's own backend was accepted silently: it enqueued without the flow (no
+    admission, a requeue's ``Retry`` stored as the task's return value)."""
+    from django_joblock import JoblockConfigError
+
+    settings.TASKS = {
+        **settings.TASKS,
+        "plain": {"BACKEND": "django_tasks_rq.RQBackend", "QUEUES": ["default"]},
+    }
+
+    with pytest.raises(JoblockConfigError, match=r"TASKS\['plain'\] is django_tasks_rq\.\S+"):
+        locked_task(lock="account:{name}", backend="plain")(credit_anywhere)
+    assert locked_task(lock="account:{name}", backend="rq")(credit_anywhere).spec.on_rq, (
+        "negative control: ours is accepted"
+    )
+
+
+def test_a_task_on_a_worker_without_the_task_job_class_fails_saying_so(rconn, caplog):
+    """On a worker with RQ's own job class a task failed with ``AttributeError: ...
+    task_result`` from django-tasks-rq's callback; now its failure names the job class."""
+    from rq.job import Job as PlainJob
+
+    from django_joblock.jobs.rq_tasks import WRONG_JOB_CLASS
+    from django_joblock.worker import JoblockSimpleWorker
+
+    _account()
+    result = task_jobs.credit_rq.enqueue("acct", "W-1", 1)
+    queue = get_queue("default")
+    worker = JoblockSimpleWorker([queue], connection=queue.connection, job_class=PlainJob)
+    worker.work(burst=True)
+    job = queue.fetch_job(result.id)
+    assert job.get_status() == "failed", "negative control: RQ's job class cannot run a task"
+    assert WRONG_JOB_CLASS in job.latest_result().exc_string
+    assert "task_result" not in job.latest_result().exc_string
+
+
+def test_a_missing_result_is_the_task_frameworks_error_on_every_django(rconn):
+    """On Django 6, ``except django.tasks.exceptions.TaskResultDoesNotExist`` missed the RQ
+    backend's error (django-tasks-rq raises the backport's); it is both now."""
+    from django_tasks.exceptions import TaskResultDoesNotExist as Backport
+
+    with pytest.raises(Backport):
+        task_jobs.credit_rq.get_result("no-such-result")
+    try:
+        from django.tasks.exceptions import TaskResultDoesNotExist
+    except ImportError:  # Django 5.2: the backport is the framework
+        return
+    with pytest.raises(TaskResultDoesNotExist):
+        task_jobs.credit_rq.get_result("no-such-result")
+
+
+def test_a_task_rq_marks_scheduled_before_registering_it_is_read_once_registered(rconn):
+    """rq writes a retried job's ``scheduled`` status before its pipeline adds the job to the
+    scheduled registry (and its scheduler moves due jobs out): django-tasks-rq's read of the
+    scheduled time then finds none. Such a read is repeated (CI: a requeued task's refresh
+    raised ResultDoesNotExist on a busy box); a task that is gone is not."""
+    import threading
+
+    from django_tasks.exceptions import TaskResultDoesNotExist
+    from rq.registry import ScheduledJobRegistry
+
+    task = task_jobs.with_context_rq.enqueue(2, 6)
+    job = TaskJob.fetch(task.id, connection=rconn)
+    queue = get_queue("default")
+    queue.remove(job)
+    rconn.hset(job.key, "status", "scheduled")  # rq's set_status, before its pipeline runs
+    at = timezone.now() + timedelta(seconds=30)
+    pipeline_runs = threading.Timer(0.3, ScheduledJobRegistry(queue=queue).schedule, (job, at))
+    pipeline_runs.start()
+    try:
+        result = task_jobs.with_context_rq.get_result(task.id)
+    finally:
+        pipeline_runs.join()
+    assert result.status == READY
+    assert result.task.run_after is not None
+    assert abs((result.task.run_after - at).total_seconds()) < 1
+    job.delete()
+    with pytest.raises(TaskResultDoesNotExist):
+        task_jobs.with_context_rq.get_result(task.id)

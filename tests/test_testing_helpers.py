@@ -29,6 +29,28 @@ def test_run_jobs_applies_the_real_flow_and_replays_a_duplicate(rconn):
     assert int(rconn.get("test:effects:T-1")) == 1
 
 
+@pytest.mark.slow
+def test_twenty_run_jobs_calls_in_a_row_each_end_within_5_seconds(rconn):
+    """Regression: run_jobs()'s worker lacked the workers' bound on RQ's unsubscribe, and some
+    calls stalled 60 s: RQ's pubsub thread, woken by the UNSUBSCRIBE reply before redis-py 8's
+    ``stop()`` cleared its flag, waits 60 s for the next message. The race is lost most often
+    on a busy machine (the old worker stalled within 6 calls with the cores busy): each call
+    now ends promptly, a stall being 60 s."""
+    import time
+
+    from tests.procs.load import BusyCores
+
+    took = []
+    with BusyCores():
+        for n in range(20):
+            jobs.credit.delay("acct", f"R-{n}", 1)
+            started = time.monotonic()
+            run = run_jobs("default")
+            took.append(time.monotonic() - started)
+            assert len(run.jobs) == 1
+    assert max(took) < 5, [f"{seconds:.2f}" for seconds in took]
+
+
 def test_a_contended_job_is_requeued_by_rq_and_run_once_the_lock_is_free(rconn):
     outside = lock("res:1", ttl=30)
     assert outside.acquire()
@@ -75,6 +97,7 @@ def test_a_jobs_end_writes_only_our_key_of_its_meta(stored, rconn):
     assert meta["joblock"]["outcome"] == "ran"
 
 
+@pytest.mark.slow
 def test_run_jobs_refuses_a_queue_that_live_workers_consume(settings, rconn):
     """A development worker left running on the tests' queues took their jobs and ran them
     against the development database. run_jobs() names the workers and runs nothing."""
@@ -95,3 +118,16 @@ def test_run_jobs_refuses_a_queue_that_live_workers_consume(settings, rconn):
     assert not Worker.all(connection=rconn)
     job = jobs.hold_resource.delay(9, "alone", 0.0)
     assert run_jobs("default").statuses() == {job.id: JobStatus.FINISHED}
+
+
+def test_run_jobs_runs_a_locked_task(rconn):
+    """``run_jobs()`` ran RQ's job class: a ``@locked_task`` on the RQ backend failed in it."""
+    from tests import task_jobs
+
+    Account.objects.create(name="acct")
+    result = task_jobs.credit_rq.enqueue("acct", "T-1", 5)
+    run_jobs()
+    assert Account.objects.get(name="acct").balance == 5
+    refreshed = task_jobs.credit_rq.get_result(result.id)
+    assert refreshed.status == "SUCCESSFUL", refreshed.errors
+    assert refreshed.return_value == {"credited": 5}

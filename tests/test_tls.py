@@ -15,6 +15,8 @@ from django_joblock.locks.renewal import renewer
 from tests.harness import wait_for
 from tests.procs.redis_server import RedisServer, free_port
 
+pytestmark = pytest.mark.slow  # starts processes or servers
+
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, int, Path]]:
@@ -56,18 +58,18 @@ def test_locks_heartbeat_and_wait_over_tls(settings, tls_server):
         "tls": _cache(f"rediss://127.0.0.1:{port}/0", ssl_ca_certs=str(cert)),
         "plain": _cache(f"redis://127.0.0.1:{port}/0"),
     }
-    held = lock("tls:1", ttl=1.5, using="tls")
+    held = lock("tls:1", ttl=1.5, cache="tls")
     assert held.acquire()
     plain = server.client()  # the same server through its plain port: what TLS wrote
     assert plain.hget(held.key, "token").decode() == held.token
     assert wait_for(lambda: int(plain.hget(held.key, "renewals") or 0) >= 2, 5), "renewed"
-    info = lock_info("tls:1", using="tls")
+    info = lock_info("tls:1", cache="tls")
     assert info is not None and info.owner == held.owner
-    waiter = lock("tls:1", ttl=5, using="tls")
+    waiter = lock("tls:1", ttl=5, cache="tls")
     assert not waiter.acquire(wait=0.2), "busy: waits in line over TLS, then gives up"
     assert held.release()
     assert waiter.acquire(wait=1) and waiter.release()
     assert renewer().held_locks() == []
     # Negative control: the port really speaks TLS only.
     with pytest.raises(LockBackendUnavailable):
-        lock("tls:2", ttl=5, using="plain").acquire()
+        lock("tls:2", ttl=5, cache="plain").acquire()

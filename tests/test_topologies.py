@@ -1,4 +1,4 @@
-"""Locks and queues apart: another Redis database, or another Redis server (issue 13, item 2).
+"""Locks and queues apart: another Redis database, or another Redis server.
 
 A real RQ worker runs with the locks on one Redis and django-rq's queues on another, holds a
 lock for several seconds, and meanwhile ``joblock_locks``, ``joblock_reap`` and the admin
@@ -33,7 +33,7 @@ from tests.settings import _cache
 from tests.testapp.models import Account
 from tests.workers import ROOT, Workers, wait_status
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 DONE = {JobStatus.FINISHED, JobStatus.FAILED}
 

@@ -14,26 +14,36 @@ from tests.harness import wait_for
 pytestmark = pytest.mark.django_db
 
 
+PREFIX = "uninstall"
+
+
 def _ours(rconn) -> set[str]:  # type: ignore[no-untyped-def]
-    return {key.decode() for key in rconn.scan_iter(match="joblock:*")}
+    return {key.decode() for key in rconn.scan_iter(match=f"{PREFIX}:*")}
 
 
-def test_purge_redis_removes_every_key_of_the_app_and_nothing_else(rconn, capsys):
-    rconn.set("joblockx:not-ours", 1)  # same start, another namespace
+def test_purge_redis_removes_every_key_of_the_app_and_nothing_else(rconn, capsys, settings):
+    # A KEY_PREFIX of its own: what an earlier test's thread still writes under the default
+    # one (CI saw an index entry of family "res" appear after the purge) is not this test's.
+    settings.JOBLOCK = {**settings.JOBLOCK, "KEY_PREFIX": PREFIX}
+    rconn.set(f"{PREFIX}x:not-ours", 1)  # same start, another namespace
     rconn.set("cache:page", 1)
     with lock("order:1", ttl=30):
         pass  # leaves the fence counter
     held = lock("order:2", ttl=30)
     assert held.acquire()
-    assert wait_for(lambda: rconn.zcard("joblock:active:order"), 3), "indexed after 0.5 s"
+    assert wait_for(lambda: rconn.zcard(f"{PREFIX}:active:order"), 3), "indexed after 0.5 s"
     force_release("order:2", reason="uninstall test", actor="test")  # leaves an operator note
     other = lock("tenant:7", ttl=30)
     assert other.acquire()
-    assert wait_for(lambda: rconn.zcard("joblock:active:tenant"), 3)
+    assert wait_for(lambda: rconn.zcard(f"{PREFIX}:active:tenant"), 3)
     metrics.count("duplicates_blocked", "refund", "x")
     metrics.flush_now()
     before = _ours(rconn)
-    assert {"joblock:{order:1}:fence", "joblock:families", "joblock:{metrics}:total"} <= before
+    assert {
+        f"{PREFIX}:{{order:1}}:fence",
+        f"{PREFIX}:families",
+        f"{PREFIX}:{{metrics}}:total",
+    } <= before
     assert any(key.endswith(":lock") for key in before)
 
     with pytest.raises(CommandError, match=r"1 lock\(s\) are held right now"):
@@ -47,12 +57,12 @@ def test_purge_redis_removes_every_key_of_the_app_and_nothing_else(rconn, capsys
     assert other.release()
     assert cleanup.held_locks() == 0  # the index and families set go with the last lock
     left = _ours(rconn)
-    assert "joblock:{metrics}:total" in left and "joblock:{order:1}:fence" in left
+    assert f"{PREFIX}:{{metrics}}:total" in left and f"{PREFIX}:{{order:1}}:fence" in left
     call_command("joblock_purge", "--redis")
     out = capsys.readouterr().out
     assert f"Removed {len(left)} key(s)" in out and "fence" in out and "metrics" in out
     assert _ours(rconn) == set()
-    assert rconn.exists("joblockx:not-ours") and rconn.exists("cache:page")
+    assert rconn.exists(f"{PREFIX}x:not-ours") and rconn.exists("cache:page")
 
 
 def test_force_only_goes_with_redis():
@@ -60,6 +70,7 @@ def test_force_only_goes_with_redis():
         call_command("joblock_purge", "--force")
 
 
+@pytest.mark.slow
 def test_a_project_keeps_fencedmodel_after_removing_the_app(tmp_path):
     """docs/upgrading.md's uninstall keeps ``FencedModel`` in the user's models: every
     ``manage.py`` command crashed ("IdempotencyRecord doesn't declare an explicit app_label")."""

@@ -54,6 +54,7 @@ def test_an_unknown_database_alias_is_named(command):
         call_command(command, "--database", "nope")
 
 
+@pytest.mark.slow
 def test_rqworker_options_run_a_real_worker(tmp_path, rconn):
     crew = Workers()
     try:
@@ -109,7 +110,7 @@ def test_rqworker_options_run_a_real_worker(tmp_path, rconn):
             env=crew.env(),
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=180,  # RQ's own worker may wait 60 s for its pubsub thread at exit
         )
         assert done.returncode == 0, done.stdout + done.stderr
         assert "does not derive from django_joblock.worker.JoblockWorker" in done.stderr
@@ -149,6 +150,7 @@ def rq_cli_worker_kwargs() -> dict[str, object]:
     return {"maintenance_interval": option.default}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worker_class", ["JoblockWorker", "JoblockSimpleWorker"])
 def test_a_burst_worker_with_the_scheduler_starts_no_scheduler_process(worker_class, rconn):
     """``--with-scheduler --burst`` enqueues the due scheduled jobs once and quits (RQ). The
@@ -185,7 +187,7 @@ def test_a_worker_exits_when_its_pubsub_thread_missed_the_stop(worker_class, rco
     waits for that thread. A thread that read the reply before the stop flag was set (the main
     thread descheduled after the send on a busy box; here a 0.5 s pause) waits RQ's 60 s for a
     new subscription: a SIGTERMed idle worker of the failover chaos run was still up after 20 s.
-    Ours leave the thread behind (a daemon) within the 10 s a SIGTERM may take (issue 28)."""
+    Ours leave the thread behind (a daemon) within the 10 s a SIGTERM may take."""
     worker = worker_class([Queue("default", connection=rconn)], connection=rconn)
     worker.subscribe()
     assert wait_for(lambda: worker.pubsub.subscribed, 10)
@@ -204,6 +206,7 @@ def test_a_worker_exits_when_its_pubsub_thread_missed_the_stop(worker_class, rco
     assert worker.pubsub_thread.is_alive(), "negative control: the thread missed the stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("worker_class", [JoblockWorker, JoblockSimpleWorker])
 def test_a_worker_goes_on_after_an_outage_at_a_jobs_start(worker_class, rconn, caplog):
     """Redis gone at RQ's first write for a job it has just dequeued (the execution record; a

@@ -38,6 +38,7 @@ class BurstWorkersInATestCase(TestCase):
     def test_a_simple_worker_keeps_the_tests_connection(self) -> None:
         self._check(JoblockSimpleWorker)
 
+    @pytest.mark.slow  # forks a work horse
     def test_a_forking_worker_keeps_the_tests_connection(self) -> None:
         self._check(JoblockWorker)
 

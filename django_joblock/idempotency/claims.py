@@ -38,8 +38,8 @@ from ..locks.info import job_context
 from ..locks.lock import Lock, current_lock
 from ..signals import duplicate_blocked
 from . import inputs, store
-from .guard import refused
 from .inputs import check_result, fingerprint_of, key_family, validate_key, validate_scope
+from .resource_guard import refused
 
 __all__ = ["Claim", "Idempotent", "claim", "fingerprint_of", "idempotent"]
 
@@ -116,7 +116,8 @@ class Idempotent:
         lease: float | None = None,
         using: str | None = None,
     ) -> None:
-        self.key, self.scope = validate_key(key), validate_scope(scope)
+        self.key = validate_key(key)
+        self.scope = validate_scope(scope)
         self.fingerprint = "" if fingerprint is None else fingerprint_of(fingerprint)
         if lease is not None:
             lease = conf.LEASE_RANGE.check("idempotent(): lease", lease)
@@ -134,7 +135,24 @@ class Idempotent:
 
 
 #: ``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:``, the public name.
-idempotent = Idempotent
+def idempotent(
+    key: str,
+    *,
+    scope: str = "",
+    fingerprint: Any = None,
+    lease: float | None = None,
+    using: str | None = None,
+) -> Idempotent:
+    """An :class:`Idempotent` block for ``key``: ``with idempotent("refund:R-1") as claim:``
+    runs the block once per key (a replay returns the stored result in ``claim``).
+
+    ``key``: the effect's idempotency key (at most 200 characters). ``scope``: a namespace for
+    keys (a job's dotted name, for ``@locked_job``). ``fingerprint``: a value describing the
+    arguments; another one for the same key raises :class:`IdempotencyKeyMismatch`. ``lease``
+    (s, default ``JOBLOCK["IDEMPOTENCY_LEASE"]``): how long a running claim keeps others out
+    before it is presumed dead. ``using``: the database alias (default ``"default"``).
+    Raises ``ValueError`` for a bad key, scope or lease."""
+    return Idempotent(key, scope=scope, fingerprint=fingerprint, lease=lease, using=using)
 
 
 def claim(
@@ -144,27 +162,8 @@ def claim(
     the key's guard and ``under``'s resource guard in the same statement, and ``finished`` writes
     the row as it will commit (``succeeded``, no lease): nobody sees it before the commit."""
     model = store.record_model()
-    token = secrets.token_hex(16)
-    status = RecordStatus.SUCCEEDED if finished else RecordStatus.RUNNING
-    held = current_lock()
-    fence = held.fence if held is not None and held.held else None
-    resource = held.resource if fence is not None and held is not None else ""
-    job_id, job_func, _worker = job_context()
-
-    def claimed(now: datetime) -> dict[str, Any]:  # the columns a claim (or takeover) sets
-        lease = None if finished else now + timedelta(seconds=spec.lease)
-        owner = {"status": status, "token": token, "error": "", "rq_job_id": job_id}
-        held_by = {"fence": fence, "lock_resource": resource, "lease_expires_at": lease}
-        times = {"updated_at": now, "finished_at": now if finished else None}
-        # A takeover too lives a full TTL from now.
-        return {**owner, **held_by, **times, "expires_at": store.expiry(now)}
-
-    def made(pk: int, attempts: int, fingerprint: str, **extra: Any) -> Claim:
-        return Claim(spec.key, spec.scope, fingerprint, token, pk, attempts, spec.using, **extra)
-
-    now = timezone.now()
-    values: dict[str, Any] = {"scope": spec.scope, "key": spec.key, "created_at": now}
-    values.update(fingerprint=spec.fingerprint, **claimed(now))
+    claimant = _Claimant.start(spec, finished=finished)
+    values = claimant.new_row(timezone.now())
     lock_key = under.key if guard and under is not None else None
     for _ in range(_TAKEOVER_TRIES):
         found, pk, row = store.insert_or_read(
@@ -175,41 +174,159 @@ def claim(
             raise refused(under)
         if found == store.INSERTED:
             assert pk is not None
-            return made(pk, 1, spec.fingerprint)
+            return claimant.made(pk, 1, spec.fingerprint)
         if found == store.ABSENT:  # guarded, nothing there: the row is inserted at the end
-            return made(0, 1, spec.fingerprint, pending=values)
+            return claimant.made(0, 1, spec.fingerprint, pending=values)
         if found == store.GUARDED:
             raise store.in_progress(spec.scope, spec.key, "its guard is taken")
         if found != store.EXISTING or row is None:
             continue  # purged, or committed just too late for that statement: ask again
-        if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
-            why = f"was used with other arguments (fingerprint {row['fingerprint'][:12]}..., "
-            why += f"now {spec.fingerprint[:12]}...)."
-            raise inputs.error_for(IdempotencyKeyMismatch, spec.key, spec.scope, why)
-        if row["status"] == RecordStatus.SUCCEEDED:
-            done = made(
-                row["id"], row["attempts"], row["fingerprint"], done=True, result=row["result"]
-            )
-            duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
-            metrics.count("duplicates_blocked", key_family(spec.key), job_func)
-            return done
-        now = timezone.now()
-        lease_until: datetime | None = row["lease_expires_at"]
-        # Claimed under an older holding of the lock we hold now: that holder has lost the lock,
-        # so its claim is dead whatever its lease says (a retry runs right after a SIGKILL).
-        superseded = fence is not None and row["lock_resource"] == resource
-        superseded = superseded and row["fence"] is not None and row["fence"] < fence
-        if row["status"] == RecordStatus.RUNNING and lease_until is not None:
-            if lease_until > now and not superseded:
-                left = (lease_until - now).total_seconds()
-                why = f"is being processed by another claim (attempt {row['attempts']}, "
-                why += f"lease {left:.1f}s more)."
-                raise inputs.error_for(IdempotencyInProgress, spec.key, spec.scope, why)
-        fingerprint = spec.fingerprint or row["fingerprint"]
-        # Compare-and-set: only if nobody took it over since the read.
-        as_read = {name: row[name] for name in ("id", "token", "status", "attempts")}
-        again = model.objects.using(spec.using).filter(**as_read)
-        if again.update(attempts=F("attempts") + 1, fingerprint=fingerprint, **claimed(now)) == 1:
-            return made(row["id"], row["attempts"] + 1, fingerprint)
+        taken = _claim_existing(model, claimant, row)
+        if taken is not None:
+            return taken
     why = f"changed hands {_TAKEOVER_TRIES} times while claiming; another claim is active."
     raise inputs.error_for(IdempotencyInProgress, spec.key, spec.scope, why)
+
+
+@dataclass(frozen=True)
+class _Claimant:
+    """One call of :func:`claim`: who claims, and what its insert or takeover of the row writes."""
+
+    spec: Idempotent
+    finished: bool  # write the row as it will commit (succeeded, no lease): see claim()
+    token: str  # this claim's own, in the row while the claim owns it
+    fence: int | None  # the fence of the lock held now (None: none held) ...
+    resource: str  # ... and its resource ("" when none)
+    job_id: str  # the RQ job claiming ("" outside a job)
+    job_func: str
+
+    @classmethod
+    def start(cls, spec: Idempotent, *, finished: bool) -> _Claimant:
+        """A new claimant of ``spec``: a fresh token, the lock held now and the job running now."""
+        token = secrets.token_hex(16)
+        fence, resource = _lock_held_now()
+        job_id, job_func, _worker = job_context()
+        return cls(spec, finished, token, fence, resource, job_id, job_func)
+
+    def columns(self, now: datetime) -> dict[str, Any]:
+        """The columns a claim or a takeover at ``now`` sets: this claim as the owner, under the
+        lock held now, with its lease; a takeover too lives a full TTL from ``now``."""
+        return {
+            "status": RecordStatus.SUCCEEDED if self.finished else RecordStatus.RUNNING,
+            "token": self.token,
+            "error": "",
+            "rq_job_id": self.job_id,
+            "fence": self.fence,
+            "lock_resource": self.resource,
+            "lease_expires_at": None if self.finished else now + timedelta(seconds=self.spec.lease),
+            "updated_at": now,
+            "finished_at": now if self.finished else None,
+            "expires_at": store.expiry(now),
+        }
+
+    def new_row(self, now: datetime) -> dict[str, Any]:
+        """The row a first claim at ``now`` inserts: the key, its arguments and :meth:`columns`."""
+        return {
+            "scope": self.spec.scope,
+            "key": self.spec.key,
+            "created_at": now,
+            "fingerprint": self.spec.fingerprint,
+            **self.columns(now),
+        }
+
+    def made(
+        self,
+        pk: int,
+        attempts: int,
+        fingerprint: str,
+        *,
+        done: bool = False,
+        result: Any = None,
+        pending: dict[str, Any] | None = None,
+    ) -> Claim:
+        """The :class:`Claim` of row ``pk`` (0: ``pending``, inserted at the end) for ``spec``."""
+        spec = self.spec
+        return Claim(
+            spec.key,
+            spec.scope,
+            fingerprint,
+            self.token,
+            pk,
+            attempts,
+            spec.using,
+            done=done,
+            result=result,
+            pending=pending,
+        )
+
+    def supersedes(self, row: store.Row) -> bool:
+        """Whether ``row`` was claimed under an older holding of the lock held now: that holder
+        has lost the lock, so its claim is dead whatever its lease says (a retry runs right after
+        a SIGKILL)."""
+        if self.fence is None or row["lock_resource"] != self.resource:
+            return False
+        return row["fence"] is not None and row["fence"] < self.fence
+
+
+def _lock_held_now() -> tuple[int | None, str]:
+    """The fence and the resource of the lock held now in this context; ``(None, "")`` when
+    none is held (or it has no fence)."""
+    held = current_lock()
+    if held is None or not held.held or held.fence is None:
+        return None, ""
+    return held.fence, held.resource
+
+
+def _claim_existing(model: Any, claimant: _Claimant, row: store.Row) -> Claim | None:
+    """Claim the key of the existing ``row`` (as read): replay its success, or take over a
+    ``failed``, expired or superseded claim. :class:`IdempotencyKeyMismatch` for another
+    fingerprint, :class:`IdempotencyInProgress` for a live lease; None when another claim took
+    the row over since it was read (ask again)."""
+    spec = claimant.spec
+    if spec.fingerprint and row["fingerprint"] and row["fingerprint"] != spec.fingerprint:
+        why = (
+            f"was used with other arguments (fingerprint {row['fingerprint'][:12]}..., "
+            f"now {spec.fingerprint[:12]}...)."
+        )
+        raise inputs.error_for(IdempotencyKeyMismatch, spec.key, spec.scope, why)
+    if row["status"] == RecordStatus.SUCCEEDED:
+        return _replay(model, claimant, row)
+    now = timezone.now()
+    lease_until: datetime | None = row["lease_expires_at"]
+    if row["status"] == RecordStatus.RUNNING and lease_until is not None:
+        if lease_until > now and not claimant.supersedes(row):
+            left = (lease_until - now).total_seconds()
+            why = (
+                f"is being processed by another claim (attempt {row['attempts']}, "
+                f"lease {left:.1f}s more)."
+            )
+            raise inputs.error_for(IdempotencyInProgress, spec.key, spec.scope, why)
+    return _take_over(model, claimant, row, now)
+
+
+def _replay(model: Any, claimant: _Claimant, row: store.Row) -> Claim:
+    """The done claim replaying the success of ``row``, announced by :data:`duplicate_blocked`
+    and counted in the ``duplicates_blocked`` metric."""
+    spec = claimant.spec
+    done = claimant.made(
+        row["id"], row["attempts"], row["fingerprint"], done=True, result=row["result"]
+    )
+    duplicate_blocked.send(sender=model, key=spec.key, scope=spec.scope, record=done)
+    metrics.count("duplicates_blocked", key_family(spec.key), claimant.job_func)
+    return done
+
+
+def _take_over(model: Any, claimant: _Claimant, row: store.Row, now: datetime) -> Claim | None:
+    """Take the claim of ``row`` over at ``now`` by a compare-and-set: only if nobody changed
+    the row since it was read (else None). One more attempt; the row keeps its fingerprint
+    unless the claimant has one."""
+    spec = claimant.spec
+    fingerprint = spec.fingerprint or row["fingerprint"]
+    as_read = {name: row[name] for name in ("id", "token", "status", "attempts")}
+    again = model.objects.using(spec.using).filter(**as_read)
+    taken = again.update(
+        attempts=F("attempts") + 1, fingerprint=fingerprint, **claimant.columns(now)
+    )
+    if taken != 1:
+        return None
+    return claimant.made(row["id"], row["attempts"] + 1, fingerprint)

@@ -12,7 +12,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from ..choices import RecordStatus
-from ..exceptions import IdempotencyClaimLost, IdempotencyError, IdempotencyInProgress
+from ..exceptions import IdempotencyError, IdempotencyInProgress
 from ..locks.info import job_context
 from ..locks.lock import Lock
 from ..logs import logger
@@ -35,20 +35,29 @@ def claim_in_transaction(spec: Idempotent, held: Lock | None = None) -> Claim:
 
 def record_result(held: Claim, result: Any) -> None:
     """Store the job's ``result`` in its claim's record, in the same transaction (one statement
-    at most); :class:`IdempotencyError` for a result that is not JSON (the job then fails)."""
+    at most); :class:`IdempotencyError` for a result that is not JSON (the job then fails),
+    :class:`IdempotencyInProgress` when another run recorded the key first (see below)."""
     check_result(result, key=held.key, scope=held.scope)
     held.result = result
     if held.pending is not None:
-        # PostgreSQL: inserted now, with the result (the guard kept other runs out). An
-        # unguarded idempotent() block that committed the key meanwhile wins on the unique key.
+        # PostgreSQL: inserted now, with the result (the guard kept other runs out). A run
+        # that committed the key meanwhile (an unguarded idempotent() block, or one whose commit
+        # the claim's read just missed: .store) wins on the unique key; this run is rolled back
+        # and goes again as busy (on_conflict), to replay that result.
         now = timezone.now()
-        values = {**held.pending, "result": result, "updated_at": now, "finished_at": now}
-        values["expires_at"] = expiry(now)
+        values = {
+            **held.pending,
+            "result": result,
+            "updated_at": now,
+            "finished_at": now,
+            "expires_at": expiry(now),
+        }
         record_id = insert(record_model(), held.using, values)
         if record_id is None:
             why = "was recorded by another run meanwhile; this run's effect is rolled back."
-            raise error_for(IdempotencyClaimLost, held.key, held.scope, why)
-        held.record_id, held.pending = record_id, None
+            raise error_for(IdempotencyInProgress, held.key, held.scope, why)
+        held.record_id = record_id
+        held.pending = None
     elif result is not None:
         mine = record_model().objects.using(held.using).filter(pk=held.record_id, token=held.token)
         mine.update(result=result)
@@ -60,9 +69,18 @@ def record_failure(spec: Idempotent, error: str) -> None:
     model = record_model()
     now = timezone.now()
     error = error[:10_000]
-    values: dict[str, Any] = {"scope": spec.scope, "key": spec.key, "fingerprint": spec.fingerprint}
-    values.update(status=RecordStatus.FAILED, error=error, rq_job_id=job_context()[0])
-    values.update(created_at=now, updated_at=now, finished_at=now, expires_at=expiry(now))
+    values: dict[str, Any] = {
+        "scope": spec.scope,
+        "key": spec.key,
+        "fingerprint": spec.fingerprint,
+        "status": RecordStatus.FAILED,
+        "error": error,
+        "rq_job_id": job_context()[0],
+        "created_at": now,
+        "updated_at": now,
+        "finished_at": now,
+        "expires_at": expiry(now),
+    }
     try:
         with transaction.atomic(using=spec.using):
             with in_progress_on_busy(spec.using, scope=spec.scope, key=spec.key):

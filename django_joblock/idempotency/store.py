@@ -19,17 +19,30 @@ from django.db import IntegrityError, OperationalError, connections, transaction
 
 from .. import conf
 from ..exceptions import IdempotencyInProgress
-from .guard import GUARD_SQL, name_for, try_name
 from .inputs import error_for
+from .resource_guard import GUARD_SQL, name_for, try_name
 
 # The columns read back, in the order of the statements' select lists.
-_ROW = "id status fingerprint token attempts lease_expires_at result fence lock_resource"
-ROW_FIELDS = tuple(_ROW.split())
+ROW_FIELDS = (
+    "id",
+    "status",
+    "fingerprint",
+    "token",
+    "attempts",
+    "lease_expires_at",
+    "result",
+    "fence",
+    "lock_resource",
+)
 # What insert_or_read found: a new row; an existing one; neither (a concurrent insert committed
 # too late for the statement: ask again); the key's guard taken by another transaction; with
 # guard=True on PostgreSQL, no row (insert it at the end); the lock's resource guard taken.
-INSERTED, EXISTING, NOTHING = "inserted", "existing", "nothing"
-GUARDED, ABSENT, RESOURCE_GUARDED = "guarded", "absent", "resource guarded"
+INSERTED = "inserted"
+EXISTING = "existing"
+NOTHING = "nothing"
+GUARDED = "guarded"
+ABSENT = "absent"
+RESOURCE_GUARDED = "resource guarded"
 Row = dict[str, Any]  # column values by field name
 Found = tuple[str, int | None, Row | None]  # what, a new row's id, an existing row
 
@@ -93,22 +106,40 @@ def _table(model: Any, connection: Any) -> str:
 
 
 def _columns(model: Any, connection: Any, names: Any, prefix: str = "") -> str:
-    quote = connection.ops.quote_name
-    return ", ".join(prefix + quote(model._meta.get_field(name).column) for name in names)
+    columns = (model._meta.get_field(name).column for name in names)
+    return ", ".join(prefix + connection.ops.quote_name(column) for column in columns)
 
 
 def _insert_sql(model: Any, connection: Any, values: Row) -> tuple[str, list[Any]]:
-    meta = model._meta
-    defaults = {f.name: f.get_default() for f in meta.concrete_fields if not f.primary_key}
-    values = {**defaults, **values}
-    params = [meta.get_field(n).get_db_prep_save(v, connection) for n, v in values.items()]
-    sql = (
-        f"INSERT INTO {_table(model, connection)} ({_columns(model, connection, values)}) "
-        f"VALUES ({', '.join(['%s'] * len(params))}) "
-        f"ON CONFLICT ({_columns(model, connection, ('scope', 'key'))}) DO NOTHING "
-        f"RETURNING {_columns(model, connection, ['id'])}"
-    )
-    return sql, params
+    fields = _insert_fields(model)
+    params = []
+    for name, field in fields:
+        value = values[name] if name in values else field.get_default()
+        params.append(field.get_db_prep_save(value, connection))
+    return _insert_statement(model, connection), params
+
+
+# The statement per model and database vendor: the same text for every job (built once).
+_INSERT_STATEMENTS: dict[tuple[Any, str], str] = {}
+
+
+def _insert_fields(model: Any) -> list[tuple[str, Any]]:
+    """(name, field) of the columns an insert writes: every concrete field but the id."""
+    return [(f.name, f) for f in model._meta.concrete_fields if not f.primary_key]
+
+
+def _insert_statement(model: Any, connection: Any) -> str:
+    found = _INSERT_STATEMENTS.get((model, connection.vendor))
+    if found is None:
+        names = [name for name, _ in _insert_fields(model)]
+        found = (
+            f"INSERT INTO {_table(model, connection)} ({_columns(model, connection, names)}) "
+            f"VALUES ({', '.join(['%s'] * len(names))}) "
+            f"ON CONFLICT ({_columns(model, connection, ('scope', 'key'))}) DO NOTHING "
+            f"RETURNING {_columns(model, connection, ['id'])}"
+        )
+        _INSERT_STATEMENTS[(model, connection.vendor)] = found
+    return found
 
 
 def _by_key(model: Any, connection: Any, prefix: str = "") -> str:
@@ -127,7 +158,8 @@ def _insert_or_read_postgresql(model: Any, connection: Any, values: Row) -> Foun
     # insert the read sees nothing (only the CTE's row comes back, marked 1); on a conflict
     # with a row committed before the statement began, only the existing row (2).
     insert, params = _insert_sql(model, connection, values)
-    pk, nulls = _columns(model, connection, ["id"]), ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
+    pk = _columns(model, connection, ["id"])
+    nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
     sql = (
         f"WITH ins AS ({insert}) SELECT 1, {pk}, {nulls} FROM ins "
         f"UNION ALL SELECT 2, {_columns(model, connection, ROW_FIELDS)} "
@@ -147,8 +179,11 @@ def _guard_and_read_postgresql(
     model: Any, connection: Any, values: Row, lock_key: str | None
 ) -> Found:
     # One read-only statement: the guards (never waiting) and the row. Its snapshot is taken before
-    # its guards: a holder that committed the row in between let the guards go, and the row is not
-    # seen. So "no row" is read again, under the guards, by a second statement (a new snapshot).
+    # its guards: a run that committed the row in between (it let the guards go) is not seen, and
+    # this run goes on as the first. It cannot commit a second record: its INSERT at the end meets
+    # the unique key (one_commit.record_result), and the run is rolled back and goes again, finding
+    # the row. Re-reading every "no row" under the guards would cost every first run a statement
+    # for a race of two runs of one key within one statement's time.
     resource = GUARD_SQL if lock_key is not None else "TRUE"
     sql = (
         f"SELECT {resource}, {GUARD_SQL}, {_columns(model, connection, ROW_FIELDS, 't.')} "
@@ -156,7 +191,8 @@ def _guard_and_read_postgresql(
         f"ON {_by_key(model, connection, 't.')}"
     )
     head = [name_for(lock_key)] if lock_key is not None else []
-    scope, key = values["scope"], values["key"]
+    scope = values["scope"]
+    key = values["key"]
     with connection.cursor() as cursor:
         cursor.execute(sql, [*head, _guard_name(scope, key), scope, key])
         resource_ok, ok, *rest = cursor.fetchone()
@@ -165,13 +201,7 @@ def _guard_and_read_postgresql(
     if not ok:
         return GUARDED, None, None
     if rest[0] is None:
-        columns = _columns(model, connection, ROW_FIELDS)
-        by_key = f"{_table(model, connection)} WHERE {_by_key(model, connection)}"
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT {columns} FROM {by_key}", [scope, key])
-            rest = cursor.fetchone()
-        if rest is None:
-            return ABSENT, None, None
+        return ABSENT, None, None
     return EXISTING, None, _read(model, connection, rest)
 
 

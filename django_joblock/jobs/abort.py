@@ -48,7 +48,8 @@ class Abort:
         if self.active:
             self._previous = signal.signal(ABORT_SIGNAL, _handler)
             with _guard:
-                self._outer, _armed = _armed, self
+                self._outer = _armed
+                _armed = self
         return self
 
     def lost(self, lock: Lock, reason: str) -> None:

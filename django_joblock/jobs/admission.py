@@ -1,4 +1,4 @@
-"""Admission (§4.8; docs/jobs.md): a job whose resource is busy waits parked in RQ, not in a requeue
+"""Admission (docs/jobs.md): a job whose resource is busy waits parked in RQ, not in a requeue
 loop. On rq >= 3.0 a job with a lock is enqueued with RQ's ``RateLimit(key=<its lock key>,
 concurrency=1)``: RQ parks the others, using no worker nor retry budget, until the slot frees (a
 killed horse's at once, a dead worker's at RQ's next maintenance); time-sorted job ids keep them
@@ -47,8 +47,10 @@ def supported() -> bool:
 def plan(queue: Any, resource: str, enabled: bool, options: dict[str, Any]) -> Admission:
     """Decide how a job on ``resource`` waits; if parked, add ``rate_limit`` (and, without a
     ``job_id``, a time-sorted one) to ``options``, the enqueue call's merged RQ options."""
-    own_prefix = queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
-    own_prefix |= queue.redis_queue_namespace_prefix != Queue.redis_queue_namespace_prefix
+    own_prefix = (
+        queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
+        or queue.redis_queue_namespace_prefix != Queue.redis_queue_namespace_prefix
+    )
     for refused, why in (
         (not queue.is_async, Admission.SYNC),
         (not enabled, Admission.OFF),

@@ -1,4 +1,4 @@
-"""Duplicates stopped at enqueue, ``@locked_job(..., dedupe=True)`` (§4.10; docs/jobs.md): the RQ id
+"""Duplicates stopped at enqueue, ``@locked_job(..., dedupe=True)`` (docs/jobs.md): the RQ id
 is ``joblock-<40 hex of sha256>`` of the dotted name and idempotency key, and ``.delay()`` of a
 logical job whose RQ job is *live* returns it (with other arguments: raises
 :class:`IdempotencyKeyMismatch`, as the run would); one that ended (or expired) is enqueued again
@@ -79,9 +79,11 @@ def enqueue_once(
         if existing is not None and existing.get_status(refresh=False) in LIVE:
             if not same_call(existing):
                 key = existing.meta.get("joblock", {}).get("idempotency_key")
-                why = f"{func}: idempotency key {key!r} is live as job {existing.id} with other "
-                why += "arguments; not enqueued (the job's run would refuse them too)"
-                raise IdempotencyKeyMismatch(why, key=key)
+                raise IdempotencyKeyMismatch(
+                    f"{func}: idempotency key {key!r} is live as job {existing.id} with other "
+                    "arguments; not enqueued (the job's run would refuse them too)",
+                    key=key,
+                )
             metrics.count("blocked_at_enqueue", family, func)
             metrics.flush_now()  # an enqueuing web process may never flush otherwise
             fields = {"job_id": existing.id, "outcome": "blocked_at_enqueue", "reason": "live job"}
@@ -89,8 +91,10 @@ def enqueue_once(
             logger.info(line, func, existing.id, existing.get_status(refresh=False), extra=fields)
             return existing
         if time.monotonic() > deadline:
-            why = f"Could not enqueue job {job_id} of {func}: another process kept its enqueue "
-            raise JoblockError(f"{why}guard {guard!r} for {2 * GUARD_TTL:g}s.")
+            raise JoblockError(
+                f"Could not enqueue job {job_id} of {func}: another process kept its enqueue "
+                f"guard {guard!r} for {2 * GUARD_TTL:g}s."
+            )
         time.sleep(_POLL)
 
 

@@ -19,6 +19,8 @@ from ..idempotency.inputs import key_family
 from ..locks.keys import family
 
 KEPT = 1000  # runs kept per family (the newest)
+LAST_SECOND = 253402300799  # 9999-12-31 23:59:59 UTC, the last second datetime can show
+RUN_MAX = 10 * 366 * 86400  # the longest run a history entry may claim (s)
 TTL = 86400  # seconds a family's history lives after its last run
 
 
@@ -49,7 +51,9 @@ class Delivery:
         except (ValueError, TypeError, KeyError):
             return None
         typed = all(_fits(getattr(found, f.name), str(f.type)) for f in fields(cls))
-        return found if typed else None
+        if not typed or not 0 <= found.started <= LAST_SECOND or not 0 <= found.took <= RUN_MAX:
+            return None  # a time no clock can show (1e308) would break every page showing it
+        return found
 
 
 def _fits(value: Any, declared: str) -> bool:

@@ -85,8 +85,10 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
 
     key = LockKeys(prefix, entry.resource).lock  # admission's RateLimit key
     promoted = RateLimitRegistry(key, queue_connection).release_and_enqueue(entry.job_id)
-    message = "job %s held %s and its lock expired without a release (its worker died, stopped "
-    message += "or lost Redis): its admission slot is freed%s; RQ settles the job itself"
+    message = (
+        "job %s held %s and its lock expired without a release (its worker died, stopped "
+        "or lost Redis): its admission slot is freed%s; RQ settles the job itself"
+    )
     next_job = f", job {', '.join(promoted)} starts next" if promoted else ""
     fields = {"job_id": entry.job_id, "resource": entry.resource, "outcome": "slot_freed"}
     logger.warning(message, entry.job_id, entry.resource, next_job, extra=fields)

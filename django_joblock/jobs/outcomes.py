@@ -2,7 +2,9 @@
 :class:`JobOutcome`, ``reason`` and ``waited`` go to ``job.meta["joblock"]``, written after the
 job's commit with its :mod:`.history` entry in one round trip (only our key: meta written by others
 stays; a failed write is logged, never a job failure), and it logs **one** line on
-``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``."""
+``django_joblock`` (INFO; DEBUG inline): ``job <id> <outcome>: <function> resource= key=``.
+When the lock's Redis is the job's (same server and database), that round trip is the lock's
+release: a job's end costs one round trip, not two."""
 
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, Script, send
+from ..backend import REDIS_ERRORS, Call, Script, client, send
+from ..exceptions import LockBackendUnavailable
 from ..locks.info import HOST
+from ..locks.lock import Lock
 from ..logs import logger
 from . import history
+from .queues import server_of
 from .spec import JobSpec
 
 
@@ -39,9 +44,10 @@ _SWAP_META = Script(
     """
 -- Replace an RQ job's serialized meta if it is still the one expected.
 -- KEYS[1] the RQ job hash
--- ARGV[1] the meta expected (serialized), ARGV[2] the new meta
+-- ARGV[1] the meta expected (serialized; "" for none: RQ stores no empty meta), ARGV[2] the new
 -- Returns 1 replaced, 0 left as it was (another meta, or no job).
-if redis.call('HGET', KEYS[1], 'meta') ~= ARGV[1] then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if (redis.call('HGET', KEYS[1], 'meta') or '') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'meta', ARGV[2])
 return 1
 """
@@ -63,6 +69,21 @@ class Run:
     holder: str = ""  # who held the resource, when it was busy (for the log line)
     waited: float | None = None
     began: float = field(default_factory=time.monotonic)
+    held: Lock | None = None  # the run's lock until released (by finish, else by the runner)
+
+    def release(self, calls: list[Call]) -> list[Any] | None:
+        """Release the run's lock (once), ``calls`` riding the release's round trip; their
+        replies, or None when they were not sent (no lock held, or the release's Redis failed:
+        logged, the lock then expires after its TTL)."""
+        held = self.held
+        self.held = None
+        if held is None:
+            return None
+        try:
+            return held.release_with(calls)[1]
+        except LockBackendUnavailable:
+            logger.warning("could not release %s: it expires by its TTL", held.key, exc_info=True)
+            return None
 
     @property
     def family(self) -> str:
@@ -87,7 +108,8 @@ class Run:
 
     def delivery(self, outcome: JobOutcome, duplicate_of: str) -> history.Delivery:
         """This worker run's :mod:`.history` entry: it began at monotonic ``began`` and ends now."""
-        took, limit = time.monotonic() - self.began, getattr(self.job, "timeout", None)
+        took = time.monotonic() - self.began
+        limit = getattr(self.job, "timeout", None)
         return history.Delivery(
             job_id=str(self.job.id),
             func=str(self.job.func_name or ""),
@@ -106,16 +128,19 @@ class Run:
 
 
 def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
-    """Record ``outcome`` and log the run's line; count a worker's ``failed_runs``."""
+    """Record ``outcome``, release the run's lock and log the run's line; count a worker's
+    ``failed_runs``."""
     _log(run, outcome, extra)
     job = run.job
     if job is None:
+        run.release([])
         return
     if outcome in RAISED and run.worker:
         metrics.count("failed_runs", run.family, run.spec.name)
         if (getattr(job, "retries_left", None) or 0) > 0:  # RQ retries it next
             metrics.count("rq_retries", run.family, run.spec.name)
-    held = job.serializer.dumps(job.meta)  # what RQ stored, unless another process wrote it
+    # What RQ stored, unless another process wrote it (an empty meta RQ does not store).
+    held = job.serializer.dumps(job.meta) if job.meta else b""
     state = job.meta.setdefault("joblock", {})
     state["outcome"] = outcome.value
     if "reason" not in extra:
@@ -125,12 +150,18 @@ def finish(run: Run, outcome: JobOutcome, **extra: Any) -> None:
     if run.waited is not None:
         state["waited"] = round(run.waited, 6)
     state.update(extra)
-    calls: list[Any] = []
+    calls: list[Call] = []
     if run.worker and (run.key is not None or run.resource is not None):
         calls += history.add_calls(run.delivery(outcome, str(extra.get("duplicate_of", ""))))
+    calls.insert(0, (_SWAP_META, [job.key], [held, job.serializer.dumps(job.meta)]))
+    replies = None
+    if run.held is not None and server_of(client(run.held.cache)) == server_of(job.connection):
+        replies = run.release(calls)
+    run.release([])  # (if not released above) the lock first, as when they ride together
     try:
-        swap = (_SWAP_META, [job.key], [held, job.serializer.dumps(job.meta)])
-        if send(job.connection, [swap, *calls])[0] != 1:
+        if replies is None:
+            replies = send(job.connection, calls)
+        if replies[0] != 1:
             job.connection.transaction(lambda pipe: _write(pipe, job, state), job.key)
     except REDIS_ERRORS:
         fields = {"job_id": job.id, "outcome": outcome.value}
@@ -155,7 +186,8 @@ def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:
     level = logging.INFO if run.job is not None else logging.DEBUG
     if not logger.isEnabledFor(level):
         return
-    job_id, reason = getattr(run.job, "id", None), extra.get("reason", "")
+    job_id = getattr(run.job, "id", None)
+    reason = extra.get("reason", "")
     parts = [run.spec.name, f"resource={run.resource or '-'}", f"key={run.key or '-'}"]
     if run.holder:
         parts.append(f"holder={run.holder}")
@@ -165,6 +197,13 @@ def _log(run: Run, outcome: JobOutcome, extra: dict[str, Any]) -> None:
         parts.append(f"waited {run.waited:.3f}s")
     if reason:
         parts.append(f"reason: {reason}")
-    fields = dict(job_id=job_id, resource=run.resource, idempotency_key=run.key, reason=reason)
-    fields.update(outcome=outcome.value, holder=run.holder, waited=run.waited)
+    fields = {
+        "job_id": job_id,
+        "resource": run.resource,
+        "idempotency_key": run.key,
+        "reason": reason,
+        "outcome": outcome.value,
+        "holder": run.holder,
+        "waited": run.waited,
+    }
     logger.log(level, "job %s %s: %s", job_id or "(inline)", outcome, " ".join(parts), extra=fields)

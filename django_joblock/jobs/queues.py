@@ -56,7 +56,8 @@ def get_queue(queue: Any) -> Queue:
         # "on_db_commit") would defer it a second time and hand the caller None for the job.
         at_once = "commit_mode" in inspect.signature(django_rq.get_queue).parameters
         mode = {"commit_mode": "auto"} if at_once else {"autocommit": True}
-        arguments = _arguments[queue] = {"connection": django_rq.get_connection(queue), **mode}
+        arguments = {"connection": django_rq.get_connection(queue), **mode}
+        _arguments[queue] = arguments
     return django_rq.get_queue(queue, **arguments)  # type: ignore[no-any-return,unused-ignore]
 
 

@@ -50,11 +50,13 @@ def conflict(
     else:
         assert held is not None
         with contextlib.suppress(LockBackendUnavailable):  # gone since the acquire: no info
-            info = lock_info(held.resource, using=held.alias)
+            info = lock_info(held.resource, cache=held.cache)
         if info is not None:  # for the log line and the reason
             job = f" job={info.job_id}" if info.job_id else ""
-            run.holder = f"{info.host}:{info.pid} owner={info.owner}{job} "
-            run.holder += f"({info.expires_in:.1f}s of TTL left)"
+            run.holder = (
+                f"{info.host}:{info.pid} owner={info.owner}{job} "
+                f"({info.expires_in:.1f}s of TTL left)"
+            )
         what = f"lock {held.resource!r} is busy"
         twin = in_flight(run, info)
         if twin is not None:
@@ -108,7 +110,8 @@ def delay_for(attempt: int, info: LockInfo | None, limit_left: float) -> int:
 
 def requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> Ending:
     """Requeue a worker's job busy because of ``what``, or give up after ``max_wait``."""
-    spec, job = run.spec, run.job
+    spec = run.spec
+    job = run.job
     state = job.meta.setdefault("joblock", {})
     now = time.time()
     first = float(state.setdefault("first_contended", now))
@@ -117,10 +120,15 @@ def requeue(run: Run, held: Lock | None, what: str, info: LockInfo | None) -> En
     waited = now - first
     if waited >= limit:
         metrics.count("given_up", run.family, spec.name)
-        message = f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
-        message += f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s"
-        resource, key = (held.resource, held.key) if held is not None else (None, None)
-        raise LockContentionTimeout(message, resource=resource, key=key)
+        message = (
+            f"{spec.name}: gave up after {waited:.0f}s and {attempt} requeues waiting "
+            f"({what}); REQUEUE_MAX_WAIT/max_wait is {limit:g}s"
+        )
+        raise LockContentionTimeout(
+            message,
+            resource=held.resource if held is not None else None,
+            key=held.key if held is not None else None,
+        )
     seconds = delay_for(attempt, info, limit - waited)
     delays = [*state.get("delays", []), seconds][-_MAX_DELAYS_KEPT:]
     metrics.count("requeued", run.family, spec.name)

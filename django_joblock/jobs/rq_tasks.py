@@ -11,8 +11,8 @@ which runs every other RQ job like ``rq.job.Job``, so one worker serves both."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -37,6 +37,24 @@ for _status in JobStatus:
     RQ_STATUS_TO_RESULT_STATUS.setdefault(_status, TaskResultStatus.READY)
 
 
+def _result_does_not_exist_bases() -> tuple[type[Exception], ...]:
+    """django-tasks-rq raises the django-tasks backport's exception, on Django 6 too, where
+    code catches ``django.tasks.exceptions.TaskResultDoesNotExist``: be both."""
+    try:
+        from django.tasks import exceptions
+    except ImportError:  # Django 5.2: the backport is Django's task framework
+        return (TaskResultDoesNotExist,)
+    return (TaskResultDoesNotExist, exceptions.TaskResultDoesNotExist)
+
+
+SCHEDULE_SETTLE = 2.0  # seconds a job may be scheduled but not yet in RQ's scheduled registry
+
+
+class ResultDoesNotExist(*_result_does_not_exist_bases()):  # type: ignore[misc]
+    """No task result of that id: catchable as the backport's ``TaskResultDoesNotExist`` and,
+    on Django 6, as ``django.tasks.exceptions.TaskResultDoesNotExist``."""
+
+
 class RQBackend(django_tasks_rq.RQBackend):
     """django-tasks-rq's backend; a ``@locked_task`` is enqueued with ``@locked_job``'s flow."""
 
@@ -46,8 +64,8 @@ class RQBackend(django_tasks_rq.RQBackend):
             return super().enqueue(task, args, kwargs)
         self.validate_task(task)
         options = {
-            "on_success": Callback(success_callback),
-            "on_failure": Callback(failed_callback),
+            "on_success": Callback(task_succeeded),
+            "on_failure": Callback(task_failed),
             "meta": {"backend_name": self.alias},
             "at_front": task.priority == TASK_MAX_PRIORITY,
         }
@@ -71,15 +89,51 @@ class RQBackend(django_tasks_rq.RQBackend):
         return result
 
     def get_result(self, result_id: str) -> Any:
-        """By :class:`Job` (django-tasks-rq's reads a requeued task's return value wrong)."""
-        read = functools.partial(Job.fetch, result_id, connection=django_rq.get_connection())
-        try:
+        """By :class:`Job` (django-tasks-rq's reads a requeued task's return value wrong).
+
+        django-tasks-rq reads a scheduled job's time from RQ's scheduled registry, and finds
+        none while RQ moves the job in or out of it: rq writes a retried job's ``scheduled``
+        status before its pipeline adds the job to the registry, and its scheduler moves due
+        jobs out. Such a read is repeated for up to :data:`SCHEDULE_SETTLE` s; a job RQ no
+        longer has is :class:`ResultDoesNotExist` at once."""
+        connection = django_rq.get_connection()
+        deadline = time.monotonic() + SCHEDULE_SETTLE
+        while True:
             try:
-                return cast(Job, read()).task_result
-            except NoSuchJobError:  # (django-tasks-rq) a scheduled task moved between the
-                return cast(Job, read()).task_result  # reads of its status and its time
-        except NoSuchJobError:
-            raise TaskResultDoesNotExist(result_id) from None
+                job = cast(Job, Job.fetch(result_id, connection=connection))
+            except NoSuchJobError:
+                raise ResultDoesNotExist(result_id) from None
+            try:
+                return job.task_result
+            except NoSuchJobError:
+                if time.monotonic() >= deadline:
+                    message = f"{result_id}: scheduled for {SCHEDULE_SETTLE} s without a time"
+                    raise ResultDoesNotExist(message) from None
+            time.sleep(0.01)
+
+
+WRONG_JOB_CLASS = (
+    "a Django task ran on an RQ worker without django-joblock's job class: start the workers "
+    "with manage.py joblock_worker, or give rqworker --job-class django_joblock.jobs.rq_tasks.Job"
+)
+
+
+def _require_task_job(job: Any) -> None:
+    if not isinstance(job, Job):
+        raise TypeError(f"job {job.id}: {WRONG_JOB_CLASS}")
+
+
+def task_succeeded(job: Any, connection: Any, result: Any) -> None:
+    """django-tasks-rq's success callback, after checking the worker's job class."""
+    _require_task_job(job)
+    success_callback(job, connection, result)
+
+
+def task_failed(job: Any, connection: Any, exc_type: Any, exc_value: Any, tb: Any) -> None:
+    """django-tasks-rq's failure callback, after checking the worker's job class (without it,
+    the callback failed with ``AttributeError: ... task_result``)."""
+    _require_task_job(job)
+    failed_callback(job, connection, exc_type, exc_value, tb)
 
 
 class _Plain:
@@ -119,5 +173,7 @@ class Job(django_tasks_rq.Job):
             return found
         latest = self.latest_result()
         if latest is not None and latest.type == Result.Type.SUCCESSFUL:
+            # Django's TaskResult has no public setter for it (init=False): its own backends
+            # and django-tasks-rq set the field this way.
             object.__setattr__(found, "_return_value", latest.return_value)
         return found

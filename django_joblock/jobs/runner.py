@@ -4,9 +4,10 @@ replays), run the function, ``ensure_held()`` and record the success in one tran
 release the lock if still ours. Under a lock, claim, effect and record **commit once**, so a crash
 leaves no claim behind and of two runs of one key (after a lock loss) at most one commits; without a
 lock the claim commits first, so duplicates never both run. A locked run first takes the resource's
-transaction guard (:mod:`django_joblock.idempotency.guard`): it never reads rows a holder that lost
-the lock still writes. Inline or on a synchronous queue, lock and guard are waited for up to
-``ACQUIRE_WAIT``. An operator's release is named in ``LockLost``."""
+transaction guard (:mod:`django_joblock.idempotency.resource_guard`): it never reads rows a
+holder that lost the lock still writes; a worker's run waits for it up to the lock's TTL,
+ending a paused previous holder's transaction meanwhile. Inline or on a synchronous queue, lock
+and guard are waited for up to ``ACQUIRE_WAIT``. An operator's release is named in ``LockLost``."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from typing import Any
 
 from django.db import DatabaseError, router, transaction
 from rq import get_current_job
-from rq.exceptions import NoSuchJobError
-from rq.job import JobStatus
 
 from .. import conf, metrics
 from ..backend import REDIS_ERRORS, client
@@ -30,15 +29,14 @@ from ..exceptions import (
     LockLost,
     ResourceInTransaction,
 )
-from ..idempotency import guard
+from ..idempotency import resource_guard
 from ..idempotency.claims import Idempotent, fingerprint_of, idempotent
 from ..idempotency.one_commit import claim_in_transaction, record_failure, record_result
 from ..idempotency.store import record_model
 from ..locks import notes
-from ..locks.info import lock_info
 from ..locks.lock import Lock, reset_current_lock, set_current_lock
-from ..logs import logger
 from .abort import Abort
+from .job_transaction import job_transaction
 from .outcomes import JobOutcome, Run, finish
 from .requeue import Ending, conflict, requeue
 from .spec import JobSpec, OnConflict
@@ -69,6 +67,7 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
         finish(state, outcome, **extra)
         return result
     finally:
+        state.release([])  # finish() did, unless it raised
         state.note_duration()
         # Whatever this run counted and no lock release carried: the horse may os._exit next.
         metrics.flush_now()
@@ -86,8 +85,6 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
     held = Lock(state.resource, ttl=spec.ttl, heartbeat=spec.heartbeat, on_lost=abort.lost)
     try:  # a worker tries once (admission let it start); an inline call waits ACQUIRE_WAIT
         acquired = held.acquire(wait=0.0 if state.worker else None)
-        if not acquired and (wait := _orphan_wait(state, held)):
-            acquired = held.acquire(wait=wait)
     except LockBackendUnavailable as exc:
         if not state.worker or spec.on_conflict is not OnConflict.REQUEUE:
             raise
@@ -95,6 +92,7 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
         return requeue(state, held, f"the lock's Redis did not answer ({exc})", None)
     if not acquired:
         return conflict(state, held, None)
+    state.held = held  # released by finish(), its outcome riding the release
     state.started()
     token = set_current_lock(held)
     try:
@@ -112,39 +110,13 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
         return conflict(state, held, exc)
     finally:
         reset_current_lock(token)
-        try:
-            held.release()
-        except LockBackendUnavailable:
-            logger.warning("could not release %s: it expires by its TTL", held.key, exc_info=True)
-
-
-def _orphan_wait(state: Run, held: Lock) -> float:
-    """How long a run holding its resource's admission slot waits for a busy lock before it
-    requeues: until the lock expires when its holder is an RQ job that has ended (its lock is left
-    to expire, and requeueing would hand the slot to each parked job in turn), else 0."""
-    job, requeues = state.job, state.spec.on_conflict is OnConflict.REQUEUE
-    if job is None or not requeues or getattr(job, "rate_limit_key", None) != held.key:
-        return 0.0  # not parked by admission (rq >= 3.0), or no requeue
-    try:
-        info = lock_info(held.resource, using=held.alias)
-    except LockBackendUnavailable:
-        return 0.0
-    if info is None:
-        return 1.0  # freed since the try
-    if not info.job_id or info.job_id == job.id:
-        return 0.0
-    try:
-        status = job.__class__.fetch(info.job_id, connection=job.connection).get_status()
-    except NoSuchJobError:
-        status = None
-    return 0.0 if status == JobStatus.STARTED else info.expires_in + 1.0
 
 
 def _operator_note(held: Lock) -> notes.OperatorRelease | None:
     """Did an operator release this holding? One GET, repeated for up to ``_AUDIT_ID_WAIT`` s
     while the note lacks its audit id (written after the release; on SQLite, after our commit)."""
     try:
-        found = client(held.alias, _NOTE_TIMEOUT)
+        found = client(held.cache, _NOTE_TIMEOUT)
         note = notes.read(found, held.keys.released, held.owner)
         deadline = time.monotonic() + _AUDIT_ID_WAIT
         while note is not None and note.audit is None and time.monotonic() < deadline:
@@ -155,23 +127,25 @@ def _operator_note(held: Lock) -> notes.OperatorRelease | None:
         return None  # Redis is gone too: the plain loss reason stands
 
 
-def _guard_wait(state: Run) -> float:  # a worker's run requeues instead, like for the lock
-    return 0.0 if state.worker else conf.get().ACQUIRE_WAIT
+def _guard_wait(state: Run, held: Lock) -> float:
+    """How long a run waits for its resource's transaction guard: a worker's up to the lock's TTL
+    (a paused previous holder's transaction is ended meanwhile,
+    :mod:`..idempotency.resource_guard`; the jobs parked behind it keep their order), an inline
+    one ``ACQUIRE_WAIT``, as for the lock."""
+    return held.ttl if state.worker else conf.get().ACQUIRE_WAIT
 
 
 def _claim_and_run(
     state: Run, arguments: dict[str, Any], call: Callable[[], Any], held: Lock | None
 ) -> Ending:
-    spec, key = state.spec, state.key
+    spec = state.spec
+    key = state.key
     if key is None and not spec.atomic:
         return JobOutcome.RAN, call(), {}  # its own transactions: fenced
     using = str(router.db_for_write(record_model()))
     if key is None:
-        with transaction.atomic(using=using):
-            with guard.before_first_query(using, held, wait=_guard_wait(state)):
-                result = call()
-            if held is not None:
-                held.ensure_held()  # never commit the effect of a job that lost its lock
+        with job_transaction(using, held, wait=0.0 if held is None else _guard_wait(state, held)):
+            result = call()
         return JobOutcome.RAN, result, {}
     claiming = idempotent(key, scope=spec.scope, fingerprint=fingerprint_of(arguments), using=using)
     if held is not None:
@@ -190,9 +164,11 @@ def _one_commit(state: Run, claim_spec: Idempotent, call: Callable[[], Any], hel
     claimed = False
     try:
         with transaction.atomic(using=claim_spec.using):
-            if not state.worker:  # it waits for the guard too; the claim then has it at once
-                guard.take(claim_spec.using, held, wait=_guard_wait(state))
-            claim = claim_in_transaction(claim_spec, held)
+            try:  # one statement takes the guard and claims the key
+                claim = claim_in_transaction(claim_spec, held)
+            except ResourceInTransaction:
+                resource_guard.take(claim_spec.using, held, wait=_guard_wait(state, held))
+                claim = claim_in_transaction(claim_spec, held)
             claimed = True
             if claim.done:
                 return JobOutcome.REPLAYED, claim.result, {}
@@ -205,8 +181,10 @@ def _one_commit(state: Run, claim_spec: Idempotent, call: Callable[[], Any], hel
     except BaseException as exc:
         if isinstance(exc, DatabaseError) and not claimed and "locked" in str(exc):
             # SQLite: another transaction kept the write lock past the busy timeout.
-            why = f"Idempotency key {claim_spec.key!r}: the database stayed locked by another "
-            why += f"transaction ({exc}); treated as in progress."
+            why = (
+                f"Idempotency key {claim_spec.key!r}: the database stayed locked by another "
+                f"transaction ({exc}); treated as in progress."
+            )
             raise IdempotencyInProgress(why, key=claim_spec.key, scope=claim_spec.scope) from exc
         if claimed:
             record_failure(claim_spec, f"{type(exc).__name__}: {exc}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 import rq
+from rq import Retry
 from rq.exceptions import TimeoutFormatError
 from rq.queue import Queue
 from rq.utils import parse_timeout
@@ -58,6 +59,7 @@ class JobSpec(Generic[P, R]):
     dedupe: bool = False
     on_commit: bool = True
     on_rq: bool = True  # False: a @locked_task whose backend runs it elsewhere (no RQ queue)
+    idempotency_scope: str | None = None  # ``scope=``: None for the dotted name
 
     @property
     def name(self) -> str:
@@ -88,8 +90,10 @@ class JobSpec(Generic[P, R]):
         try:
             value = template(**arguments) if callable(template) else template.format(**arguments)
         except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
-            why = f"cannot build the {what} from {template!r} with arguments {sorted(arguments)}"
-            raise ValueError(f"@locked_job {self.name}: {why}: {exc!r}") from exc
+            raise ValueError(
+                f"@locked_job {self.name}: cannot build the {what} from {template!r} "
+                f"with arguments {sorted(arguments)}: {exc!r}"
+            ) from exc
         if not isinstance(value, str):
             raise ValueError(f"@locked_job {self.name}: the {what} must be a str, got {value!r}")
         return value
@@ -102,7 +106,13 @@ class JobSpec(Generic[P, R]):
         value = self.render(self.idempotency_key, arguments, "idempotency key")
         return None if value is None else validate_key(value, what=f"@locked_job {self.name}")
 
-    scope = name  # the scope of the job's idempotency records: its dotted name
+    @property
+    def scope(self) -> str:
+        """The scope of the job's idempotency records: ``scope=`` if given, else its dotted
+        :attr:`name` (then renaming or moving the function starts a new scope)."""
+        if self.idempotency_scope is not None:
+            return self.idempotency_scope
+        return self.name
 
 
 def check_template(func: Callable[..., Any], template: Template, what: str) -> None:
@@ -152,9 +162,12 @@ def check_rq_options(options: dict[str, Any], what: str) -> None:
     unknown = sorted(set(options) - rq_option_names())
     if unknown:
         verb = "is not an option" if len(unknown) == 1 else "are not options"
-        why = f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
-        why += f"{', '.join(sorted(rq_option_names()))}); the job's own arguments go in "
-        raise ValueError(why + ".delay(...) or .enqueue(args=(...), kwargs={...}).")
+        raise ValueError(
+            f"{what}: {', '.join(unknown)} {verb} of RQ's enqueue (rq {rq.__version__} takes "
+            f"{', '.join(sorted(rq_option_names()))}); the job's own arguments go in "
+            ".delay(...) or .enqueue(args=(...), kwargs={...})."
+        )
+    _check_option_types(options, what)
     value = options.get("job_timeout")
     if value is None:
         return
@@ -164,9 +177,37 @@ def check_rq_options(options: dict[str, Any], what: str) -> None:
         with contextlib.suppress(TimeoutFormatError, ValueError, OverflowError):
             seconds = parse_timeout(value)
     if seconds is None or (seconds != -1 and not 1 <= seconds <= conf.MAX_DURATION):
-        why = f"must be whole seconds from 1 to {conf.MAX_DURATION:.0f} (365 days; RQ's alarm "
-        why += "takes no more), an int or a str such as '90', '10m', '2h'"
-        raise ValueError(f"{what}: job_timeout {why}, or -1 for none; got {value!r}")
+        raise ValueError(
+            f"{what}: job_timeout must be whole seconds from 1 to {conf.MAX_DURATION:.0f} "
+            "(365 days; RQ's alarm takes no more), an int or a str such as '90', '10m', '2h', "
+            f"or -1 for none; got {value!r}"
+        )
+
+
+def _whole_seconds_or_forever(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -1 <= value <= 10**10
+
+
+# What RQ's enqueue options must be, checked at decoration and at each enqueue (RQ itself
+# raises deep inside its enqueue, or stores a value its worker then fails on).
+_OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "retry": (lambda value: isinstance(value, Retry), "an rq.Retry, e.g. Retry(max=3)"),
+    "meta": (lambda value: isinstance(value, dict), "a dict"),
+    "at_front": (lambda value: isinstance(value, bool), "True or False"),
+    "description": (lambda value: isinstance(value, str), "a str"),
+    "result_ttl": (_whole_seconds_or_forever, "whole seconds, or -1 for ever"),
+    "failure_ttl": (_whole_seconds_or_forever, "whole seconds, or -1 for ever"),
+    "ttl": (_whole_seconds_or_forever, "whole seconds, or -1 for ever"),
+}
+
+
+def _check_option_types(options: dict[str, Any], what: str) -> None:
+    """``ValueError`` naming an RQ option of :data:`_OPTION_TYPES` given a value RQ cannot use
+    (None, RQ's "not set", is fine)."""
+    for name, (fits, expected) in _OPTION_TYPES.items():
+        value = options.get(name)
+        if value is not None and not fits(value):
+            raise ValueError(f"{what}: {name} must be {expected}; got {value!r}")
 
 
 def job_timeout(value: Any, queue: Any) -> float:
@@ -188,8 +229,10 @@ def timeout_findings(spec: JobSpec[Any, Any], timeout: float) -> list[TimeoutFin
         message = f"TTL {ttl:g}s < job_timeout {shown} and no heartbeat: a slow run loses its lock"
         found.append(("W002", message, "Turn heartbeat on, or make ttl longer than job_timeout."))
     if spec.lock is None and spec.idempotency_key is not None and timeout > lease:
-        message = f"RQ job timeout {shown} > IDEMPOTENCY_LEASE {lease:g}s and no lock: a duplicate "
-        message += "delivered after the lease takes the claim over and runs beside the first run."
+        message = (
+            f"RQ job timeout {shown} > IDEMPOTENCY_LEASE {lease:g}s and no lock: a duplicate "
+            "delivered after the lease takes the claim over and runs beside the first run."
+        )
         hint = "Raise JOBLOCK['IDEMPOTENCY_LEASE'] above job_timeout, lower it, or add a lock."
         found.append(("W006", message, hint))
     return [TimeoutFinding(id, f"{spec.name}: {message}", hint) for id, message, hint in found]

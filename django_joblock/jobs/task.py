@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
+from ..exceptions import JoblockConfigError
 from .decorator import locked_job
 from .spec import JobSpec
 
@@ -65,6 +66,21 @@ def _on_rq(task: LockedTask) -> bool:
     return isinstance(task.get_backend(), RQBackend)
 
 
+def _refuse_a_plain_rq_backend(task: LockedTask) -> None:
+    """:class:`JoblockConfigError` for a task on django-tasks-rq's own backend, which would
+    enqueue it without ``@locked_job``'s flow: no admission, the job's options ignored, a
+    requeue's ``Retry`` stored as the task's return value."""
+    from .rq_tasks import RQBackend
+
+    backend = task.get_backend()
+    if not isinstance(backend, RQBackend):
+        raise JoblockConfigError(
+            f"@locked_task {task.name}: TASKS[{task.backend!r}] is "
+            f"{type(backend).__module__}.{type(backend).__name__}, which enqueues without "
+            "django-joblock's flow; use 'django_joblock.jobs.rq_tasks.RQBackend' (docs/tasks.md)"
+        )
+
+
 def locked_task(
     function: Callable[..., Any] | None = None,
     /,
@@ -82,16 +98,27 @@ def locked_task(
     ``on_commit``: enqueue in ``transaction.on_commit``, as Django advises."""
     if function is not None:
         name = getattr(function, "__qualname__", repr(function))
-        why = "takes keywords, e.g. @locked_task(lock='order:{order_id}')"
-        raise TypeError(f"@locked_task {why}; got the function {name!r}")
+        raise TypeError(
+            "@locked_task takes keywords, e.g. @locked_task(lock='order:{order_id}'); "
+            f"got the function {name!r}"
+        )
     if "on_commit" in options:
-        why = "on_commit= is @locked_job's; enqueue in transaction.on_commit(lambda: ...)"
-        raise ValueError(f"@locked_task: {why}")
+        raise ValueError(
+            "@locked_task: on_commit= is @locked_job's; "
+            "enqueue in transaction.on_commit(lambda: ...)"
+        )
     make = locked_job(queue_name, on_commit=False, **options)
 
     def decorate(func: Callable[..., Any]) -> LockedTask:
         if isinstance(func, Task):
             raise TypeError(f"@locked_task {func.name}: put @locked_task in place of @task")
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            # Refused with or without takes_context (its wrapper would hide the coroutine).
+            raise TypeError(
+                f"@locked_task {func.__qualname__}: async def tasks are not supported (the body "
+                "would run after the lock was released); make it a def and call async code "
+                "with asgiref's async_to_sync"
+            )
         if not takes_context:
             locked = make(func)
         else:  # the flow runs the function without its context: templates, fingerprint
@@ -122,6 +149,8 @@ def locked_task(
             takes_context=takes_context,
         )
         task.spec.on_rq = _on_rq(task)
+        if task.spec.on_rq:
+            _refuse_a_plain_rq_backend(task)
         return task
 
     return decorate

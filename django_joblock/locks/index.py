@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from .. import conf
 from ..backend import client, is_cluster, text
+from . import keys
 
 Entry = tuple[str, str, float, str]  # (resource, owner, ttl in seconds, RQ job id or "")
 
@@ -56,8 +57,7 @@ def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
     now_ms = time.time() * 1000
     scores: dict[str, list[Any]] = {}
     for resource, owner, ttl, job_id in entries:
-        family = resource.split(":", 1)[0]
-        scores.setdefault(family, []).extend(
+        scores.setdefault(keys.family(resource), []).extend(
             (int(now_ms + ttl * 1000), member(resource, owner, job_id))
         )
     calls: list[list[Any]] = [
@@ -75,15 +75,15 @@ def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[An
     if is_cluster(found):
         return [], []
     resource, owner, ttl, job_id = entry
-    family = resource.split(":", 1)[0]
+    family = keys.family(resource)
     score = int(time.time() * 1000 + ttl * 1000)
-    keys = [_index_key(prefix, family), families_key(prefix)]
-    return keys, [score, member(resource, owner, job_id), family]
+    index_keys = [_index_key(prefix, family), families_key(prefix)]
+    return index_keys, [score, member(resource, owner, job_id), family]
 
 
 def remove_call(prefix: str, resource: str, owner: str, job_id: str = "") -> list[Any]:
     """The command that removes one holding's entry."""
-    key = _index_key(prefix, resource.split(":", 1)[0])
+    key = _index_key(prefix, keys.family(resource))
     return ["ZREM", key, member(resource, owner, job_id)]
 
 

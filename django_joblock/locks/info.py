@@ -16,7 +16,7 @@ from typing import Any
 from rq import get_current_job
 
 from .. import conf
-from ..backend import REDIS_ERRORS, Call, client, send, text, unavailable
+from ..backend import REDIS_ERRORS, Call, cache_argument, client, send, text, unavailable
 from .keys import LockKeys, owner_hash, validate_resource
 from .scripts import READ
 
@@ -147,16 +147,20 @@ def read_many(found: Any, resources: list[str]) -> list[Snapshot]:
     return snapshots
 
 
-def lock_info(resource: str, *, using: str | None = None) -> LockInfo | None:
+def lock_info(
+    resource: str, *, cache: str | None = None, using: str | None = None
+) -> LockInfo | None:
     """Who holds ``resource`` now, or None when it is free: a snapshot (the lock may change
     hands a moment later) in one read-only round trip, which never takes or extends the lock.
+    ``cache``: the django-redis cache alias of the locks (default ``JOBLOCK["REDIS_ALIAS"]``;
+    ``using=``, its old name, warns).
 
     Raises :class:`~django_joblock.InvalidResource` for a bad resource and
     :class:`~django_joblock.LockBackendUnavailable` when Redis cannot be asked."""
     settings = conf.get()
     resource = validate_resource(resource)
     try:
-        ((found, pttl, server_ms),) = read_many(client(using), [resource])
+        ((found, pttl, server_ms),) = read_many(client(cache_argument(cache, using)), [resource])
     except REDIS_ERRORS as exc:
         key = LockKeys(settings.KEY_PREFIX, resource).lock
         raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc

@@ -27,23 +27,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import logging
 import math
 import os
 import secrets
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, Call, client, send, text, unavailable
+from ..backend import REDIS_ERRORS, Call, cache_argument, client, send, text, unavailable
 from ..exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
 from ..logs import log_lock, logger
 from ..signals import lock_acquired, lock_contended, lock_released
-from . import index, replicas, waiting
-from .current import current_lock, reset_current_lock, set_current_lock
+from . import current, index, replicas, waiting
+from .current import reset_current_lock, set_current_lock
 from .info import holder_details
 from .keys import LockKeys, validate_resource
 from .renewal import renewer
@@ -54,15 +57,19 @@ __all__ = ["Lock", "LockState", "current_lock", "lock", "reset_current_lock", "s
 
 _HOLDING = (LockState.HELD, LockState.SUSPECT)
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class Lock(Holding):
-    """A lock on one resource. Use as a context manager or call acquire/release yourself.
+    """A lock on one resource. Use as a context manager (``with lock("order:1") as held:``), as
+    a decorator (``@lock("report")``: each call holds it), or call acquire/release yourself.
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
     waits in line for a busy lock (default ``JOBLOCK["ACQUIRE_WAIT"]``, 0 = one try,
     ``math.inf`` = until it gets it). With ``heartbeat`` the renewal thread renews the lock
     every ``HEARTBEAT_INTERVAL`` (default ttl/3) until ``max_hold`` (s), and calls
-    ``on_lost(lock, reason)`` when it finds it lost. ``using`` names the django-redis cache.
+    ``on_lost(lock, reason)`` when it finds it lost. ``cache`` names the django-redis cache.
     """
 
     def __init__(
@@ -74,28 +81,44 @@ class Lock(Holding):
         heartbeat: bool = True,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        cache: str | None = None,
         using: str | None = None,
     ) -> None:
         settings = conf.get()
+        cache = cache_argument(cache, using)
         self.resource: str = validate_resource(resource)
+        # As given, for the lock of each call when this one decorates a function.
+        self._arguments: dict[str, Any] = {
+            "ttl": ttl,
+            "wait": wait,
+            "heartbeat": heartbeat,
+            "max_hold": max_hold,
+            "on_lost": on_lost,
+            "cache": cache,
+        }
         what = f"lock({resource!r}):"
         ttl = settings.LOCK_TTL if ttl is None else ttl
         self.ttl: float = conf.TTL_RANGE.check(f"{what} ttl", ttl)
-        self.wait: float = _check_wait(what, settings.ACQUIRE_WAIT if wait is None else wait)
+        wait = settings.ACQUIRE_WAIT if wait is None else wait
+        self.wait: float = _check_wait(what, wait)
         hold = settings.MAX_HOLD if max_hold is None else max_hold
-        self.max_hold = None if hold is None else conf.HOLD_RANGE.check(f"{what} max_hold", hold)
+        self.max_hold: float | None = None
+        if hold is not None:
+            self.max_hold = conf.HOLD_RANGE.check(f"{what} max_hold", hold)
         self.heartbeat: bool = bool(heartbeat)
         self.heartbeat_interval: float = settings.heartbeat_interval(self.ttl)
         self.on_lost: OnLost | None = on_lost
-        self.alias: str = using or settings.REDIS_ALIAS
+        self.cache: str = cache or settings.REDIS_ALIAS
         self.keys = LockKeys(settings.KEY_PREFIX, self.resource)
         self.key: str = self.keys.lock
         self.family: str = self.keys.family
         # Who was first in line behind this holder when it got the lock: its release hands
         # the lock to that waiter in the same round trip (see waiting.release).
         self._next_ticket = ""
-        self.token, self._spent = secrets.token_hex(16), False
-        self.job_id = self.job_func = ""
+        self.token = secrets.token_hex(16)
+        self._spent = False  # True once self.token has been used for a holding
+        self.job_id = ""
+        self.job_func = ""
         self._reset_view()
         self._context_token: contextvars.Token[Any] | None = None
 
@@ -128,12 +151,13 @@ class Lock(Holding):
         if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
             return False
         try:
-            stored = client(self.alias).hget(self.key, "token")
+            stored = client(self.cache).hget(self.key, "token")
         except REDIS_ERRORS as exc:
             raise self._unavailable(exc, "check the lock") from exc
         if stored is not None and text(stored) == self.token:
             return True
-        self._declare_lost((Outcome.GONE if stored is None else Outcome.OTHER_OWNER).reason)
+        outcome = Outcome.GONE if stored is None else Outcome.OTHER_OWNER
+        self._declare_lost(outcome.reason)
         return False
 
     def _declare_lost(self, reason: str) -> None:
@@ -159,70 +183,156 @@ class Lock(Holding):
             return self._acquire(wait)
 
     def _acquire(self, wait: float | None) -> bool:
+        """The body of :meth:`acquire`, run under :meth:`_one_call`."""
         if self.state in _HOLDING and not self._foreign():
             raise self._error(LockError, "This Lock object already holds the lock")
-        wait = self.wait if wait is None else _check_wait(f"lock({self.resource!r}):", wait)
+        if wait is None:
+            wait = self.wait
+        else:
+            wait = _check_wait(f"lock({self.resource!r}):", wait)
         if self._spent:
             # A fresh token per holding: a late renew of the previous one can never extend this
             # one (nor can a forked child's acquire find its parent's lock). A failed acquire
             # keeps it: its repeat finds the lock the failed one may have taken on the server.
-            self.token, self._spent = secrets.token_hex(16), False
+            self.token = secrets.token_hex(16)
+            self._spent = False
         self.job_id, self.job_func, details = holder_details()
         args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
-        entry = (self.resource, self.owner, self.ttl, self.job_id)
+        entry = self._index_entry()
         started = time.monotonic()
-        try:
-            found = client(self.alias)  # on Redis Cluster, made by asking a node
-            index_keys: list[str] = []
-            if wait > 0:
-                deadline = started + wait
-                confirm = not self.heartbeat  # else the heartbeat renews a handed-over lock
-                turn = waiting.wait_in_line(
-                    found, self.alias, self.keys, self.owner, args, deadline, confirm=confirm
-                )
-            else:
-                index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
-                script_keys = [*waiting.lock_keys(self.keys), *index_keys]
-                calls: list[Call] = [(ACQUIRE, script_keys, [*args, *index_args])]
-                try:
-                    reply = send(found, calls)[0]
-                except RedisConnectionError:  # lost mid-call: safe to send again (see above)
-                    reply = send(found, calls)[0]
-                if isinstance(reply, Exception):
-                    raise reply
-                turn = waiting.Turn(int(reply), started, None, "")
-            if turn.reply > 0 and not index_keys:  # after the line, or Cluster (other nodes):
-                with contextlib.suppress(*REDIS_ERRORS):  # best effort, renewals refresh it
-                    send(found, index.add_calls(self.keys.prefix, [entry]))
-        except REDIS_ERRORS as exc:
-            metrics.count("acquire_attempts", self.family, self.job_func)
-            metrics.count("acquire_errors", self.family, self.job_func)
-            raise self._unavailable(exc, "acquire the lock") from exc
+        found, turn = self._request_lock(wait, started, args, entry)
         now = time.monotonic()
         waited = now - started if wait > 0 else 0.0  # one try waits for nothing
-        metrics.record_acquire(self.family, self.job_func, waited, acquired=turn.reply > 0)
         if turn.reply <= 0:
-            lock_contended.send(sender=Lock, lock=self, waited=waited)
-            pttl = -1 - turn.reply  # "busy": -1 - the holder's PTTL in ms
-            log_lock(logging.INFO, "contended", self, "lock busy", reason=f"held, pttl={pttl}ms")
+            metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
+            self._report_busy(turn, waited)
             return False
-        valid_for = self.ttl if turn.valid_for is None else turn.valid_for
-        if now - turn.sent >= valid_for - drift(valid_for):
+        valid_for = self._usable_for(found, turn, now)
+        self._hold(turn, valid_for, waited)
+        # Counted once the renewal thread knows the lock (``_hold``): it leaves a job's metrics
+        # to the job's release.
+        metrics.record_acquire(self.family, self.job_func, waited, acquired=True)
+        return True
+
+    def _request_lock(
+        self, wait: float, started: float, args: list[Any], entry: index.Entry
+    ) -> tuple[Any, waiting.Turn]:
+        """Ask Redis for the lock: one ACQUIRE if ``wait`` is 0, else wait in line until the
+        monotonic deadline ``started + wait`` (s; ``math.inf``: no deadline).
+
+        Returns the client asked and the :class:`~.waiting.Turn`: a fence (> 0) if the lock
+        was got, then also in the active-lock index, else ACQUIRE's "busy" code. A Redis error
+        is counted as a failed attempt and raised as :class:`LockBackendUnavailable`; this
+        object keeps its token and its place in line, so the acquire can be repeated."""
+        try:
+            found = client(self.cache)  # on Redis Cluster, made by asking a node
+            if wait > 0:
+                turn = self._wait_in_line(found, args, entry, started + wait)
+            else:
+                turn = self._try_once(found, args, entry, started)
+        except REDIS_ERRORS as exc:
+            self._count_failed_attempt()
+            raise self._unavailable(exc, "acquire the lock") from exc
+        return found, turn
+
+    def _try_once(
+        self, found: Any, args: list[Any], entry: index.Entry, started: float
+    ) -> waiting.Turn:
+        """One ACQUIRE, in one round trip with its active-lock index entry (on Redis Cluster,
+        the entry follows if the lock was got). The lock's validity counts from ``started``
+        (monotonic s, taken before sending).
+
+        A connection lost mid-call sends the script once more: it recognises this token, so
+        a repeat whose first try took the lock gets the same lock and fence back. Redis
+        errors, including a reply the server refused, are raised."""
+        index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
+        script_keys = [*waiting.lock_keys(self.keys), *index_keys]
+        calls: list[Call] = [(ACQUIRE, script_keys, [*args, *index_args])]
+        try:
+            reply = send(found, calls)[0]
+        except RedisConnectionError:  # lost mid-call: safe to send again
+            reply = send(found, calls)[0]
+        if isinstance(reply, Exception):
+            raise reply
+        turn = waiting.Turn(reply=int(reply), sent=started, valid_for=None, next_ticket="")
+        if turn.reply > 0 and not index_keys:  # Redis Cluster: the index is on other nodes
+            self._add_to_index(found, entry)
+        return turn
+
+    def _wait_in_line(
+        self, found: Any, args: list[Any], entry: index.Entry, deadline: float
+    ) -> waiting.Turn:
+        """Wait in line for the lock until the monotonic ``deadline`` (s), then index it if
+        got. A lock handed over with less than its TTL left is renewed before returning when
+        there is no heartbeat (else the heartbeat renews it within ``Turn.valid_for``). Redis
+        errors are raised; an interruption leaves the line (:func:`.waiting.wait_in_line`)."""
+        confirm = not self.heartbeat
+        turn = waiting.wait_in_line(
+            found, self.cache, self.keys, self.owner, args, deadline, confirm=confirm
+        )
+        if turn.reply > 0:
+            self._add_to_index(found, entry)
+        return turn
+
+    def _add_to_index(self, found: Any, entry: index.Entry) -> None:
+        """Add a holding ACQUIRE did not index to the active-lock index, in a round trip of
+        its own. Best effort: a Redis error is ignored (each renewal refreshes the entry)."""
+        with contextlib.suppress(*REDIS_ERRORS):
+            send(found, index.add_calls(self.keys.prefix, [entry]))
+
+    def _report_busy(self, turn: waiting.Turn, waited: float) -> None:
+        """Signal and log an acquire that found the lock busy after ``waited`` s."""
+        lock_contended.send(sender=Lock, lock=self, waited=waited)
+        pttl = -1 - turn.reply  # "busy": -1 - the holder's PTTL in ms
+        log_lock(logging.INFO, "contended", self, "lock busy", reason=f"held, pttl={pttl}ms")
+
+    def _usable_for(self, found: Any, turn: waiting.Turn, now: float) -> float:
+        """How long (s, from the monotonic ``turn.sent``) the lock just got stays valid.
+
+        Raises :class:`LockBackendUnavailable`, after giving the lock back, if at ``now``
+        (monotonic s, when the reply arrived) that validity less the drift margin had already
+        run out, or if with ``REPLICA_ACKS`` it did not reach that many replicas in time
+        (:func:`.replicas.shortfall`, one renewal)."""
+        if turn.valid_for is None:
+            valid_for = self.ttl
+        else:
+            valid_for = turn.valid_for  # handed over: what was left of the TTL
+        answered_after = now - turn.sent
+        if answered_after >= valid_for - drift(valid_for):
             raise self._given_back(
                 found,
-                f"Redis answered the acquire after {now - turn.sent:.3f}s, when the lock's "
+                f"Redis answered the acquire after {answered_after:.3f}s, when the lock's "
                 f"validity (ttl {self.ttl:g}s minus the drift margin) had already run out",
             )
         if conf.get().REPLICA_ACKS:
             short = replicas.shortfall(found, self.key, self.token, self.ttl_ms)
             if short:
                 raise self._given_back(found, short)
-        self._next_ticket, self._spent = turn.next_ticket, True
+        return valid_for
+
+    def _hold(self, turn: waiting.Turn, valid_for: float, waited: float) -> None:
+        """Record the lock as held: fence ``turn.reply``, valid for ``valid_for`` s from the
+        monotonic ``turn.sent``. Then start renewing it (a handed-over lock within a third of
+        that validity), and signal and log the acquire, which waited ``waited`` s."""
+        self._next_ticket = turn.next_ticket
+        self._spent = True
         self._begin(turn.reply, turn.sent, valid_for)
-        renewer().add(self, renew_within=math.inf if turn.valid_for is None else valid_for / 3)
+        if turn.valid_for is None:
+            renew_within = math.inf  # the full TTL: on the heartbeat's usual schedule
+        else:
+            renew_within = valid_for / 3
+        renewer().add(self, renew_within=renew_within)
         lock_acquired.send(sender=Lock, lock=self, waited=waited)
         log_lock(logging.DEBUG, "acquired", self, "lock acquired")
-        return True
+
+    def _count_failed_attempt(self) -> None:
+        """Count an acquire that ended in an error: an attempt, and an error."""
+        metrics.count("acquire_attempts", self.family, self.job_func)
+        metrics.count("acquire_errors", self.family, self.job_func)
+
+    def _index_entry(self) -> index.Entry:
+        """This holding's active-lock index entry: resource, owner, TTL (s), RQ job id."""
+        return (self.resource, self.owner, self.ttl, self.job_id)
 
     def _unindex(self) -> list[Any]:
         """The command that removes this holding's active-lock index entry."""
@@ -231,8 +341,7 @@ class Lock(Holding):
     def _given_back(self, found: Any, why: str) -> LockBackendUnavailable:
         """An acquire that got the lock but cannot use it: counted as an acquire error, the
         lock given back (best effort: else it expires on its own), and the error to raise."""
-        metrics.count("acquire_attempts", self.family, self.job_func)
-        metrics.count("acquire_errors", self.family, self.job_func)
+        self._count_failed_attempt()
         with contextlib.suppress(*REDIS_ERRORS):
             waiting.release(found, self.keys, self.token, "", [self._unindex()])
         return self._error(LockBackendUnavailable, f"{why}; not acquired")
@@ -249,7 +358,7 @@ class Lock(Holding):
         if sent >= self.hold_until:
             return False
         try:
-            code = replicas.renew(client(self.alias), self.key, self.token, self.ttl_ms)
+            code = replicas.renew(client(self.cache), self.key, self.token, self.ttl_ms)
         except LockBackendUnavailable as exc:
             raise self._error(LockBackendUnavailable, f"Renewal not counted: {exc}") from exc
         except REDIS_ERRORS as exc:
@@ -271,11 +380,21 @@ class Lock(Holding):
         without touching Redis (the lock is the parent's).
         """
         with self._one_call():
-            return self._release()
+            return self._release([])[0]
 
-    def _release(self) -> bool:
+    def release_with(self, calls: list[Call]) -> tuple[bool, list[Any] | None]:
+        """:meth:`release`, with ``calls`` (commands for the lock's Redis server, such as a job's
+        outcome) sent in the release's round trip. Returns (released, the calls' replies, a
+        command the server refused giving its exception). The replies are None when the calls
+        were not sent: the lock was not held here, or the round trip was cut off and the release
+        was sent again without them (whether they ran is unknown; the caller sends them again).
+        Raises as :meth:`release` does."""
+        with self._one_call():
+            return self._release(calls)
+
+    def _release(self, calls: list[Call]) -> tuple[bool, list[Any] | None]:
         if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
-            return False
+            return False, None
         renewer().remove(self)
         sent = time.monotonic()
         if sent >= self.valid_until and self.mark_lost("validity deadline passed"):
@@ -283,10 +402,11 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        entry = (self.resource, self.owner, self.ttl, self.job_id)
-        retried, pending = False, {}
+        entry = self._index_entry()
+        retried = False
+        pending: dict[str, int] = {}
         try:
-            found = client(self.alias)
+            found = client(self.cache)
             index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
             unindex = (index_keys[:1], index_args[1:2])
             also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
@@ -296,20 +416,23 @@ class Lock(Holding):
             next_ticket = self._next_ticket
             try:
                 code, replies = waiting.release(
-                    found, self.keys, self.token, next_ticket, [*also, *flush], unindex
+                    found, self.keys, self.token, next_ticket, [*also, *flush, *calls], unindex
                 )
-            except RedisConnectionError:  # lost mid-call: once more, without the metrics,
-                metrics.restore(pending)  # kept for the next flush (twice rather than lost)
-                retried, pending = True, {}
+                riders: list[Any] | None = replies[len(also) + len(flush) :]
+            except RedisConnectionError:  # lost mid-call: once more, without the metrics
+                metrics.add(pending)  # kept for the next flush (twice rather than lost)
+                retried = True
+                pending = {}
+                riders = None
                 code, replies = waiting.release(
                     found, self.keys, self.token, next_ticket, also, unindex
                 )
         except REDIS_ERRORS as exc:
             self.mark_released()
-            metrics.restore(pending)
+            metrics.add(pending)
             raise self._unavailable(exc, "release the lock") from exc
-        if pending and isinstance(replies[-1], Exception):  # refused, or its node down (Cluster)
-            metrics.restore(pending)
+        if pending and isinstance(replies[len(also)], Exception):  # refused, or node down
+            metrics.add(pending)
         # Sent twice, it finds the lock gone, or handed over (another owner), if the first one
         # ran: that was our own release, if the lock was still valid when sent.
         released = code is Outcome.OK or (retried and valid)
@@ -322,7 +445,7 @@ class Lock(Holding):
         else:
             message = "lock was no longer ours at release"
             log_lock(logging.WARNING, "released", self, message, reason=code.reason)
-        return released
+        return released, riders
 
     def __enter__(self) -> Lock:
         if not self.acquire():
@@ -338,7 +461,8 @@ class Lock(Holding):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        token, self._context_token = self._context_token, None
+        token = self._context_token
+        self._context_token = None
         if token is not None:
             reset_current_lock(token, self)
         if self._foreign():
@@ -357,6 +481,32 @@ class Lock(Holding):
                 LockLost, f"Lock was lost before the end of the with block: {self.lost_reason}"
             )
 
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        """Use the lock as a decorator, as ``transaction.atomic`` is used: each call of
+        ``func`` runs inside ``with`` a new :class:`Lock` made with this one's arguments, so
+        calls in several threads never share one holding. A call raises
+        :class:`LockNotAcquired` when the lock stays busy past ``wait``, and
+        :class:`LockLost` as a ``with`` block does. ``TypeError`` for an ``async def``."""
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"lock({self.resource!r}) cannot decorate the async def {func.__qualname__}: "
+                "its body would run after the call returned, outside the lock"
+            )
+
+        @functools.wraps(func)
+        def locked(*args: P.args, **kwargs: P.kwargs) -> R:
+            with Lock(self.resource, **self._arguments):
+                return func(*args, **kwargs)
+
+        return locked
+
+
+def current_lock() -> Lock | None:
+    """The :class:`Lock` the running code holds: the one entered last by a ``with`` block or a
+    decorated call in this context (thread, RQ job, asyncio task), or the lock of the
+    ``@locked_job`` running here; None outside any."""
+    return cast("Lock | None", current.current_lock())
+
 
 def _check_wait(what: str, wait: object) -> float:
     """A ``wait`` argument: finite and in range, or ``math.inf`` (wait until acquired)."""
@@ -365,5 +515,36 @@ def _check_wait(what: str, wait: object) -> float:
     return conf.WAIT_RANGE.check(f"{what} wait", wait)
 
 
-# The documented lower-case entry point, ``with lock("order:1") as held:``, is the class.
-lock = Lock
+def lock(
+    resource: str,
+    *,
+    ttl: float | None = None,
+    wait: float | None = None,
+    heartbeat: bool = True,
+    max_hold: float | None = None,
+    on_lost: OnLost | None = None,
+    cache: str | None = None,
+    using: str | None = None,
+) -> Lock:
+    """A :class:`Lock` on ``resource``, as redis-py's ``Redis.lock()`` makes its ``Lock``: use it
+    with ``with lock("order:1") as held:``, as a decorator (``@lock("report")``), or call
+    ``acquire()`` / ``release()``. Nothing is sent to Redis until it is acquired.
+
+    ``resource``: what the lock protects (``"order:42"``: letters, digits, ``_ . : @ / -``; the
+    part before the first ``:`` is its family in metrics). ``ttl`` (s, default
+    ``JOBLOCK["LOCK_TTL"]``): how long the lock lives unless renewed. ``wait`` (s, default
+    ``JOBLOCK["ACQUIRE_WAIT"]``): how long an acquire waits in line for a busy lock (0: one
+    try; ``math.inf``: until it gets it). ``heartbeat``: renew it every
+    ``HEARTBEAT_INTERVAL`` (default ``ttl / 3``) while held, until ``max_hold`` (s), calling
+    ``on_lost(lock, reason)`` when it finds it lost. ``cache``: the django-redis cache alias
+    (default ``JOBLOCK["REDIS_ALIAS"]``; ``using=``, its old name, warns). Raises
+    ``ValueError`` for a bad resource or number."""
+    return Lock(
+        resource,
+        ttl=ttl,
+        wait=wait,
+        heartbeat=heartbeat,
+        max_hold=max_hold,
+        on_lost=on_lost,
+        cache=cache_argument(cache, using),
+    )

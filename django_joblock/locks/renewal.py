@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import conf, metrics
-from ..backend import client, send
+from ..backend import REDIS_ERRORS, renewal_client, send
 from ..logs import logger
 from . import index, replicas
 from .scripts import RENEW, Outcome
@@ -41,6 +41,9 @@ COALESCE = 0.25  # renew up to this fraction of an interval early, to share a pi
 BATCH = 2000  # renewals per pipeline, so one reply never approaches the socket timeout
 IDLE_POLL = 0.25  # seconds between wake-ups while nothing is held ...
 IDLE_STOP = 60.0  # ... for this long; after that the thread sleeps until a lock is added
+# While a job's lock is held here, the job's release carries the metrics (DESIGN 4.16: a
+# lock-only job costs 2 round trips); the thread flushes them once they are this old (s).
+JOB_FLUSH_INTERVAL = 10.0
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Entry:
     interval: float
     renew_due: float
     timeout: float  # socket timeout (s) of the round trips that renew it: min(REDIS_TIMEOUT, ttl/5)
+    job: bool = False  # held by an RQ job: its release flushes the metrics
     failures: int = 0
     in_flight: bool = False
 
@@ -98,7 +102,10 @@ class Renewer:
         due = time.monotonic() + min(interval, renew_within) if held.heartbeat else math.inf
         wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5))
         timeout = 2.0 ** math.floor(math.log2(wanted))  # few values: few clients (and pools)
-        entry = Entry(weakref.ref(held), id(held), held.key, held.alias, interval, due, timeout)
+        ref = weakref.ref(held)
+        entry = Entry(
+            ref, id(held), held.key, held.cache, interval, due, timeout, job=bool(held.job_id)
+        )
         with self._cond:
             self._entries[id(held)] = entry
             when = self._schedule(entry, held)
@@ -155,7 +162,14 @@ class Renewer:
                 time.sleep(0.05)
 
     def _step(self) -> bool:
-        metrics.flush_due(self._flush_client)  # outside the condition
+        with self._cond:
+            # Taken under the condition: a job's lock is added here before its acquire is
+            # counted, so a running job's metrics stay for its release, unless it runs long.
+            job_held = any(entry.job for entry in self._entries.values())
+            interval = JOB_FLUSH_INTERVAL if job_held else metrics.FLUSH_INTERVAL
+            taken = metrics.take_for_flush(force=False, interval=interval)
+        if taken:
+            metrics.flush(self._flush_client, taken)  # outside the condition
         with self._cond:
             if self.pid != os.getpid():
                 return False
@@ -169,8 +183,10 @@ class Renewer:
             held.announce_lost(reason)
         del lost
         for key in dropped:
-            message = "lock %s was dropped while held (no release, no reference left): no longer "
-            message += "renewed, it expires within its TTL"
+            message = (
+                "lock %s was dropped while held (no release, no reference left): no longer "
+                "renewed, it expires within its TTL"
+            )
             logger.warning(message, key, extra={"lock_key": key, "outcome": "dropped"})
         for alias, items in work.items():
             for start in range(0, len(items), BATCH):
@@ -246,7 +262,7 @@ class Renewer:
         """The metrics flush's (when one is due): it waits no longer than any renewal may."""
         with self._cond:
             timeout = min((entry.timeout for entry in self._entries.values()), default=None)
-        return client(timeout=timeout)
+        return renewal_client(timeout=timeout)
 
     def _lost_reason(self, entry: Entry, held: Holding, now: float) -> str:
         if now >= held.valid_until:
@@ -271,7 +287,8 @@ class Renewer:
         wait = replicas.replica_wait(timeout / 2)  # REPLICA_ACKS: right after the renewals
         sent = time.monotonic()
         try:
-            replies = send(client(alias, timeout), [*calls, wait] if wait else calls, refresh)
+            found = renewal_client(alias, timeout)
+            replies = send(found, [*calls, wait] if wait else calls, refresh)
             if wait:
                 replicas.check_acked(wait, replies[len(calls)])
         except Exception as exc:  # noqa: BLE001 - any failure makes these locks SUSPECT
@@ -307,6 +324,21 @@ class Renewer:
             metrics.count("renewed", family, func, count)
         for held, reason in lost:
             held.announce_lost(reason)
+        if lost:
+            self._unindex(alias, [held for held, _ in lost], timeout)
+
+    def _unindex(self, alias: str, lost: list[Holding], timeout: float) -> None:
+        """Remove the index entries of ``lost`` locks: the refresh sent with their renewals put
+        them back (a force-release had removed them, or the lock expired), and they would count
+        as active for up to a TTL. One round trip, only when a renewal finds a lock lost; best
+        effort (an entry left expires by its score). Another holder's entry is not touched:
+        the member names the owner."""
+        prefix = conf.get().KEY_PREFIX
+        calls = [index.remove_call(prefix, held.resource, held.owner, held.job_id) for held in lost]
+        try:
+            send(renewal_client(alias, timeout), calls)
+        except REDIS_ERRORS as exc:
+            logger.warning("lost locks' index entries not removed (%s); they expire", exc)
 
 
 _renewer: Renewer | None = None

@@ -27,7 +27,8 @@ def renew(found: Any, key: str, token: str, ttl_ms: int) -> Outcome:
     same round trip (a write of *this* connection, which is what ``WAIT`` counts). Raises
     redis-py's errors, and :class:`LockBackendUnavailable` when renewed but short of the replicas
     within ``REPLICA_ACK_TIMEOUT``."""
-    wait, call = replica_wait(math.inf), (RENEW, [key], [token, ttl_ms])
+    wait = replica_wait(math.inf)
+    call = (RENEW, [key], [token, ttl_ms])
     reply, *acked = send(found, [call, wait] if wait else [call])
     if isinstance(reply, Exception):
         raise reply

@@ -48,7 +48,7 @@ class Holding:
 
     resource: str
     key: str
-    alias: str
+    cache: str
     family: str
     job_id: str
     job_func: str
@@ -64,8 +64,11 @@ class Holding:
         """Refuse a second thread's acquire/release while one runs: two acquires of one object
         would both send its token, and both be told they hold the lock."""
         if not self._calls.acquire(blocking=False):
-            message = "Another thread is acquiring or releasing this Lock object: a Lock is one "
-            raise self._error(LockError, message + "holding, give each thread a Lock of its own")
+            raise self._error(
+                LockError,
+                "Another thread is acquiring or releasing this Lock object: a Lock is one "
+                "holding, give each thread a Lock of its own",
+            )
         try:
             yield
         finally:
@@ -192,5 +195,7 @@ class Holding:
         return self._owner[1]
 
     def __repr__(self) -> str:
-        state, fence = self.state.value, self.fence
-        return f"<Lock resource={self.resource!r} state={state} owner={self.owner} fence={fence}>"
+        return (
+            f"<Lock resource={self.resource!r} state={self.state.value} owner={self.owner} "
+            f"fence={self.fence}>"
+        )

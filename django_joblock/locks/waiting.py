@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .. import conf
@@ -77,22 +78,77 @@ def wait_in_line(
     The last try also leaves the line. Redis errors propagate; anything else raised while
     waiting (``KeyboardInterrupt``) leaves the line first, giving back a lock handed over.
     """
-    waiter_ttl = conf.get().WAITER_TTL
-    waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
-    hand_ttl_ms = min(int(args[1]), waiter_ttl_ms)
-    refresh = min(waiter_ttl / 4, MAX_BLOCK)
-    wake = keys.wake(ticket)
-    script_keys = [*lock_keys(keys), wake]
-    script_args = [*args, ticket, waiter_ttl_ms, hand_ttl_ms]
+    waiter = _Waiter(client, keys, ticket, args, confirm=confirm)
+    with _counted_blocking_client(alias) as blocking:
+        try:
+            return waiter.take_turn(blocking, deadline)
+        except REDIS_ERRORS:
+            raise  # the ticket expires on its own; a retry by the same Lock keeps the place
+        except BaseException:
+            with contextlib.suppress(*REDIS_ERRORS):  # else the ticket expires after WAITER_TTL
+                waiter.leave()
+            raise
+
+
+@contextlib.contextmanager
+def _counted_blocking_client(alias: str) -> Iterator[Any]:
+    """``alias``'s blocking client, with one more waiter of this process counted while inside.
+
+    Whatever ends the block, the count goes down again, and the last waiter of ``alias`` to
+    leave closes the idle blocking connections (one was opened per concurrent waiter; not on
+    Redis Cluster)."""
     blocking = blocking_client(alias)
-    failed_blocks = 0
     with _waiters_guard:
         _waiters[alias] = _waiters.get(alias, 0) + 1
     try:
+        yield blocking
+    finally:
+        with _waiters_guard:
+            _waiters[alias] -= 1
+            nobody_left = not _waiters[alias]
+        if nobody_left and not is_cluster(blocking):
+            blocking.connection_pool.disconnect(inuse_connections=False)
+
+
+class _Waiter:
+    """A waiting acquire's ticket in the line of a lock, and the calls it makes with it.
+
+    Holds what every call of one wait shares; creating it makes no call. ``args`` are
+    ACQUIRE's arguments (the owner token and the lock's TTL in ms first), ``confirm`` as for
+    :func:`wait_in_line`."""
+
+    def __init__(
+        self, client: Any, keys: LockKeys, ticket: str, args: list[Any], *, confirm: bool
+    ) -> None:
+        waiter_ttl = conf.get().WAITER_TTL
+        waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
+        self.client = client
+        self.keys = keys
+        self.ticket = ticket
+        self.args = args
+        self.confirm = confirm
+        self.ttl_ms = int(args[1])
+        # A lock handed to this waiter lives at most WAITER_TTL until renewed (it may have died).
+        self.hand_ttl_ms = min(self.ttl_ms, waiter_ttl_ms)
+        self.refresh = min(waiter_ttl / 4, MAX_BLOCK)  # the longest block: then WAIT again
+        self.wake = keys.wake(ticket)
+        self._wait_keys = [*lock_keys(keys), self.wake]
+        self._wait_args = [*args, ticket, waiter_ttl_ms, self.hand_ttl_ms]
+
+    def take_turn(self, blocking: Any, deadline: float) -> Turn:
+        """Wait in line until this waiter takes the lock, is handed it, or the monotonic
+        ``deadline`` passes; then one last WAIT takes it or leaves the line (refused).
+
+        Calls WAIT, then blocks in ``BLPOP`` on ``blocking`` for a hand-over, and again. A
+        failed block is followed by a WAIT (which finds a lock handed over meanwhile); the
+        second failure in a row raises. Redis errors of the other calls propagate."""
+        failed_blocks = 0
         while True:
             sent = time.monotonic()
             last = sent >= deadline
-            fence, pttl_ms, place = WAIT(client, script_keys, [*script_args, int(last)])
+            fence, pttl_ms, place = WAIT(
+                self.client, self._wait_keys, [*self._wait_args, int(last)]
+            )
             if fence > 0:
                 return Turn(int(fence), sent, None, text(place))
             if last:
@@ -100,11 +156,9 @@ def wait_in_line(
             now = time.monotonic()
             if now >= deadline:
                 continue  # one last try, which also leaves the line
-            block = min(deadline - now, refresh)
-            if place == 0:  # first in line: the holder's TTL may run out before a hand-over
-                block = min(block, int(pttl_ms) / 1000 + 0.001)
+            timeout = self._block_timeout(deadline - now, place, pttl_ms)
             try:
-                popped = blocking.blpop([wake], timeout=max(0.001, round(block, 3)))
+                popped = blocking.blpop([self.wake], timeout=timeout)
                 failed_blocks = 0
             except REDIS_ERRORS:
                 # Failed while blocked (a restart, say): the next WAIT tells whether Redis is
@@ -115,29 +169,41 @@ def wait_in_line(
                 continue
             if popped is None:
                 continue
-            fence_s, _, after = text(popped[1]).partition(" ")
-            short = hand_ttl_ms < int(args[1])
-            valid_for = hand_ttl_ms / 1000
-            # Renew it here when no heartbeat will, or when this process woke so late that
-            # half the hand-over's validity is gone (then it is not safe to use as is).
-            if (short and confirm) or time.monotonic() - sent >= valid_for / 2:
-                renewed = time.monotonic()
-                if RENEW(client, [keys.lock], [args[0], args[1]]) != Outcome.OK:
-                    continue  # it ran out before we could renew it: wait on
-                return Turn(int(fence_s), renewed, None, after)
-            return Turn(int(fence_s), sent, valid_for if short else None, after)
-    except REDIS_ERRORS:
-        raise  # the ticket expires on its own; a retry by the same Lock keeps the place
-    except BaseException:
-        with contextlib.suppress(*REDIS_ERRORS):  # else the ticket expires after WAITER_TTL
-            LEAVE(client, [keys.lock, keys.queue, keys.tickets, wake], [args[0], ticket])
-        raise
-    finally:
-        with _waiters_guard:
-            _waiters[alias] -= 1
-            last = not _waiters[alias]
-        if last and not is_cluster(blocking):
-            blocking.connection_pool.disconnect(inuse_connections=False)
+            turn = self._handed_over(text(popped[1]), sent)
+            if turn is not None:
+                return turn
+
+    def _block_timeout(self, left: float, place: Any, pttl_ms: Any) -> float:
+        """The ``BLPOP`` timeout (s, at least 1 ms) after a refused WAIT, with ``left`` seconds
+        of the wait remaining: at most the refresh interval and, first in line (``place`` 0),
+        until just past the holder's ``pttl_ms`` (a dead holder hands nothing over)."""
+        block = min(left, self.refresh)
+        if place == 0:  # first in line: the holder's TTL may run out before a hand-over
+            block = min(block, int(pttl_ms) / 1000 + 0.001)
+        return max(0.001, round(block, 3))
+
+    def _handed_over(self, message: str, sent: float) -> Turn | None:
+        """The turn of the lock a release handed over, pushing ``message`` ("fence next-ticket").
+
+        Its validity counts from ``sent``, the send time of the last WAIT, for the hand-over
+        TTL when shorter than the lock's. It is renewed first (its validity then counts from
+        the renewal) when no heartbeat will (``confirm`` and a shorter TTL), or when this
+        process woke so late that half the hand-over's validity is gone (then it is not safe
+        to use as is). None when it ran out before it could be renewed: wait on."""
+        fence, _, after = message.partition(" ")
+        short = self.hand_ttl_ms < self.ttl_ms
+        valid_for = self.hand_ttl_ms / 1000
+        if (short and self.confirm) or time.monotonic() - sent >= valid_for / 2:
+            renewed = time.monotonic()
+            if RENEW(self.client, [self.keys.lock], [self.args[0], self.args[1]]) != Outcome.OK:
+                return None  # it ran out before we could renew it: wait on
+            return Turn(int(fence), renewed, None, after)
+        return Turn(int(fence), sent, valid_for if short else None, after)
+
+    def leave(self) -> None:
+        """Leave the line now (LEAVE), giving back a lock handed over to this waiter meanwhile."""
+        leave_keys = [self.keys.lock, self.keys.queue, self.keys.tickets, self.wake]
+        LEAVE(self.client, leave_keys, [self.args[0], self.ticket])
 
 
 def release(
@@ -155,21 +221,24 @@ def release(
     ``unindex`` the index key and member RELEASE removes (:func:`.index.in_script`). Returns
     the outcome and the replies of ``also``. One round trip when nobody waits or ``expected``
     is right (on Redis Cluster, one more for ``also``); one more each time the line changed."""
-    extra: list[Any] = []
+    also_replies: list[Any] = []
     for attempt in range(HAND_OVER_TRIES + 1):
+        first = attempt == 0
         args = [token, expected]
         if attempt == HAND_OVER_TRIES:  # give up handing over: the first in line notices
             script_keys = [keys.lock]  # within a quarter WAITER_TTL
         else:  # (a wake list for "" is never pushed: no ticket is "")
             script_keys = [*lock_keys(keys), keys.wake(expected)]
-            if attempt == 0 and unindex[0]:
+            if first and unindex[0]:
                 script_keys += unindex[0]
                 args += unindex[1]
-        reply, *replies = send(client, [(RELEASE, script_keys, args)], also)
-        also, extra = [], extra or replies  # sent with the first try
+        # ``also`` rides with the first try only: the replies after RELEASE's are its own.
+        reply, *replies = send(client, [(RELEASE, script_keys, args)], also if first else [])
+        if first:
+            also_replies = replies
         if isinstance(reply, Exception):
             raise reply
         if not isinstance(reply, (bytes, str)):
-            return Outcome(reply), extra
+            return Outcome(reply), also_replies
         expected = text(reply)
     raise AssertionError("unreachable: the last try does not look at the line")

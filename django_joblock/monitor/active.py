@@ -46,7 +46,8 @@ def active_locks(
     if not entries:
         return []
     hashes = read_many(client(), [entry.resource for entry in entries])
-    found, stale = [], []
+    found: list[ActiveLock] = []
+    stale: list[index.Member] = []
     for entry, (held, pttl, server_ms) in zip(entries, hashes, strict=True):
         if held is None or held.owner != entry.owner:
             if not entry.job_id:  # a job's entry is the liveness sweep's, to free its slot first

@@ -49,7 +49,8 @@ def evaluate(now: float | None = None) -> list[Alert]:
     (the command, the dashboard, a Prometheus scrape) builds the history growth needs."""
     now = time.time() if now is None else now
     limits = conf.get().ALERTS
-    window, period = limits["WINDOW"], limits["BASELINE"]
+    window = limits["WINDOW"]
+    period = limits["BASELINE"]
     recent = metrics.window(window, now=now)
     # A spike compares a family with its own contention in the minutes before the window (none
     # read twice): a static ratio cannot tell a family always busy from one just become so.
@@ -58,9 +59,12 @@ def evaluate(now: float | None = None) -> list[Alert]:
         earlier = metrics.window(period, now=now - window - metrics.BUCKET_SECONDS)
     last = f"in the last {window:g}s"
     families = sorted(recent.families())
-    fired, spikes, waits = [], [], []
+    fired: list[Alert] = []
+    spikes: list[Alert] = []
+    waits: list[Alert] = []
     for family in families:
-        attempts, busy = recent.total("acquire_attempts", family), recent.busy(family)
+        attempts = recent.total("acquire_attempts", family)
+        busy = recent.busy(family)
         before = earlier.total("acquire_attempts", family)
         ratio = busy / attempts if attempts >= MIN_ATTEMPTS else 0.0
         if ratio and ratio >= limits["CONTENTION_RATIO"]:
@@ -70,8 +74,10 @@ def evaluate(now: float | None = None) -> list[Alert]:
             baseline = earlier.busy(family) / before
             threshold = limits["CONTENTION_SPIKE"] * baseline
             if ratio >= MIN_SPIKE and ratio >= threshold:
-                message = f"{ratio:.0%} of the acquires of {family!r} found the lock busy {last}, "
-                message += f"against {baseline:.0%} over the {period:g}s before"
+                message = (
+                    f"{ratio:.0%} of the acquires of {family!r} found the lock busy {last}, "
+                    f"against {baseline:.0%} over the {period:g}s before"
+                )
                 spikes.append(Alert("contention_spike", family, message, ratio, threshold))
         p99 = metrics.percentile(recent.merged_histogram("start_wait_seconds", family), 0.99)
         if p99 is not None and p99 >= limits["LONG_WAIT"]:
@@ -79,12 +85,14 @@ def evaluate(now: float | None = None) -> list[Alert]:
             waits.append(Alert("long_wait", family, message, p99, limits["LONG_WAIT"]))
     fired += spikes
     for name, metric, what, per_family in _COUNTED:
-        count, limit = recent.total(metric), limits[name.upper()]
+        count = recent.total(metric)
+        limit = limits[name.upper()]
         if count >= limit:
-            message = f"{count} {what} {last}"
+            by_family = ""
             if per_family:
                 counts = ((family, recent.total(metric, family)) for family in families)
-                message += f" ({', '.join(f'{family} {n}' for family, n in counts if n)})"
+                by_family = f" ({', '.join(f'{family} {n}' for family, n in counts if n)})"
+            message = f"{count} {what} {last}{by_family}"
             fired.append(Alert(name, "", message, count, limit))
     fired += waits + _long_holds(limits["HOLD_FACTOR"]) + _growth(limits["ACTIVE_GROWTH"], now)
     for name, queue in active.requeueing_queues().items():
@@ -106,9 +114,11 @@ def _outbox_failing() -> list[Alert]:
         return []
     count = failing.count()
     dead = failing.filter(status=OutboxStatus.DEAD).count()
-    message = f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts "
-    message += f"({dead} dead-lettered: no more retries); "
-    message += f"oldest {first.key} via {first.handler}: {first.last_error[:200]}"
+    message = (
+        f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts "
+        f"({dead} dead-lettered: no more retries); "
+        f"oldest {first.key} via {first.handler}: {first.last_error[:200]}"
+    )
     return [Alert("outbox_failing", "", message, count, OUTBOX_ATTEMPTS)]
 
 
@@ -129,9 +139,11 @@ def _long_holds(factor: float) -> list[Alert]:
     for family, held_long in sorted(worst.items()):
         longest = max(held_long, key=lambda lock: lock.held_for)
         p95 = usual[family] or 0.0
-        where = f"{longest.resource} for {longest.held_for:.0f}s by {longest.host}:{longest.pid}"
-        message = f"{len(held_long)} lock(s) held far longer than usual; longest {where} "
-        message += f"(job {longest.job_id or '-'}); the family's p95 hold is {p95:g}s"
+        message = (
+            f"{len(held_long)} lock(s) held far longer than usual; longest {longest.resource} "
+            f"for {longest.held_for:.0f}s by {longest.host}:{longest.pid} "
+            f"(job {longest.job_id or '-'}); the family's p95 hold is {p95:g}s"
+        )
         fired.append(Alert("long_hold", family, message, longest.held_for, factor * p95))
     return fired
 

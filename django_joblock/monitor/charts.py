@@ -75,7 +75,9 @@ def _framed(chart: Chart, frame: Frame, ticks: list[Tick], summary: str) -> Char
     one at ``bottom`` to ``right`` (``frame``), and room for two rows of labels under it."""
     left, top, bottom, right = frame
     chart.axes = [(left, top, left, bottom), (left, bottom, right, bottom)]
-    chart.height, chart.ticks, chart.summary = int(bottom + 38), ticks, summary
+    chart.height = int(bottom + 38)
+    chart.ticks = ticks
+    chart.summary = summary
     return chart
 
 
@@ -123,7 +125,8 @@ def bar_chart(
 
 def minute_chart(title: str, series: list[tuple[int, int]], *, axis: str, note: str = "") -> Chart:
     """One column per minute of ``[(minute_start_unix, count)]`` (oldest first)."""
-    total, minutes = sum(value for _start, value in series), len(series)
+    total = sum(value for _start, value in series)
+    minutes = len(series)
     if not total:
         empty = f"no data in the last {minutes} minutes"
         return Chart(title, "minutes", [], note=note, empty=empty)
@@ -181,9 +184,9 @@ def timeline_chart(
             continue
         y = PLOT_TOP + row_of[span.resource] * TIMELINE_ROW
         x0 = x_of(span.started)
-        what = f"job {span.job_id} ({span.func}): {span.outcome}, ran {span.took:g}s"
+        after = f" after waiting {span.waited:g}s" if span.waited else ""
+        what = f"job {span.job_id} ({span.func}): {span.outcome}, ran {span.took:g}s{after}"
         if span.waited:
-            what += f" after waiting {span.waited:g}s"
             x_wait = x_of(span.started - span.waited)
             waited = f"job {span.job_id} waited {span.waited:g}s"
             # Under the row's bars: a wait overlaps a holder.
@@ -211,7 +214,9 @@ def timeline_chart(
     lost = sum(1 for span in shown if span.outcome == "aborted")
     more = f" (and {len(latest) - len(names)} more)" if len(latest) > len(names) else ""
     frame = (TIMELINE_LABEL, PLOT_TOP - 2, bottom, TIMELINE_LABEL + plot)
-    summary = f"{len(names)} resource(s){more}: {held} run(s) holding the lock, "
-    summary += f"{len(shown) - held} found it busy, {lost} lost it"
+    summary = (
+        f"{len(names)} resource(s){more}: {held} run(s) holding the lock, "
+        f"{len(shown) - held} found it busy, {lost} lost it"
+    )
     chart = Chart(title, "timeline", bars, width=TIMELINE_WIDTH, note=note)
     return _framed(chart, frame, ticks, summary)

@@ -16,9 +16,10 @@ from typing import Any
 from django.conf import settings
 
 from .. import conf
-from ..backend import connection, text
+from ..backend import close, connection, dedicated, text
 from ..jobs.queues import server_of
 from ..locks.index import active_counts
+from ..logs import logger
 from .health import queue_connections
 
 BATCH = 500
@@ -55,6 +56,21 @@ def other_project(client: Any, *, claim: bool = True) -> str | None:
         client.set(key, project_id(), nx=True)
     found = client.get(key)
     return None if found is None or text(found) == project_id() else text(found)
+
+
+def claim_key_prefix(**kwargs: Any) -> None:
+    """Claim ``KEY_PREFIX`` on the locks' Redis for this project (``post_migrate``, so that
+    ``check --deploy``'s W016 reads a claim and writes nothing). Best effort: a Redis that
+    does not answer within 2 s is logged, and ``migrate`` goes on."""
+    client = None
+    try:
+        client = dedicated(connection(conf.get().REDIS_ALIAS), 2.0)
+        other_project(client, claim=True)
+    except Exception as exc:  # noqa: BLE001 - the claim is advisory; migrate must not fail
+        logger.warning("django_joblock: KEY_PREFIX not claimed on the locks' Redis: %s", exc)
+    finally:
+        if client is not None:
+            close(client)
 
 
 def held_locks() -> int:

@@ -20,7 +20,7 @@ from ..locks.keys import LockKeys, is_owner_hash, owner_hash, validate_resource
 from ..locks.scripts import Outcome
 from ..models import LockAudit
 from .active import active_locks
-from .health import DEAD, lock_health
+from .health import Health, lock_health
 
 
 @dataclass
@@ -28,6 +28,9 @@ class ReleaseResult:
     released: bool
     outcome: str
     audit: Any
+
+
+MAX_REASON = 2000  # characters of a force-release reason
 
 
 def force_release(
@@ -41,17 +44,35 @@ def force_release(
     action: AuditAction = AuditAction.FORCE_RELEASE,
     renewed_ms: int | None = None,
 ) -> ReleaseResult:
-    """Release ``resource``'s lock if still held by ``owner`` (the token's 12-character hash,
-    as pages and logs show it) or ``token``, else by whoever holds it; with ``renewed_ms`` (the
-    last renewal seen when its holder was judged dead), a lock renewed since is refused. Raises
-    ``ValueError`` for an empty or NUL-holding reason, a bad resource or owner, or both ``owner``
-    and ``token``; :class:`LockBackendUnavailable`, audited, when Redis does not answer."""
+    """Release ``resource``'s lock (compare-and-delete, never a blind ``DEL``) and audit it: a
+    :class:`LockAudit` row whatever happened, and a note the holder reads when it finds the
+    lock lost.
+
+    ``reason``: why (required, at most :data:`MAX_REASON` characters).
+
+    ``owner`` / ``token``: release only if still held by this holder (``owner``: the token's
+    12-character hash, as pages and logs show it); neither: whoever holds it now.
+
+    ``user`` / ``actor``: who asked (a Django user, or a name such as a command's).
+
+    ``action``: what the audit row calls it (a force release, or a reap of a dead holder).
+
+    ``renewed_ms``: the holder's last renewal (Redis server ms) when it was judged dead: a lock
+    renewed since is refused.
+
+    Raises ``ValueError`` for an empty reason, one too long or holding NUL, a bad resource or
+    owner, or both ``owner`` and ``token``; :class:`LockBackendUnavailable`, audited, when
+    Redis does not answer."""
     resource = validate_resource(resource)
     reason = (reason or "").strip()
     if not reason:
         raise ValueError("A reason is required to force-release a lock.")
     if "\x00" in reason:  # checked before the release: the audit row could not be written
         raise ValueError("The reason contains a NUL character, which the audit log cannot keep.")
+    if len(reason) > MAX_REASON:  # an audit log of readable reasons, not of pasted dumps
+        raise ValueError(
+            f"The reason is {len(reason)} characters long; at most {MAX_REASON} are kept."
+        )
     wanted = _wanted_owner(owner, token)
     actor = actor or (getattr(user, "get_username", lambda: "")() if user else "")
     actor = actor.replace("\x00", "")[:150]  # LockAudit.actor
@@ -78,7 +99,8 @@ def force_release(
         error = unavailable(exc, "read the lock", resource=resource, key=keys.lock, owner="")
         audit(None, False, f"not released: Redis did not answer reading the lock ({exc})")
         raise error from exc
-    released, note = False, None
+    released = False
+    note: notes.OperatorRelease | None = None
     if found is None:
         outcome = "refused: no such lock (expired or released already)"
     elif wanted is not None and wanted != found.owner:
@@ -93,8 +115,12 @@ def force_release(
             error = unavailable(
                 exc, "release the lock", resource=resource, key=keys.lock, owner=found.owner
             )
-            maybe = "unknown: Redis did not answer the release, so the lock may or may not have"
-            audit(found, False, f"{maybe} been released ({exc})")
+            audit(
+                found,
+                False,
+                "unknown: Redis did not answer the release, so the lock may or may not have "
+                f"been released ({exc})",
+            )
             raise error from exc
         outcome = "released" if released else "refused: the lock changed owner or expired"
         if released:
@@ -145,10 +171,11 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
     release = functools.partial(force_release, actor=actor, action=AuditAction.REAP)
     done = []
     for row in rows:
-        state, why = health[row.resource].state, f"holder dead: {health[row.resource].why}"
-        if state is DEAD and dry_run:
+        state = health[row.resource].state
+        why = f"holder dead: {health[row.resource].why}"
+        if state is Health.DEAD and dry_run:
             done.append((row.resource, f"would release ({why})"))
-        elif state is DEAD:
+        elif state is Health.DEAD:
             result = release(row.resource, owner=row.owner, reason=why, renewed_ms=row.renewed_ms)
             done.append((row.resource, result.outcome))
     return done

@@ -10,19 +10,27 @@ from typing import Any
 
 from .. import metrics
 from ..jobs import history
-from ..locks import index
+from ..locks import index, keys
 from . import active, alerts
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
-from .health import DEAD, Health, lock_health, queue_connections, stuck_claims, stuck_jobs
+from .health import Health, lock_health, queue_connections, stuck_claims, stuck_jobs
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
 TIMELINE_MINUTES = 10
 TIMELINE_ROWS = 12  # resources drawn on the timeline (the most recently active)
 CONTENTION_AXIS = "% of acquires that found the lock busy"
-JOB_TYPE_COUNTERS = tuple(  # the counters of the per-job-type table, in its column order
-    "acquire_attempts contended requeued given_up duplicates_in_flight duplicates_blocked lost "
-    "near_timeout failed_runs rq_retries".split()
+JOB_TYPE_COUNTERS = (  # the counters of the per-job-type table, in its column order
+    "acquire_attempts",
+    "contended",
+    "requeued",
+    "given_up",
+    "duplicates_in_flight",
+    "duplicates_blocked",
+    "lost",
+    "near_timeout",
+    "failed_runs",
+    "rq_retries",
 )
 
 
@@ -39,20 +47,23 @@ def build(
     started = time.perf_counter()
     hour = metrics.window(3600)
     counts = index.active_counts()
-    active_total, total = sum(counts.values()), hour.total
-    attempts, contended = total("acquire_attempts"), hour.busy()
+    active_total = sum(counts.values())
+    attempts = hour.total("acquire_attempts")
+    contended = hour.busy()
     fams = sorted(set(counts) | hour.families())
-    tries = {fam: (hour.busy(fam), total("acquire_attempts", fam)) for fam in fams}
+    tries = {fam: (hour.busy(fam), hour.total("acquire_attempts", fam)) for fam in fams}
     contention = [(f, b / t * 100, f"{b / t:.0%} ({b}/{t})") for f, (b, t) in tries.items() if t]
     everywhere = hour.merged_histogram("start_wait_seconds")
-    wait_p50, wait_p99 = (metrics.percentile(everywhere, q) for q in (0.5, 0.99))
+    wait_p50 = metrics.percentile(everywhere, 0.5)
+    wait_p99 = metrics.percentile(everywhere, 0.99)
     waits = f"≤ {wait_p50:g}s / ≤ {wait_p99:g}s" if wait_p50 is not None and wait_p99 else "-"
 
     def per_minute(title: str, metric: str, axis: str, note: str = "") -> Chart:
         return minute_chart(title, metrics.per_minute(metric, CHART_MINUTES), axis=axis, note=note)
 
     p99_axis = "seconds (p99 bucket bound)"
-    retried = f"{total('rq_retries')} retried by RQ in the last hour"
+    retried_count = hour.total("rq_retries")
+    retried = f"{retried_count} retried by RQ in the last hour"
     held_now = [(f, float(c), str(c)) for f, c in sorted(counts.items(), key=lambda fc: -fc[1])]
     charts = [
         bar_chart("Contention per family (last hour)", contention, axis=CONTENTION_AXIS),
@@ -81,19 +92,20 @@ def build(
     health = lock_health(locks)  # one entry per lock
     rows: list[dict[str, Any]] = []
     for held in locks:
-        found, ttl_left = health[held.resource], max(0.0, held.pttl_ms / 1000)
+        found = health[held.resource]
+        ttl_left = max(0.0, held.pttl_ms / 1000)
         rows.append(dict(lock=held, health=found.state.value, why=found.why, ttl_left=ttl_left))
     fired = alerts.evaluate()
     cards = [
         ("Active locks", active_total),
         ("Families (now or 1 h)", len(fams)),
         ("Contention (1 h)", f"{contended / attempts * 100:.0f}%" if attempts else "-"),
-        ("Requeues (1 h)", total("requeued")),
-        ("Duplicates blocked (1 h)", total("duplicates_blocked")),
-        ("Locks lost (1 h)", total("lost")),
-        ("Renew failures (1 h)", total("renew_failed")),
-        ("Jobs given up (1 h)", total("given_up")),
-        ("Failed runs / RQ retries (1 h)", f"{total('failed_runs')} / {total('rq_retries')}"),
+        ("Requeues (1 h)", hour.total("requeued")),
+        ("Duplicates blocked (1 h)", hour.total("duplicates_blocked")),
+        ("Locks lost (1 h)", hour.total("lost")),
+        ("Renew failures (1 h)", hour.total("renew_failed")),
+        ("Jobs given up (1 h)", hour.total("given_up")),
+        ("Failed runs / RQ retries (1 h)", f"{hour.total('failed_runs')} / {retried_count}"),
         ("Wait to start p50 / p99 (1 h)", waits),
     ]
     target = timeline_of or _busiest(hour, counts)
@@ -114,7 +126,7 @@ def build(
         "shown_limit": LOCK_ROWS,
         "stuck_jobs": stuck_jobs(),
         # Every lock read, whatever the filter: a dead holder is stuck work.
-        "dead_locks": [row for row in rows if row["health"] == DEAD.value],
+        "dead_locks": [row for row in rows if row["health"] == Health.DEAD.value],
         "stuck_claims": stuck_claims() if claims else [],
         "claims_shown": claims,
         "alerts": fired,
@@ -128,7 +140,8 @@ def _spread(hour: metrics.Series, metric: str, fams: list[str], low: int) -> lis
     found = []
     for fam in fams:
         merged = hour.merged_histogram(metric, fam)
-        lower, p99 = metrics.percentile(merged, low / 100), metrics.percentile(merged, 0.99)
+        lower = metrics.percentile(merged, low / 100)
+        p99 = metrics.percentile(merged, 0.99)
         if lower is not None and p99 is not None:
             found.append((fam, p99, f"p{low} ≤ {lower:g}s, p99 ≤ {p99:g}s"))
     return found
@@ -143,7 +156,7 @@ def _busiest(hour: metrics.Series, counts: dict[str, int]) -> str:
 
 def _timeline(target: str) -> Chart:
     """The timeline of a family, or of one resource (``target`` contains ``:``)."""
-    fam = target.partition(":")[0]  # a resource's family, or the family itself
+    fam = keys.family(target) if ":" in target else target  # a resource's family, or the family
     now = time.time()
     spans = history.read(queue_connections(), fam, since=now - TIMELINE_MINUTES * 60)
     title = f"Timeline of {target!r} (last {TIMELINE_MINUTES} minutes)"
@@ -166,7 +179,8 @@ def job_types(hour: metrics.Series) -> list[dict[str, Any]]:
         wait = hour.histograms["start_wait_seconds"].get((fam, func))
         p99 = metrics.percentile(wait, 0.99) if wait else None
         parked = hour.counters["parked"].get((fam, func), 0)
-        busy = f"{(counts['contended'] + parked) / attempts * 100:.0f}%" if attempts else "-"
+        found = min(counts["contended"] + parked, attempts)  # as metrics.Series.busy
+        busy = f"{found / attempts * 100:.0f}%" if attempts else "-"
         row = {"func": func or "(lock() outside a job)", "family": fam, **counts, "busy": busy}
         rows.append({**row, "wait_p99": f"≤ {p99:g}s" if p99 is not None else "-"})
     return sorted(rows, key=lambda row: (-row["contended"], -row["requeued"], row["func"]))

@@ -26,7 +26,10 @@ from ..locks.keys import family, validate_resource
 from ..models import IdempotencyRecord, LockAudit, OutboxMessage
 from .health import known_queues, queue_connections, record_deliveries
 
-OK, PROBLEM, INFO, UNKNOWN = "ok", "problem", "info", "unknown"
+OK = "ok"
+PROBLEM = "problem"
+INFO = "info"
+UNKNOWN = "unknown"
 
 
 @dataclass
@@ -63,7 +66,8 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
         found = Diagnosis(f"key {key!r}")
     else:
         found = Diagnosis(f"resource {validate_resource(resource)!r}")
-    found.scope, found.key = scope, key
+    found.scope = scope
+    found.key = key
     if key and not resource:  # the resource the key's record was claimed under, if any
         claimed = IdempotencyRecord.objects.filter(scope=scope, key=key)
         resource = next(iter(claimed.values_list("lock_resource", flat=True)[:1]), "")
@@ -75,18 +79,21 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
     found.deliveries = [asdict(run) for run in runs]
     found.resource = resource or next((r.resource for r in runs if r.resource), "")
     if runs:
-        found.story += [f"deliveries of {key or resource!r}: {summary(runs)}", *map(_line, runs)]
+        found.story.append(f"deliveries of {key or resource!r}: {summary(runs)}")
+        found.story.extend(_line(run) for run in runs)
     if found.resource:
-        found.story += _resource_story(found.resource)
+        found.story.extend(_resource_story(found.resource))
     # The outbox messages the key's runs recorded (by RQ job id), or under the key itself.
     by_key = Q(rq_job_id__in={run.job_id for run in runs}) | Q(key=key)
     sent = list(OutboxMessage.objects.filter(by_key).order_by("pk")[:20]) if key else []
-    found.story += [f"  outbox: {outbox.describe(message)}" for message in sent]
+    found.story.extend(f"  outbox: {outbox.describe(message)}" for message in sent)
     found.steps = _steps(found, runs, sent)
     return found
 
 
 def _from_job(job_id: str) -> tuple[str, str, str]:
+    """The (scope, key, resource) of RQ job ``job_id``: from the job, or once RQ has expired
+    it (after its ``result_ttl``), from the idempotency record its run left."""
     for queue in known_queues().values():
         try:
             job = Job.fetch(job_id, connection=queue.connection)
@@ -97,7 +104,14 @@ def _from_job(job_id: str) -> tuple[str, str, str]:
             raise NotFound(f"job {job_id} runs {job.func_name}, which is not a @locked_job")
         arguments = spec.bind(tuple(job.args), dict(job.kwargs))
         return spec.scope, spec.key(arguments) or "", spec.resource(arguments) or ""
-    raise NotFound(f"no RQ job {job_id} on any known queue")
+    # A full scan of the records, for one diagnosis: no index serves rq_job_id alone.
+    recorded = IdempotencyRecord.objects.filter(rq_job_id=job_id).order_by("-pk").first()
+    if recorded is not None:
+        return recorded.scope, recorded.key, recorded.lock_resource
+    raise NotFound(
+        f"no RQ job {job_id} on any known queue (RQ keeps a finished job for its result_ttl), "
+        "and no idempotency record of it: look it up with --resource"
+    )
 
 
 def _scope_of(key: str) -> str:
@@ -107,8 +121,10 @@ def _scope_of(key: str) -> str:
     found = IdempotencyRecord.objects.filter(scope__in=known, key=key)
     scopes = sorted(set(found.values_list("scope", flat=True))) or sorted(known - {""})
     if len(scopes) != 1:
-        why = f"give its job's dotted name with --scope (candidates: {', '.join(scopes) or 'none'})"
-        raise NotFound(f"key {key!r}: {why}")
+        raise NotFound(
+            f"key {key!r}: give its job's dotted name with --scope "
+            f"(candidates: {', '.join(scopes) or 'none'})"
+        )
     return scopes[0]
 
 
@@ -121,19 +137,26 @@ def _line(run: Delivery) -> str:
 
 
 def _resource_story(resource: str) -> list[str]:
-    try:
-        info = lock_info(resource)
-        now = "free now"
-        if info is not None:
-            now = f"held now by {info.host}:{info.pid} (job {info.job_id or '-'}), fence "
-            now += f"{info.fence}, {info.expires_in:.1f}s of TTL left"
-    except LockBackendUnavailable as exc:
-        now = f"Redis unavailable ({exc})"
-    return [f"resource {resource!r}: {now}"] + [
+    """The resource's holder now, then its latest operator actions (five at most)."""
+    return [f"resource {resource!r}: {_holder_now(resource)}"] + [
         f"  {audit.created_at:%Y-%m-%d %H:%M:%S} operator {audit.action} by {audit.actor}: "
         f"{audit.outcome} ({audit.reason})"
         for audit in LockAudit.objects.filter(resource=resource)[:5]
     ]
+
+
+def _holder_now(resource: str) -> str:
+    """Who holds the resource's lock now, or that it is free (or that Redis did not answer)."""
+    try:
+        info = lock_info(resource)
+    except LockBackendUnavailable as exc:
+        return f"Redis unavailable ({exc})"
+    if info is None:
+        return "free now"
+    return (
+        f"held now by {info.host}:{info.pid} (job {info.job_id or '-'}), fence "
+        f"{info.fence}, {info.expires_in:.1f}s of TTL left"
+    )
 
 
 QUESTIONS = (
@@ -149,98 +172,169 @@ QUESTIONS = (
 
 def _steps(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> list[Step]:
     """The answers to :data:`QUESTIONS`, in order."""
-    steps: list[Step] = []
+    answers = (
+        _delivered_twice(found, runs),
+        _same_lock_key(runs),
+        _ttl_and_heartbeat(found, runs),
+        _lock_lost(found, runs),
+        _owner_verified(),
+        _effects_guarded(found, runs, sent),
+        _ack_in_line(runs),
+    )
+    return [
+        Step(number, QUESTIONS[number - 1], verdict, evidence)
+        for number, (verdict, evidence) in enumerate(answers, start=1)
+    ]
 
-    def answer(verdict: str, text: str) -> None:
-        steps.append(Step(len(steps) + 1, QUESTIONS[len(steps)], verdict, text))
 
-    ran = [run.job_id for run in runs if run.outcome == "ran"]
-    jobs = list(dict.fromkeys(run.job_id for run in runs))
-    replayed = sorted({run.job_id for run in runs if run.outcome == "replayed"})
-    # A resource's runs are of several keys: one key delivered (or run) twice is what counts.
-    per_key: dict[str, list[Delivery]] = {}
+def _ran(runs: list[Delivery]) -> list[str]:
+    """The RQ job ids of the runs whose function ran and committed (outcome ``ran``)."""
+    return [run.job_id for run in runs if run.outcome == "ran"]
+
+
+def _runs_by_key(runs: list[Delivery]) -> dict[str, list[Delivery]]:
+    """The runs grouped by idempotency key, keys in order of first delivery."""
+    by_key: dict[str, list[Delivery]] = {}
     for run in runs:
-        per_key.setdefault(run.key, []).append(run)
-    twice = {
-        key: ids
-        for key, each in per_key.items()
-        if key and len(ids := [run.job_id for run in each if run.outcome == "ran"]) > 1
-    }
+        by_key.setdefault(run.key, []).append(run)
+    return by_key
+
+
+def _delivered_twice(found: Diagnosis, runs: list[Delivery]) -> tuple[str, str]:
+    """Step 1: the deliveries. A resource's runs are of several keys: one key delivered
+    again is what counts."""
     if not runs:
-        answer(UNKNOWN, "no delivery history for it")
-    elif not found.key:
-        again = [key for key, each in per_key.items() if key and len(each) > 1]
-        text = f"{len(jobs)} deliveries of {len(per_key)} key(s)"
-        text += f"; delivered again: {', '.join(again)}" if again else ""
-        answer(INFO if again else OK, text)
-    elif len(jobs) > 1:
-        text = f"yes: {len(jobs)} deliveries (RQ jobs {', '.join(jobs)}); "
-        text += f"{', '.join(sorted(set(ran))) or 'none'} ran, "
-        answer(INFO, text + f"{', '.join(replayed) or 'none'} replayed the stored result")
-    else:
-        answer(OK, f"no: one delivery (job {jobs[0]})")
+        return UNKNOWN, "no delivery history for it"
+    jobs = list(dict.fromkeys(run.job_id for run in runs))
+    if not found.key:
+        by_key = _runs_by_key(runs)
+        again = [key for key, each in by_key.items() if key and len(each) > 1]
+        if again:
+            return INFO, (
+                f"{len(jobs)} deliveries of {len(by_key)} key(s); "
+                f"delivered again: {', '.join(again)}"
+            )
+        return OK, f"{len(jobs)} deliveries of {len(by_key)} key(s)"
+    if len(jobs) > 1:
+        ran = sorted(set(_ran(runs)))
+        replayed = sorted({run.job_id for run in runs if run.outcome == "replayed"})
+        return INFO, (
+            f"yes: {len(jobs)} deliveries (RQ jobs {', '.join(jobs)}); "
+            f"{', '.join(ran) or 'none'} ran, "
+            f"{', '.join(replayed) or 'none'} replayed the stored result"
+        )
+    return OK, f"no: one delivery (job {jobs[0]})"
+
+
+def _same_lock_key(runs: list[Delivery]) -> tuple[str, str]:
+    """Step 2: whether every run locked the same resource."""
+    if not runs:
+        return UNKNOWN, "no runs to compare"
     resources = sorted({run.resource for run in runs})
-    if not runs:
-        answer(UNKNOWN, "no runs to compare")
-    elif resources == [""]:
-        answer(INFO, "no lock: the idempotency record alone serializes the runs")
-    elif len(resources) == 1:
-        answer(OK, f"every run locked {resources[0]!r}")
-    else:
-        answer(PROBLEM, f"runs of one key locked different resources: {', '.join(resources)}")
+    if resources == [""]:
+        return INFO, "no lock: the idempotency record alone serializes the runs"
+    if len(resources) == 1:
+        return OK, f"every run locked {resources[0]!r}"
+    return PROBLEM, f"runs of one key locked different resources: {', '.join(resources)}"
+
+
+def _ttl_and_heartbeat(found: Diagnosis, runs: list[Delivery]) -> tuple[str, str]:
+    """Step 3: the longest run against the job's lock TTL and heartbeat."""
     spec = registry.get(found.scope or (runs[0].func if runs else ""))
     longest = max((run.took for run in runs if run.took is not None), default=None)
-    ttl = conf.get().LOCK_TTL if spec is None or spec.ttl is None else spec.ttl
     if longest is None or spec is None:
-        answer(UNKNOWN, "no durations recorded")
-    elif spec.lock is None:
-        answer(INFO, f"longest run {longest:g}s; no lock, so no TTL to outlive")
-    elif not spec.heartbeat and longest >= ttl:
-        text = f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
-        answer(PROBLEM, text)
-    else:
-        beat = "renewed every TTL/3" if spec.heartbeat else "heartbeat off"
-        answer(OK, f"longest run {longest:g}s; TTL {ttl:g}s, {beat}")
-    aborted = ", ".join(run.job_id for run in runs if run.outcome == "aborted")
+        return UNKNOWN, "no durations recorded"
+    if spec.lock is None:
+        return INFO, f"longest run {longest:g}s; no lock, so no TTL to outlive"
+    ttl = conf.get().LOCK_TTL if spec.ttl is None else spec.ttl
+    if not spec.heartbeat and longest >= ttl:
+        return PROBLEM, (
+            f"a run took {longest:g}s, longer than the TTL {ttl:g}s, with heartbeat off"
+        )
+    beat = "renewed every TTL/3" if spec.heartbeat else "heartbeat off"
+    return OK, f"longest run {longest:g}s; TTL {ttl:g}s, {beat}"
+
+
+def _lock_lost(found: Diagnosis, runs: list[Delivery]) -> tuple[str, str]:
+    """Step 4: the runs that lost their lock mid-run, and the family's recent losses."""
+    aborted = [run.job_id for run in runs if run.outcome == "aborted"]
+    verdict = INFO if aborted else OK
+    findings = [
+        f"lost mid-run and aborted (rolled back): jobs {', '.join(aborted)}"
+        if aborted
+        else "no run of this key lost its lock"
+    ]
     fam = family(found.resource) if found.resource else ""
     lost = metrics.window(conf.get().ALERTS["WINDOW"]).total("lost", fam) if fam else 0
-    verdict, text = OK, "no run of this key lost its lock"
-    if aborted:
-        verdict, text = INFO, f"lost mid-run and aborted (rolled back): jobs {aborted}"
-    text += f"; {lost} lock(s) of family {fam!r} lost in the last alert window" if lost else ""
-    answer(verdict, text)
-    atomic = "always: the release and renew scripts compare the owner token atomically"
-    answer(OK, f"{atomic}; operator releases are in the story above")
-    pending = [message.key for message in sent if message.status != OutboxStatus.DELIVERED]
-    text = f"the idempotency record let one run commit ({ran[0] if ran else 'none yet'})"
-    if sent:
-        text += f"; {len(sent)} effect(s) outside the database went through the outbox"
-        text += f", not delivered yet: {', '.join(pending)}" if pending else ", all delivered"
-    else:
-        text += "; effects outside the database (e-mail, APIs) need send_after_commit"
-    if twice:
+    if lost:
+        findings.append(f"{lost} lock(s) of family {fam!r} lost in the last alert window")
+    return verdict, "; ".join(findings)
+
+
+def _owner_verified() -> tuple[str, str]:
+    """Step 5: always yes, by construction."""
+    return OK, (
+        "always: the release and renew scripts compare the owner token atomically; "
+        "operator releases are in the story above"
+    )
+
+
+def _committed_twice(runs: list[Delivery]) -> dict[str, list[str]]:
+    """The keys that more than one run committed, with those runs' RQ job ids."""
+    twice: dict[str, list[str]] = {}
+    for key, each in _runs_by_key(runs).items():
+        ran = _ran(each)
+        if key and len(ran) > 1:
+            twice[key] = ran
+    return twice
+
+
+def _effects_guarded(found: Diagnosis, runs: list[Delivery], sent: list[Any]) -> tuple[str, str]:
+    """Step 6: one commit per key, and the effects outside the database through the outbox."""
+    if twice := _committed_twice(runs):
         shown = "; ".join(f"{key!r} by {', '.join(ids)}" for key, ids in twice.items())
-        answer(PROBLEM, f"runs committed one key's effect more than once: {shown}")
-    elif found.key:
-        answer(INFO if pending else OK, text)
-    else:
-        answer(UNKNOWN, "no idempotency key: only the lock and the fence guard it")
+        return PROBLEM, f"runs committed one key's effect more than once: {shown}"
+    if not found.key:
+        return UNKNOWN, "no idempotency key: only the lock and the fence guard it"
+    ran = _ran(runs)
+    committed = f"the idempotency record let one run commit ({ran[0] if ran else 'none yet'})"
+    if not sent:
+        return OK, (
+            f"{committed}; effects outside the database (e-mail, APIs) need send_after_commit"
+        )
+    pending = [message.key for message in sent if message.status != OutboxStatus.DELIVERED]
+    if pending:
+        return INFO, (
+            f"{committed}; {len(sent)} effect(s) outside the database went through the outbox, "
+            f"not delivered yet: {', '.join(pending)}"
+        )
+    return OK, (
+        f"{committed}; {len(sent)} effect(s) outside the database went through the outbox, "
+        "all delivered"
+    )
+
+
+def _ack_in_line(runs: list[Delivery]) -> tuple[str, str]:
+    """Step 7: the runs that came near their RQ job_timeout."""
     ratio = conf.get().ALERTS["TIMEOUT_RATIO"]
-    took = [(run.job_id, run.took, run.timeout) for run in runs if run.took is not None]
-    near = [job for job, ran_for, timeout in took if timeout and ran_for >= ratio * timeout]
+    near = [
+        run.job_id
+        for run in runs
+        if run.took is not None and run.timeout and run.took >= ratio * run.timeout
+    ]
     if near:
-        answer(PROBLEM, f"runs took {ratio:.0%}+ of their job_timeout: {', '.join(near)}")
-    elif runs:
-        answer(OK, "every run ended well within its RQ job_timeout")
-    else:
-        answer(UNKNOWN, "no runs")
-    return steps
+        return PROBLEM, f"runs took {ratio:.0%}+ of their job_timeout: {', '.join(near)}"
+    if runs:
+        return OK, "every run ended well within its RQ job_timeout"
+    return UNKNOWN, "no runs"
 
 
 def render(found: Diagnosis) -> str:
     lines = [f"joblock doctor: {found.target}"]
     if found.scope:
         lines.append(f"scope {found.scope}, key {found.key!r}")
-    lines += ["", "Story:"] + (found.story or ["  nothing recorded"]) + ["", "Steps:"]
-    lines += [f"  {s.number}. {s.question} [{s.verdict}] {s.evidence}" for s in found.steps]
+    lines.extend(("", "Story:", *(found.story or ["  nothing recorded"]), "", "Steps:"))
+    lines.extend(
+        f"  {step.number}. {step.question} [{step.verdict}] {step.evidence}" for step in found.steps
+    )
     return "\n".join(lines)

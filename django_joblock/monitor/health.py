@@ -39,9 +39,6 @@ class Health(enum.StrEnum):
     OVERDUE = "overdue"
 
 
-HEALTHY, DEAD, SILENT, OVERDUE = Health.HEALTHY, Health.DEAD, Health.SILENT, Health.OVERDUE
-
-
 @dataclass(frozen=True)
 class LockHealth:
     """A lock's health, and for ``holder dead`` the evidence (``why``)."""
@@ -107,7 +104,8 @@ def _read_rq(locks: list[ActiveLock]) -> dict[int, tuple[str | None, bool]]:
             else:
                 pipe.echo("1")
         replies = pipe.execute()
-        statuses, workers = replies[::2], replies[1::2]
+        statuses = replies[::2]
+        workers = replies[1::2]
         for (position, known), status, worker in zip(wanted, statuses, workers, strict=True):
             if status is not None or known:
                 status = None if status is None else text(status)
@@ -138,7 +136,8 @@ def _evidence(active: ActiveLock, seen: tuple[str | None, bool] | None) -> list[
 def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
     """resource -> health, with one pipelined read per Redis server RQ uses."""
     seen = _read_rq(locks) if locks else {}
-    limit, found = conf.get().STUCK_AFTER, {}
+    limit = conf.get().STUCK_AFTER
+    found: dict[str, LockHealth] = {}
     for position, active in enumerate(locks):
         # Both times are on the lock's Redis server clock.
         since = max(0, active.read_ms - (active.renewed_ms or active.acquired_ms or 0))
@@ -150,18 +149,25 @@ def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
         # A plain lock() may have its heartbeat off: never renewed is then no sign.
         spec = registry.get(active.job_func) if active.job_id else None
         beats = bool(active.renewals) or (spec is not None and spec.heartbeat)
-        state, why = HEALTHY, ""
+        state = Health.HEALTHY
+        why = ""
         if evidence and not renewing:
             never = " (never renewed)" if not active.renewals else ""
-            state, why = DEAD, "; ".join([*evidence, f"not renewed for {since / 1000:.0f}s{never}"])
+            state = Health.DEAD
+            why = "; ".join([*evidence, f"not renewed for {since / 1000:.0f}s{never}"])
         elif beats and not young:
-            state, why = SILENT, f"renewed {active.renewals} times, the last {since / 1000:.1f}s"
-            if not active.renewals:  # a job whose heartbeat renews by TTL / 3
-                why = f"never renewed in {since / 1000:.1f}s"
-            why += f" ago (TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; it "
-            why += f"expires in {max(0, active.pttl_ms) / 1000:.1f}s"
+            state = Health.SILENT
+            if active.renewals:
+                renewed = f"renewed {active.renewals} times, the last {since / 1000:.1f}s"
+            else:  # a job whose heartbeat renews by TTL / 3
+                renewed = f"never renewed in {since / 1000:.1f}s"
+            why = (
+                f"{renewed} ago (TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; "
+                f"it expires in {max(0, active.pttl_ms) / 1000:.1f}s"
+            )
         elif active.held_for > limit:
-            state, why = OVERDUE, f"held {active.held_for:.0f}s, longer than STUCK_AFTER {limit:g}s"
+            state = Health.OVERDUE
+            why = f"held {active.held_for:.0f}s, longer than STUCK_AFTER {limit:g}s"
         found[active.resource] = LockHealth(state, why)
     return found
 
@@ -191,7 +197,8 @@ def stuck_jobs(limit: int = 200) -> list[StuckJob]:
             if job is None or job.started_at is None:
                 continue
             started = job.started_at.replace(tzinfo=job.started_at.tzinfo or UTC)
-            running, timeout = (now - started).total_seconds(), job.timeout
+            running = (now - started).total_seconds()
+            timeout = job.timeout
             if timeout is not None and timeout >= 0 and running > timeout:
                 who = (job.func_name or "", job.worker_name or "")
                 reason = f"running {running:.0f}s, timeout {timeout}s"

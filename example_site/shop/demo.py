@@ -148,12 +148,14 @@ class Demo:
                 self.expected_refunds[refund_id] = (order, Decimal(amount))
                 copies = 3 if (order + n) % 3 == 0 else 2  # duplicate deliveries
                 for _ in range(copies):
-                    self.jobs.append(refund_order.enqueue((order, refund_id, amount), retry=retry))
+                    self.jobs.append(
+                        refund_order.enqueue_call((order, refund_id, amount), retry=retry)
+                    )
             for _ in range(2):
-                self.jobs.append(send_receipt.enqueue((order,), retry=retry))
+                self.jobs.append(send_receipt.enqueue_call((order,), retry=retry))
         for tenant in tenants:
             for _ in range(3):
-                self.jobs.append(rebuild_tenant_cache.enqueue((tenant,), retry=retry))
+                self.jobs.append(rebuild_tenant_cache.enqueue_call((tenant,), retry=retry))
         self.enqueue_task(orders[0])
 
     def enqueue_task(self, order: int) -> None:
@@ -213,7 +215,7 @@ class Demo:
         # chaos suite (docs/chaos.md) shows that case.
         refund_id = f"R-{order}-late"
         self.expected_refunds[refund_id] = (order, Decimal("1.00"))
-        self.jobs.append(refund_order.enqueue((order, refund_id, "1.00"), at_front=True))
+        self.jobs.append(refund_order.enqueue_call((order, refund_id, "1.00"), at_front=True))
         time.sleep(PAUSE)  # well past the 2 s lock TTL
         os.kill(pid, signal.SIGCONT)
         self.faults.append(

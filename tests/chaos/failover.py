@@ -1,4 +1,4 @@
-"""Failover chaos run (issue 16): the chaos workload with its locks on Redis Sentinel or Cluster.
+"""Failover chaos run: the chaos workload with its locks on Redis Sentinel or Cluster.
 
     python -m tests.chaos.failover                     # forgets locks: replication held back
     python -m tests.chaos.failover --replica-acks 1    # the same with JOBLOCK["REPLICA_ACKS"]
@@ -16,8 +16,8 @@ alone for a while, and the primary is SIGKILLed: the sentinels promote the repli
 never heard of those locks. Their holders' heartbeats find the locks gone and abort; the fence
 refuses the late writes; a second holder gets in meanwhile.
 
-With ``--queues-on-sentinel`` (``tests/chaos/test_failover.py``, case ``sentinel-queues``,
-issue 28) RQ's queues live on the same Sentinel group, with the settings of docs/topologies.md:
+With ``--queues-on-sentinel`` (``tests/chaos/test_failover.py``, case ``sentinel-queues``)
+RQ's queues live on the same Sentinel group, with the settings of docs/topologies.md:
 the documented configuration. The failover then forgets RQ's state as well: a job's start or
 end (its end: RQ's bookkeeping and its admission slot's release), counted per delivery at the
 kill (``rq_state_forgotten_by_failover``). Every job is enqueued, and found on the replica,
@@ -67,7 +67,7 @@ HELD_BACK = 1.5  # seconds of locks the replica never hears of before the primar
 # outlasts the lock's 2 s TTL past the kill.
 YOUNG = 0.25
 # --queues-on-sentinel: seconds each idle worker may take to exit 0 on SIGTERM after the drain
-# (issue 28), and how long the run waits for them before it calls them stuck.
+# , and how long the run waits for them before it calls them stuck.
 SIGTERM_BOUND = 10.0
 SIGTERM_WAIT = 20.0
 ENDED = ("finished", "failed")

@@ -178,7 +178,9 @@ class Chaos:
                     queued = job.enqueue(resource, logical_id, delta)
                 else:  # A short job_timeout lets RQ's registry cleanup hand the job of a worker
                     # that died with Redis (or hangs) to another worker within a short run.
-                    queued = job.enqueue((resource, logical_id, delta), retry=retry, job_timeout=20)
+                    queued = job.enqueue_call(
+                        (resource, logical_id, delta), retry=retry, job_timeout=20
+                    )
                 deliveries.append((queued.id, logical_id))
         self.deliveries += deliveries
         return deliveries
@@ -209,9 +211,14 @@ class Chaos:
 
     def kill_horse(self) -> None:
         pid = self._running_horse()
-        if pid is not None:
+        if pid is None:
+            return
+        try:
             os.kill(pid, signal.SIGKILL)
-            self.faults.append(f"SIGKILL work horse {pid}")
+        except ProcessLookupError:  # its job ended between the look and the kill
+            self.faults.append(f"work horse {pid} exited before its SIGKILL")
+            return
+        self.faults.append(f"SIGKILL work horse {pid}")
 
     def kill_parent(self) -> None:
         alive = [proc for proc in self.workers[1:] if proc.poll() is None]
@@ -225,7 +232,11 @@ class Chaos:
         pid = self._running_horse()
         if pid is None:
             return
-        os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:  # its job ended between the look and the stop
+            self.faults.append(f"work horse {pid} exited before its SIGSTOP")
+            return
         time.sleep(2.0 * 2)  # twice the 2 s lock TTL
         try:
             os.kill(pid, signal.SIGCONT)
@@ -352,11 +363,9 @@ class Chaos:
             "wait_to_start_max_s": round(waits[-1], 2) if waits else None,
         }
 
-    def check(self, elapsed: float, counts: Counter[str]) -> dict[str, Any]:
-        from .models import Balance, Effect
-
-        applied: dict[str, int] = Counter(Effect.objects.values_list("logical_id", flat=True))
-        double = sum(1 for n in applied.values() if n > 1)
+    def unapplied_jobs(self, applied: dict[str, int]) -> tuple[list[str], list[str]]:
+        """The logical jobs never applied: (those whose every delivery failed visibly, those
+        lost)."""
         failed_visibly, lost = [], []
         by_logical: dict[str, list[str]] = defaultdict(list)
         for job_id, logical_id in self.deliveries:
@@ -371,6 +380,13 @@ class Chaos:
                 failed_visibly.append(logical_id)
             else:
                 lost.append(logical_id)
+        return failed_visibly, lost
+
+    def ledger_damage(self) -> tuple[list[str], list[str]]:
+        """From the effects, in the order applied: (the resources whose balance is not the sum
+        of their deltas, the resources whose accepted fences did not increase)."""
+        from .models import Balance, Effect
+
         sums: dict[str, int] = defaultdict(int)
         fences: dict[str, list[int]] = defaultdict(list)
         for resource, delta, fence in Effect.objects.order_by("id").values_list(
@@ -383,7 +399,17 @@ class Chaos:
         unordered = [
             r for r, seq in fences.items() if any(b <= a for a, b in itertools.pairwise(seq))
         ]
-        # The same findings per phase (a phase's resources and logical jobs are its own).
+        return wrong_sums, unordered
+
+    def findings_per_phase(
+        self,
+        applied: dict[str, int],
+        unapplied: dict[str, list[str]],
+        damaged: dict[str, list[str]],
+    ) -> None:
+        """Add the same findings per phase to its figures (a phase's resources and logical
+        jobs are its own): ``unapplied`` and ``damaged`` map a finding to its logical jobs and
+        to its resources."""
         in_phase = Counter[tuple[str, str]]()
         for logical_id, (resource, _delta) in self.logical.items():
             phase = self.phase_of[resource]
@@ -391,19 +417,29 @@ class Chaos:
             n = applied.get(logical_id, 0)
             in_phase[phase, "applied_once"] += n == 1
             in_phase[phase, "double_effects"] += n > 1
-        for finding, ids in (("failed_visibly", failed_visibly), ("lost_jobs", lost)):
+        for finding, ids in unapplied.items():
             for logical_id in ids:
                 in_phase[self.phase_of[self.logical[logical_id][0]], finding] += 1
-        for finding, resources in (
-            ("lost_updates_resources", wrong_sums),
-            ("stale_writes_accepted", unordered),
-        ):
+        for finding, resources in damaged.items():
             for resource in resources:
                 in_phase[self.phase_of[resource], finding] += 1
         findings = ("logical_jobs", "applied_once", "double_effects", "lost_updates_resources")
         findings += ("stale_writes_accepted", "failed_visibly", "lost_jobs")
         for phase, figures in self.phases.items():
             figures.update({finding: in_phase[phase, finding] for finding in findings})
+
+    def check(self, elapsed: float, counts: Counter[str]) -> dict[str, Any]:
+        from .models import Effect
+
+        applied: dict[str, int] = Counter(Effect.objects.values_list("logical_id", flat=True))
+        double = sum(1 for n in applied.values() if n > 1)
+        failed_visibly, lost = self.unapplied_jobs(applied)
+        wrong_sums, unordered = self.ledger_damage()
+        self.findings_per_phase(
+            applied,
+            {"failed_visibly": failed_visibly, "lost_jobs": lost},
+            {"lost_updates_resources": wrong_sums, "stale_writes_accepted": unordered},
+        )
         from django_redis import get_redis_connection
 
         from django_joblock import backend, metrics

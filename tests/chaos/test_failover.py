@@ -1,5 +1,5 @@
-"""The failover chaos run inside the suite (issue 16): locks on a real Sentinel setup whose
-primary dies holding locks its replica never heard of. ``sentinel-queues`` (issue 28) puts RQ's
+"""The failover chaos run inside the suite: locks on a real Sentinel setup whose
+primary dies holding locks its replica never heard of. ``sentinel-queues`` puts RQ's
 queues on the same Sentinel group, as docs/topologies.md documents, so the failover forgets RQ
 state too, and ends with a SIGTERM of the idle workers, each of which must exit 0 at once.
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.chaos.test_chaos import run_module
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
 def run_failover(tmp_path: Path, *args: str) -> dict[str, object]:

@@ -204,9 +204,10 @@ class SentinelGroup:
         if int(acked) < len(self.replicas):
             raise RedisServerError(f"only {acked} of {len(self.replicas)} replicas caught up")
 
-    def fail_over(self, timeout: float = 30.0, *, graceful: bool = False) -> int:
+    def fail_over(self, timeout: float = 60.0, *, graceful: bool = False) -> int:
         """SIGKILL the current primary (with ``graceful``: ask a sentinel for a ``SENTINEL
-        FAILOVER``) and wait for the sentinels' promotion; returns the new primary's port. A
+        FAILOVER``) and wait for the sentinels' promotion (up to ``timeout`` s: a minute, for
+        a machine running three suites at once); returns the new primary's port. A
         killed server stays down; a gracefully demoted one takes writes until the sentinels
         reconfigure it as a replica (about 10 s later)."""
         old = self.primary_port()

@@ -33,9 +33,13 @@ class Command(BaseCommand):
                 raise CommandError(f"--{name} is empty: give the {name} to explain.")
             if "\x00" in (options[name] or ""):
                 raise CommandError(f"--{name} contains NUL: no {name} has one.")
-        job_id, key, resource = (options[name] or "" for name in ("job", "key", "resource"))
         try:
-            found = diagnose(job_id=job_id, key=key, scope=options["scope"], resource=resource)
+            found = diagnose(
+                job_id=options["job"] or "",
+                key=options["key"] or "",
+                scope=options["scope"],
+                resource=options["resource"] or "",
+            )
         except (NotFound, InvalidResource) as exc:
             raise CommandError(str(exc)) from exc
         except ValueError as exc:  # RQ refuses a job id it could never have made

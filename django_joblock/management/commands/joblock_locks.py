@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.locks.keys import validate_family
 from django_joblock.monitor.active import active_locks
-from django_joblock.monitor.health import HEALTHY, LockHealth, lock_health
+from django_joblock.monitor.health import Health, LockHealth, lock_health
 
 MAX_LIMIT = 1_000_000  # entries one family's index read may ask for
 
@@ -21,11 +21,12 @@ class Command(BaseCommand):
     help = "List active django-joblock locks with their holders and health."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        add = parser.add_argument
-        add("--family", help="Only this family (the part before the first ':').")
-        add("--stuck", action="store_true", help="Only locks whose holder is dead or overdue.")
-        add("--json", action="store_true", help="Print JSON.")
-        add("--limit", type=int, default=1000, help="At most this many per family.")
+        parser.add_argument("--family", help="Only this family (the part before the first ':').")
+        parser.add_argument(
+            "--stuck", action="store_true", help="Only locks whose holder is dead or overdue."
+        )
+        parser.add_argument("--json", action="store_true", help="Print JSON.")
+        parser.add_argument("--limit", type=int, default=1000, help="At most this many per family.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not 1 <= options["limit"] <= MAX_LIMIT:
@@ -42,10 +43,10 @@ class Command(BaseCommand):
             raise CommandError(no_answer(exc)) from exc
         rows = []
         for active in locks:
-            state = health.get(active.resource, LockHealth(HEALTHY))
+            state = health.get(active.resource, LockHealth(Health.HEALTHY))
             row = {**asdict(active), "health": state.state.value, "why": state.why}
             row.pop("read_ms", None)
-            if not options["stuck"] or state.state != HEALTHY:
+            if not options["stuck"] or state.state != Health.HEALTHY:
                 rows.append(row)
         if options["json"]:
             self.stdout.write(json.dumps(rows, indent=2))
@@ -53,10 +54,10 @@ class Command(BaseCommand):
         if not rows:
             self.stdout.write("No stuck locks." if options["stuck"] else "No active locks.")
         for row in rows:
+            why = f" why={row['why']}" if row["why"] else ""
             self.stdout.write(
                 f"{row['resource']:40} {row['health']:12} fence={row['fence']} "
                 f"active={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
                 f"holder={row['host']}:{row['pid']} job={row['job_id'] or '-'} "
-                f"worker={row['worker'] or '-'} owner={row['owner']}"
-                + (f" why={row['why']}" if row["why"] else "")
+                f"worker={row['worker'] or '-'} owner={row['owner']}{why}"
             )

@@ -20,13 +20,19 @@ class Command(BaseCommand):
     help = "Deliver due outbox messages (side effects recorded with send_after_commit)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        add = parser.add_argument
-        add("--limit", type=int, default=100, help="Messages per pass (default 100).")
-        add("--every", type=float, help="Seconds between passes; run until stopped.")
-        add("--database", choices=tuple(connections), help="Database alias (default: routed).")
+        parser.add_argument(
+            "--limit", type=int, default=100, help="Messages per pass (default 100)."
+        )
+        parser.add_argument(
+            "--every", type=float, help="Seconds between passes; run until stopped."
+        )
+        parser.add_argument(
+            "--database", choices=tuple(connections), help="Database alias (default: routed)."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        limit, every = options["limit"], options["every"]
+        limit = options["limit"]
+        every = options["every"]
         if limit < 1:
             raise CommandError(f"--limit must be at least 1, got {limit}")
         if limit > MAX_LIMIT:

@@ -28,16 +28,23 @@ class Command(BaseCommand):
     help = "Delete expired idempotency records and old delivered outbox messages, in batches."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        add = parser.add_argument
-        add("--dry-run", action="store_true", help="Only count what would be deleted.")
-        add("--batch-size", type=int, default=1000, help="Records per statement (default 1000).")
-        add("--database", default="default", choices=tuple(connections), help="Database alias.")
-        add(
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Only count what would be deleted."
+        )
+        parser.add_argument(
+            "--batch-size", type=int, default=1000, help="Records per statement (default 1000)."
+        )
+        parser.add_argument(
+            "--database", default="default", choices=tuple(connections), help="Database alias."
+        )
+        parser.add_argument(
             "--redis",
             action="store_true",
             help="Uninstall: remove the Redis keys under KEY_PREFIX.",
         )
-        add("--force", action="store_true", help="With --redis: even while locks are held.")
+        parser.add_argument(
+            "--force", action="store_true", help="With --redis: even while locks are held."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["redis"]:
@@ -48,7 +55,8 @@ class Command(BaseCommand):
         batch = options["batch_size"]
         if batch < 1:
             raise CommandError(f"--batch-size must be >= 1, got {batch}.")
-        now, database = timezone.now(), options["database"]
+        now = timezone.now()
+        database = options["database"]
         live_claim = Q(status=IdempotencyRecord.Status.RUNNING, lease_expires_at__gt=now)
         expired = Q(expires_at__lt=now) & ~live_claim
         # Delivered messages are kept as long as records: a replay finds its key, sends nothing.
@@ -63,7 +71,8 @@ class Command(BaseCommand):
             if options["dry_run"]:
                 self.stdout.write(f"{found.count()} {what} would be deleted.")
                 continue
-            total = batches = 0
+            total = 0
+            batches = 0
             while ids := list(found.order_by(order).values_list("pk", flat=True)[:batch]):
                 total += table.filter(condition, pk__in=ids).delete()[0]
                 batches += 1

@@ -18,11 +18,14 @@ class Command(BaseCommand):
     help = "Force-release a django-joblock lock (audited)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        add = parser.add_argument
-        add("resource")
-        add("--reason", required=True, help="Why (kept in the audit log).")
-        add("--owner", help="Only release if the holder with this owner hash still holds it.")
-        add("--token", help="Only release if the holder with this owner token still holds it.")
+        parser.add_argument("resource")
+        parser.add_argument("--reason", required=True, help="Why (kept in the audit log).")
+        parser.add_argument(
+            "--owner", help="Only release if the holder with this owner hash still holds it."
+        )
+        parser.add_argument(
+            "--token", help="Only release if the holder with this owner token still holds it."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         actor = f"joblock_release ({getpass.getuser()})"

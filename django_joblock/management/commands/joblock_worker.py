@@ -8,7 +8,6 @@ probes: a job's long transaction must not stop a worker from starting."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from rq.worker import BaseWorker
 
 from django_joblock.exceptions import JoblockConfigError
 from django_joblock.jobs.queues import get_queue, server_of
-from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
+from django_joblock.worker import JoblockSimpleWorker, JoblockWorker, default_job_class
 
 POSITIVE = ("max_jobs", "maintenance_interval", "worker_ttl", "max_idle_time")
 
@@ -35,20 +34,29 @@ class Command(BaseCommand):
         super().check(*args, **kwargs)
 
     def add_arguments(self, parser: CommandParser) -> None:
-        add = parser.add_argument
-        add("queues", nargs="*", default=["default"], help="Queue names by priority.")
-        add("--burst", action="store_true", help="Exit when the queues are empty.")
-        add("--with-scheduler", action="store_true", help="Also run RQ's scheduler.")
-        add("--simple", action="store_true", help="Run jobs in this process (SimpleWorker).")
-        add("--name", help="Worker name.")
-        add("--max-jobs", type=int, help="Exit after this many jobs.")
-        add("--worker-class", help="Dotted path of an RQ Worker class (default: JoblockWorker).")
-        add("--job-class", help="Dotted path of an RQ Job class.")
-        add("--serializer", help="Dotted path of an RQ serializer (as enqueued).")
-        add("--worker-ttl", type=int, help="Seconds the worker's heartbeat lives.")
-        add("--max-idle-time", type=int, help="Exit after this many idle seconds.")
-        add("--pid", help="Write the worker's pid to this file.")
-        add("--maintenance-interval", type=int, help="Seconds between RQ clean-ups (default 60).")
+        parser.add_argument(
+            "queues", nargs="*", default=["default"], help="Queue names by priority."
+        )
+        parser.add_argument("--burst", action="store_true", help="Exit when the queues are empty.")
+        parser.add_argument(
+            "--with-scheduler", action="store_true", help="Also run RQ's scheduler."
+        )
+        parser.add_argument(
+            "--simple", action="store_true", help="Run jobs in this process (SimpleWorker)."
+        )
+        parser.add_argument("--name", help="Worker name.")
+        parser.add_argument("--max-jobs", type=int, help="Exit after this many jobs.")
+        parser.add_argument(
+            "--worker-class", help="Dotted path of an RQ Worker class (default: JoblockWorker)."
+        )
+        parser.add_argument("--job-class", help="Dotted path of an RQ Job class.")
+        parser.add_argument("--serializer", help="Dotted path of an RQ serializer (as enqueued).")
+        parser.add_argument("--worker-ttl", type=int, help="Seconds the worker's heartbeat lives.")
+        parser.add_argument("--max-idle-time", type=int, help="Exit after this many idle seconds.")
+        parser.add_argument("--pid", help="Write the worker's pid to this file.")
+        parser.add_argument(
+            "--maintenance-interval", type=int, help="Seconds between RQ clean-ups (default 60)."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -66,8 +74,9 @@ class Command(BaseCommand):
         worker_class = self._worker_class(options["worker_class"], simple=options["simple"])
         given = ("maintenance_interval", "worker_ttl", "job_class", "serializer")
         extra = {key: options[key] for key in given if options[key] is not None}
-        if "job_class" not in extra and importlib.util.find_spec("django_tasks_rq"):
-            extra["job_class"] = "django_joblock.jobs.rq_tasks.Job"  # tasks and plain jobs
+        job_class = default_job_class()  # tasks and plain jobs
+        if "job_class" not in extra and job_class is not None:
+            extra["job_class"] = job_class
         try:
             worker = worker_class(
                 queues, connection=queues[0].connection, name=options["name"], **extra

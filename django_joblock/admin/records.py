@@ -1,4 +1,4 @@
-"""Django admin: the "Job locks" dashboard with audited force release, the read-only
+"""The "Job locks" dashboard with audited force release, the read-only
 idempotency records and the lock audit log; thin over :mod:`dashboard` and :mod:`control`.
 
 Permissions (``django_joblock.*``): the dashboard, any active staff user (its stuck claims need
@@ -22,22 +22,22 @@ from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 
-from .admin_base import (
+from ..backend import REDIS_ERRORS
+from ..exceptions import LockBackendUnavailable
+from ..jobs.decorator import idempotency_scopes
+from ..jobs.history import Delivery, summary
+from ..locks.info import lock_info
+from ..locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
+from ..models import Dashboard, IdempotencyRecord, LockAudit
+from ..monitor import control, dashboard
+from ..monitor.health import Health, job_queue, record_deliveries
+from .base import (
     EstimatedCountPaginator,
     ReadOnlyAdmin,
     bad_request,
     known_values_filter,
     pretty_json,
 )
-from .backend import REDIS_ERRORS
-from .exceptions import LockBackendUnavailable
-from .jobs.decorator import idempotency_scopes
-from .jobs.history import Delivery, summary
-from .locks.info import lock_info
-from .locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
-from .models import Dashboard, IdempotencyRecord, LockAudit
-from .monitor import control, dashboard
-from .monitor.health import Health, job_queue, record_deliveries
 
 DOCS_URL = "https://github.com/django-joblock/django-joblock/blob/main/docs/"  # not in a wheel
 DASHBOARD = "admin:django_joblock_dashboard_changelist"
@@ -72,9 +72,23 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     ordering = ("-pk",)  # the primary key index: no sort of the whole table per page
     show_full_result_count = False  # no COUNT(*) over a large table on every page
     paginator = EstimatedCountPaginator
-    fields = readonly_fields = tuple(
-        "scope key status attempts result_pretty error fingerprint owner_short fence rq_job_id "
-        "deliveries lease_expires_at created_at updated_at finished_at expires_at".split()
+    fields = (
+        "scope",
+        "key",
+        "status",
+        "attempts",
+        "result_pretty",
+        "error",
+        "fingerprint",
+        "owner_short",
+        "fence",
+        "rq_job_id",
+        "deliveries",
+        "lease_expires_at",
+        "created_at",
+        "updated_at",
+        "finished_at",
+        "expires_at",
     )
 
     @admin.display(description="result")
@@ -88,8 +102,10 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
         if not found:
             return "-"
         rows = format_html_join("", "<tr>" + "<td>{}</td>" * 6 + "</tr>", map(_cells, found))
-        table = '<p style="margin:0 0 4px">{}</p><table><tr><th>started (UTC)</th><th>RQ job</th>'
-        table += "<th>worker</th><th>host:pid</th><th>outcome</th><th></th></tr>{}</table>"
+        table = (
+            '<p style="margin:0 0 4px">{}</p><table><tr><th>started (UTC)</th><th>RQ job</th>'
+            "<th>worker</th><th>host:pid</th><th>outcome</th><th></th></tr>{}</table>"
+        )
         return format_html(table, summary(found), rows)
 
     @admin.display(description="owner (hash)")
@@ -113,12 +129,26 @@ def _bad_dashboard_parameter(family: str | None, health: str | None, timeline: s
         return str(exc)
     try:
         if timeline is not None:
-            (validate_resource if ":" in timeline else validate_family)(timeline)
+            if ":" in timeline:
+                validate_resource(timeline)
+            else:
+                validate_family(timeline)
     except ValueError as exc:
         return f"timeline: {exc}"
     healths = [choice.value for choice in Health]
     if health is not None and health not in healths:
         return f"Unknown health filter {health!r}; one of: {', '.join(healths)}"
+    return ""
+
+
+def _bad_release_parameter(resource: str, owner: str) -> str:
+    """Why the force release's resource or owner hash is refused ("" if they are fine)."""
+    try:
+        validate_resource(resource)
+    except ValueError as exc:
+        return str(exc)
+    if owner and not is_owner_hash(owner):
+        return f"Invalid owner {owner[:80]!r}: expected a 12-character owner hash."
     return ""
 
 
@@ -129,13 +159,22 @@ class DashboardAdmin(ReadOnlyAdmin):
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.is_active and request.user.is_staff)
 
-    has_module_permission = has_view_permission
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        """The "Job locks" entry on the admin index: shown to whoever may view the dashboard."""
+        return self.has_view_permission(request)
 
     def get_urls(self) -> list[URLPattern]:
-        wrap = self.admin_site.admin_view
         return [
-            path("release/", wrap(self.release_view), name="django_joblock_release"),
-            path("", wrap(self.changelist_view), name="django_joblock_dashboard_changelist"),
+            path(
+                "release/",
+                self.admin_site.admin_view(self.release_view),
+                name="django_joblock_release",
+            ),
+            path(
+                "",
+                self.admin_site.admin_view(self.changelist_view),
+                name="django_joblock_dashboard_changelist",
+            ),
         ]
 
     def _render(
@@ -163,9 +202,9 @@ class DashboardAdmin(ReadOnlyAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        family, health, timeline = (
-            request.GET.get(name) or None for name in ("family", "health", "timeline")
-        )
+        family = request.GET.get("family") or None
+        health = request.GET.get("health") or None
+        timeline = request.GET.get("timeline") or None
         if problem := _bad_dashboard_parameter(family, health, timeline):
             return bad_request(problem)
         started = time.perf_counter()
@@ -193,46 +232,64 @@ class DashboardAdmin(ReadOnlyAdmin):
         if request.method not in ("GET", "POST"):
             return HttpResponseNotAllowed(["GET", "POST"])
         source = request.POST if request.method == "POST" else request.GET
-        resource, owner = source.get("resource", ""), source.get("owner", "")
-        try:
-            validate_resource(resource)
-        except ValueError as exc:
-            return bad_request(str(exc))
-        if owner and not is_owner_hash(owner):
-            return bad_request(f"Invalid owner {owner[:80]!r}: expected a 12-character owner hash.")
-        unavailable = f"Force-release {resource}: Redis does not answer"
+        resource = source.get("resource", "")
+        owner = source.get("owner", "")
+        if problem := _bad_release_parameter(resource, owner):
+            return bad_request(problem)
+        if request.method == "GET":
+            return self._release_confirmation(request, resource, owner, errors=[])
         reason = request.POST.get("reason", "").strip()
-        post = request.method == "POST"
-        errors = []
-        if post and not reason:
-            errors.append("A reason is required.")
-        elif post and not owner:
-            errors.append("The owner shown on the page is missing.")
-        elif post:
-            try:  # the actor is the user's name
-                result = control.force_release(
-                    resource, owner=owner, reason=reason, user=request.user
-                )
-            except LockBackendUnavailable as exc:
-                error = f"{exc}. See the lock audit log for what was recorded."
-                return self._unavailable(request, unavailable, error)
-            except ValueError as exc:  # nothing released
-                errors.append(str(exc))
-            else:
-                if result.released:
-                    message = f"Force-released lock {resource} (owner {owner}): {reason}"
-                    self.log_change(request, result.audit, message)
-                    messages.success(request, f"Released {resource}: {reason}")
-                else:
-                    messages.error(request, f"Not released: {result.outcome}")
-                return redirect(DASHBOARD)
+        if not reason:
+            errors = ["A reason is required."]
+            return self._release_confirmation(request, resource, owner, errors)
+        if not owner:
+            errors = ["The owner shown on the page is missing."]
+            return self._release_confirmation(request, resource, owner, errors)
+        return self._force_release(request, resource, owner, reason)
+
+    def _force_release(
+        self, request: HttpRequest, resource: str, owner: str, reason: str
+    ) -> HttpResponse:
+        """Compare-and-delete + audit, then back to the dashboard with the outcome as a message;
+        the confirmation page again, with the error, if the release was refused."""
+        try:  # the actor is the user's name
+            result = control.force_release(resource, owner=owner, reason=reason, user=request.user)
+        except LockBackendUnavailable as exc:
+            error = f"{exc}. See the lock audit log for what was recorded."
+            return self._release_unavailable(request, resource, error)
+        except ValueError as exc:  # nothing released
+            return self._release_confirmation(request, resource, owner, [str(exc)])
+        if result.released:
+            message = f"Force-released lock {resource} (owner {owner}): {reason}"
+            self.log_change(request, result.audit, message)
+            messages.success(request, f"Released {resource}: {reason}")
+        else:
+            messages.error(request, f"Not released: {result.outcome}")
+        return redirect(DASHBOARD)
+
+    def _release_confirmation(
+        self, request: HttpRequest, resource: str, owner: str, errors: list[str]
+    ) -> HttpResponse:
+        """The confirmation page: the lock as it is now, and why the last attempt failed."""
         try:
             current = lock_info(resource)
         except LockBackendUnavailable as exc:
-            return self._unavailable(request, unavailable, f"{exc}. Nothing was changed.")
-        title = f"Force-release {resource}?"
-        extra = {"resource": resource, "owner": owner, "lock": current, "errors": errors}
-        return self._render(request, "release_confirm", title, "Force release", **extra)
+            return self._release_unavailable(request, resource, f"{exc}. Nothing was changed.")
+        return self._render(
+            request,
+            "release_confirm",
+            f"Force-release {resource}?",
+            "Force release",
+            resource=resource,
+            owner=owner,
+            lock=current,
+            errors=errors,
+        )
+
+    def _release_unavailable(self, request: HttpRequest, resource: str, error: str) -> HttpResponse:
+        """The 503 page of a force release whose Redis does not answer."""
+        title = f"Force-release {resource}: Redis does not answer"
+        return self._unavailable(request, title, error)
 
 
 @admin.register(LockAudit)
@@ -243,6 +300,3 @@ class LockAuditAdmin(ReadOnlyAdmin):
     list_filter = ("action", "released")
     search_fields = ("resource", "actor", "reason")
     readonly_fields = tuple(field.name for field in LockAudit._meta.fields if not field.primary_key)
-
-
-from . import admin_outbox  # noqa: E402, F401 - registers the outbox's admin

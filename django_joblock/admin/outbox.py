@@ -7,10 +7,10 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from . import outbox
-from .admin_base import EstimatedCountPaginator, ReadOnlyAdmin, known_values_filter, pretty_json
-from .choices import OutboxStatus
-from .models import OutboxMessage
+from .. import outbox
+from ..choices import OutboxStatus
+from ..models import OutboxMessage
+from .base import EstimatedCountPaginator, ReadOnlyAdmin, known_values_filter, pretty_json
 
 
 def _undelivered_handlers() -> list[str]:
@@ -23,17 +23,32 @@ def _undelivered_handlers() -> list[str]:
 class OutboxMessageAdmin(ReadOnlyAdmin):
     """Read-only: messages are written by ``send_after_commit`` and its deliveries."""
 
-    list_display = tuple(
-        "key handler status attempts rq_job_id created_at next_attempt_at delivered_at".split()
+    list_display = (
+        "key",
+        "handler",
+        "status",
+        "attempts",
+        "rq_job_id",
+        "created_at",
+        "next_attempt_at",
+        "delivered_at",
     )
     list_filter = ("status", known_values_filter("handler", _undelivered_handlers))
     search_fields = ("key",)
     ordering = ("-pk",)
     show_full_result_count = False
     paginator = EstimatedCountPaginator
-    fields = readonly_fields = tuple(
-        "key handler status attempts payload_pretty last_error rq_job_id created_at "
-        "next_attempt_at delivered_at".split()
+    fields = (
+        "key",
+        "handler",
+        "status",
+        "attempts",
+        "payload_pretty",
+        "last_error",
+        "rq_job_id",
+        "created_at",
+        "next_attempt_at",
+        "delivered_at",
     )
     actions = ["deliver_now"]
 
@@ -52,8 +67,8 @@ class OutboxMessageAdmin(ReadOnlyAdmin):
         pending = list(undelivered.values_list("pk", flat=True))
         delivered = sum(outbox.deliver(pk, using=queryset.db, dead=True) for pk in pending)
         skipped = queryset.count() - len(pending)
-        text = f"{delivered} of {len(pending)} undelivered message(s) delivered"
-        text += f"; {skipped} were delivered already" if skipped else ""
         failed = delivered < len(pending)
-        text += "; see last error for the rest." if failed else "."
+        already = f"; {skipped} were delivered already" if skipped else ""
+        rest = "; see last error for the rest." if failed else "."
+        text = f"{delivered} of {len(pending)} undelivered message(s) delivered{already}{rest}"
         self.message_user(request, text, messages.WARNING if failed else messages.SUCCESS)

@@ -20,8 +20,22 @@ from django.utils.html import format_html
 
 #: The lookups a changelist URL may use on a displayed field (``?attempts__gte=2``).
 URL_LOOKUPS = frozenset(
-    "exact iexact contains icontains startswith istartswith endswith iendswith gt gte lt lte in "
-    "isnull".split()
+    {
+        "exact",
+        "iexact",
+        "contains",
+        "icontains",
+        "startswith",
+        "istartswith",
+        "endswith",
+        "iendswith",
+        "gt",
+        "gte",
+        "lt",
+        "lte",
+        "in",
+        "isnull",
+    }
 )
 
 
@@ -49,6 +63,10 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return False
         return bool(super().lookup_allowed(lookup, value, request))
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        """Every field shown is read-only: ``readonly_fields``, else ``fields``."""
+        return self.readonly_fields or self.fields or ()
+
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
         try:
             response = super().changelist_view(request, extra_context)
@@ -58,10 +76,14 @@ class ReadOnlyAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return bad_request(f"This list cannot be filtered that way: {exc}")
         return response
 
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+    def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    has_change_permission = has_delete_permission = has_add_permission
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 class EstimatedCountPaginator(Paginator):  # type: ignore[type-arg]
