@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+# Seconds RQ keeps its registry maintenance lock (Queue.acquire_maintenance_lock).
+RQ_MAINTENANCE_LOCK = 899
 sys.path.insert(0, str(ROOT))
 
 from tests.harness import Proxy  # noqa: E402
@@ -289,13 +291,31 @@ class Chaos:
 
     def maintenance(self) -> None:
         """Run RQ's own registry maintenance now. Idle RQ workers block in their dequeue call
-        and only run it between jobs (every 10 minutes by default), so the jobs a worker took
-        with it when Redis restarted under it (left in RQ's intermediate queue or started
-        registry) would wait that long to be retried. Production runs it on a timer too."""
+        and only run it between jobs (every minute on django-joblock's workers), so the jobs a
+        worker took with it when Redis restarted under it (left in RQ's intermediate queue or
+        started registry) would wait that long to be retried. Production runs it on a timer too.
+
+        RQ's maintenance lock (``rq:clean_registries:<queue>``, 899 s) has no owner check: a
+        worker that lost Redis or was killed in the middle of a pass leaves it for 15 minutes,
+        and until then RQ cleans nothing (the intermediate queue's jobs, and behind such a job
+        the admission slot of its resource, wait; docs/jobs.md, "Admission"). A pass takes well
+        under a second, so a lock taken over a minute ago is such a leftover: as an operator
+        would, the supervisor then runs RQ's steps without it, and says so in the report."""
         from rq import Queue, Worker
+        from rq.registry import clean_registries
 
         queue = Queue("chaos", connection=self.rq())
-        Worker([queue], connection=self.rq()).clean_registries()
+        worker = Worker([queue], connection=self.rq())
+        left_for = self.rq().ttl(queue.registry_cleaning_key)
+        if 0 < left_for < RQ_MAINTENANCE_LOCK - 60:
+            clean_registries(queue)
+            queue.intermediate_queue.cleanup(worker, queue)
+            self.faults.append(
+                f"supervisor: RQ's maintenance lock was left by a pass that died ({left_for} s "
+                "to go); ran RQ's maintenance steps without it"
+            )
+        else:
+            worker.clean_registries()
         if not self.rq().exists("rq:scheduler-lock:chaos"):
             self.start_worker(scheduler=True)
             self.faults.append("supervisor: the scheduler had died with Redis; started one")
@@ -541,8 +561,26 @@ class Chaos:
             ]
             if started:
                 where.append("started registry")
+            where.extend(self.parked(job_id))
             found.append(f"{logical_id} {job_id[:8]} {status} in {where or 'nowhere'}")
         return found[:20]
+
+    def parked(self, job_id: str) -> list[str]:
+        """Where a job parked by admission waits: its rate limit key and the slot's holders
+        with their statuses (a holder that never ends keeps the others parked)."""
+        raw_key = self.rq().hget(f"rq:job:{job_id}", "rate_limit_key")
+        if raw_key is None:
+            return []
+        key = raw_key.decode()
+        if self.rq().zscore(f"rq:rl:{key}:rate_limited", job_id) is None:
+            return []
+        logical_of = dict(self.deliveries)
+        holders = []
+        for raw_holder in self.rq().zrange(f"rq:rl:{key}:allowed", 0, -1):
+            holder = raw_holder.decode()
+            status = self.rq().hget(f"rq:job:{holder}", "status") or b"missing"
+            holders.append(f"{logical_of.get(holder, holder)} {status.decode()}")
+        return [f"parked on {key} behind {holders}"]
 
 
 def finish(report: dict[str, Any], ok: bool, text: str, json_path: str | None) -> int:
