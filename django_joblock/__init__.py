@@ -27,12 +27,14 @@ from .idempotency.claims import Claim, fingerprint_of, idempotent
 from .jobs.decorator import locked_job
 from .jobs.outcomes import JobOutcome
 from .jobs.spec import OnConflict
+from .locks.async_lock import AsyncLock, alock
 from .locks.fencing import fenced_update
 from .locks.info import LockInfo, lock_info
 from .locks.lock import Lock, LockState, current_lock, lock
 from .outbox import send_after_commit
 
 __all__ = [
+    "AsyncLock",
     "Claim",
     "FencedModel",
     "IdempotencyClaimLost",
@@ -56,6 +58,7 @@ __all__ = [
     "OutboxMessage",
     "ResourceInTransaction",
     "StaleFence",
+    "alock",
     "current_lock",
     "fenced_update",
     "fingerprint_of",

@@ -356,6 +356,16 @@ def send(found: Any, calls: Sequence[Call], extra: Sequence[Call] = ()) -> list[
             return [found.execute_command(*call)]
         except ResponseError as exc:
             return [exc]
+    replies: list[Any] = pipeline(found, calls).execute(raise_on_error=False)
+    for index in forgotten(calls, replies):
+        script, keys, args = calls[index]
+        replies[index] = script(found, keys, args)
+    return replies
+
+
+def pipeline(found: Any, calls: Sequence[Call]) -> Any:
+    """A pipeline (without ``MULTI``) of the client ``found``, sync or asyncio, with ``calls``
+    queued: scripts by ``EVALSHA``."""
     pipe = found.pipeline(transaction=False)
     for call in calls:
         if isinstance(call, tuple) and isinstance(call[0], Script):
@@ -363,8 +373,14 @@ def send(found: Any, calls: Sequence[Call], extra: Sequence[Call] = ()) -> list[
             pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
         else:
             pipe.execute_command(*call)
-    replies: list[Any] = pipe.execute(raise_on_error=False)
-    for index, call in enumerate(calls):
-        if isinstance(replies[index], NoScriptError) and isinstance(call, tuple):
-            replies[index] = call[0](found, call[1], call[2])
-    return replies
+    return pipe
+
+
+def forgotten(calls: Sequence[Call], replies: list[Any]) -> list[int]:
+    """The positions of the script calls among ``calls`` whose reply in ``replies`` says the
+    server had forgotten the script (to be run again on their own)."""
+    return [
+        index
+        for index, call in enumerate(calls)
+        if isinstance(replies[index], NoScriptError) and isinstance(call, tuple)
+    ]

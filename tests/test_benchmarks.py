@@ -20,7 +20,7 @@ RUNS = {
     "locks": (
         "--cycles 20 --rounds 2 --hot-procs 2 --hot-cycles 3 --hot-rounds 1 --hold-locks 200 "
         "--hold-ttl 1 --replica-rounds 1",
-        "our scripts alone",
+        "alock against redis-py's asyncio Lock",
     ),
     "jobs": ("--jobs 6 --fork-jobs 2 --rounds 1", "floor"),
     "hot_key": ("--jobs 6 --ms 5 --workers 2 --rounds 1", "vs RateLimit"),

@@ -38,12 +38,14 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast
 
+from django.utils.asyncio import async_unsafe
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .. import conf, metrics
-from ..backend import REDIS_ERRORS, Call, cache_argument, client, send, text, unavailable
+from ..backend import REDIS_ERRORS, Call, cache_argument, client, text, unavailable
 from ..exceptions import LockBackendUnavailable, LockError, LockLost, LockNotAcquired
 from ..logs import log_lock, logger
+from ..redis_steps import Send, Steps, drive
 from ..signals import lock_acquired, lock_contended, lock_released
 from . import current, index, replicas, waiting
 from .current import reset_current_lock, set_current_lock
@@ -56,6 +58,11 @@ from .state import Holding, LockState, OnLost, drift
 __all__ = ["Lock", "LockState", "current_lock", "lock", "reset_current_lock", "set_current_lock"]
 
 _HOLDING = (LockState.HELD, LockState.SUSPECT)
+# Django's SynchronousOnlyOperation, for a sync call that would block a running event loop.
+_IN_LOOP = (
+    "A Lock's sync acquire, release, renew and owned block the running event loop: in async "
+    "code use alock() (async with alock(...), await held.aacquire() / arelease() / arenew())"
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -142,6 +149,7 @@ class Lock(Holding):
             )
             raise self._error(LockLost, f"Lock is no longer held: {reason}")
 
+    @async_unsafe(_IN_LOOP)
     def owned(self) -> bool:
         """Ask Redis whether the lock still carries this object's token, without renewing it.
 
@@ -168,6 +176,7 @@ class Lock(Holding):
     def _unavailable(self, exc: BaseException, action: str) -> LockBackendUnavailable:
         return unavailable(exc, action, resource=self.resource, key=self.key, owner=self.owner)
 
+    @async_unsafe(_IN_LOOP)
     def acquire(self, wait: float | None = None) -> bool:
         """Take the lock; if it is busy, wait in line for up to ``wait`` seconds.
 
@@ -184,6 +193,23 @@ class Lock(Holding):
 
     def _acquire(self, wait: float | None) -> bool:
         """The body of :meth:`acquire`, run under :meth:`_one_call`."""
+        wait, args = self._prepare_acquire(wait)
+        entry = self._index_entry()
+        started = time.monotonic()
+        try:
+            found = client(self.cache)  # on Redis Cluster, made by asking a node
+            if wait > 0:
+                turn = self._wait_in_line(found, args, entry, started + wait)
+            else:
+                turn = drive(self._try_once(found, args, entry, started), found)
+        except REDIS_ERRORS as exc:
+            raise self._failed_attempt(exc) from exc
+        return drive(self._taken(found, turn, started, wait), found)
+
+    def _prepare_acquire(self, wait: float | None) -> tuple[float, list[Any]]:
+        """Check that an acquire may start and with what ``wait``; returns that wait (s) and
+        ACQUIRE's arguments (the token, fresh if the last one held the lock, and the details of
+        the holder, this process and its RQ job)."""
         if self.state in _HOLDING and not self._foreign():
             raise self._error(LockError, "This Lock object already holds the lock")
         if wait is None:
@@ -197,47 +223,34 @@ class Lock(Holding):
             self.token = secrets.token_hex(16)
             self._spent = False
         self.job_id, self.job_func, details = holder_details()
-        args = [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
-        entry = self._index_entry()
-        started = time.monotonic()
-        found, turn = self._request_lock(wait, started, args, entry)
+        return wait, [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
+
+    def _failed_attempt(self, exc: BaseException) -> LockBackendUnavailable:
+        """An acquire that Redis failed: counted as a failed attempt; the error to raise (this
+        object keeps its token and its place in line, so the acquire can be repeated)."""
+        self._count_failed_attempt()
+        return self._unavailable(exc, "acquire the lock")
+
+    def _taken(self, found: Any, turn: waiting.Turn, started: float, wait: float) -> Steps[bool]:
+        """The end of an acquire that asked at the monotonic ``started`` with ``wait`` and got
+        ``turn``: True, the lock held, when it was got and is usable (:meth:`_usable_for`);
+        False, reported busy, when it was not."""
         now = time.monotonic()
         waited = now - started if wait > 0 else 0.0  # one try waits for nothing
         if turn.reply <= 0:
             metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
             self._report_busy(turn, waited)
             return False
-        valid_for = self._usable_for(found, turn, now)
+        valid_for = yield from self._usable_for(found, turn, now)
         self._hold(turn, valid_for, waited)
         # Counted once the renewal thread knows the lock (``_hold``): it leaves a job's metrics
         # to the job's release.
         metrics.record_acquire(self.family, self.job_func, waited, acquired=True)
         return True
 
-    def _request_lock(
-        self, wait: float, started: float, args: list[Any], entry: index.Entry
-    ) -> tuple[Any, waiting.Turn]:
-        """Ask Redis for the lock: one ACQUIRE if ``wait`` is 0, else wait in line until the
-        monotonic deadline ``started + wait`` (s; ``math.inf``: no deadline).
-
-        Returns the client asked and the :class:`~.waiting.Turn`: a fence (> 0) if the lock
-        was got, then also in the active-lock index, else ACQUIRE's "busy" code. A Redis error
-        is counted as a failed attempt and raised as :class:`LockBackendUnavailable`; this
-        object keeps its token and its place in line, so the acquire can be repeated."""
-        try:
-            found = client(self.cache)  # on Redis Cluster, made by asking a node
-            if wait > 0:
-                turn = self._wait_in_line(found, args, entry, started + wait)
-            else:
-                turn = self._try_once(found, args, entry, started)
-        except REDIS_ERRORS as exc:
-            self._count_failed_attempt()
-            raise self._unavailable(exc, "acquire the lock") from exc
-        return found, turn
-
     def _try_once(
         self, found: Any, args: list[Any], entry: index.Entry, started: float
-    ) -> waiting.Turn:
+    ) -> Steps[waiting.Turn]:
         """One ACQUIRE, in one round trip with its active-lock index entry (on Redis Cluster,
         the entry follows if the lock was got). The lock's validity counts from ``started``
         (monotonic s, taken before sending).
@@ -249,14 +262,15 @@ class Lock(Holding):
         script_keys = [*waiting.lock_keys(self.keys), *index_keys]
         calls: list[Call] = [(ACQUIRE, script_keys, [*args, *index_args])]
         try:
-            reply = send(found, calls)[0]
+            replies = yield Send(calls)
         except RedisConnectionError:  # lost mid-call: safe to send again
-            reply = send(found, calls)[0]
+            replies = yield Send(calls)
+        reply = replies[0]
         if isinstance(reply, Exception):
             raise reply
         turn = waiting.Turn(reply=int(reply), sent=started, valid_for=None, next_ticket="")
         if turn.reply > 0 and not index_keys:  # Redis Cluster: the index is on other nodes
-            self._add_to_index(found, entry)
+            yield from self._add_to_index(entry)
         return turn
 
     def _wait_in_line(
@@ -271,14 +285,14 @@ class Lock(Holding):
             found, self.cache, self.keys, self.owner, args, deadline, confirm=confirm
         )
         if turn.reply > 0:
-            self._add_to_index(found, entry)
+            drive(self._add_to_index(entry), found)
         return turn
 
-    def _add_to_index(self, found: Any, entry: index.Entry) -> None:
+    def _add_to_index(self, entry: index.Entry) -> Steps[None]:
         """Add a holding ACQUIRE did not index to the active-lock index, in a round trip of
         its own. Best effort: a Redis error is ignored (each renewal refreshes the entry)."""
         with contextlib.suppress(*REDIS_ERRORS):
-            send(found, index.add_calls(self.keys.prefix, [entry]))
+            yield Send(index.add_calls(self.keys.prefix, [entry]))
 
     def _report_busy(self, turn: waiting.Turn, waited: float) -> None:
         """Signal and log an acquire that found the lock busy after ``waited`` s."""
@@ -286,7 +300,7 @@ class Lock(Holding):
         pttl = -1 - turn.reply  # "busy": -1 - the holder's PTTL in ms
         log_lock(logging.INFO, "contended", self, "lock busy", reason=f"held, pttl={pttl}ms")
 
-    def _usable_for(self, found: Any, turn: waiting.Turn, now: float) -> float:
+    def _usable_for(self, found: Any, turn: waiting.Turn, now: float) -> Steps[float]:
         """How long (s, from the monotonic ``turn.sent``) the lock just got stays valid.
 
         Raises :class:`LockBackendUnavailable`, after giving the lock back, if at ``now``
@@ -299,15 +313,17 @@ class Lock(Holding):
             valid_for = turn.valid_for  # handed over: what was left of the TTL
         answered_after = now - turn.sent
         if answered_after >= valid_for - drift(valid_for):
-            raise self._given_back(
-                found,
+            why = (
                 f"Redis answered the acquire after {answered_after:.3f}s, when the lock's "
-                f"validity (ttl {self.ttl:g}s minus the drift margin) had already run out",
+                f"validity (ttl {self.ttl:g}s minus the drift margin) had already run out"
             )
+            error = yield from self._given_back(why)
+            raise error
         if conf.get().REPLICA_ACKS:
-            short = replicas.shortfall(found, self.key, self.token, self.ttl_ms)
+            short = yield from replicas.shortfall(found, self.key, self.token, self.ttl_ms)
             if short:
-                raise self._given_back(found, short)
+                error = yield from self._given_back(short)
+                raise error
         return valid_for
 
     def _hold(self, turn: waiting.Turn, valid_for: float, waited: float) -> None:
@@ -338,27 +354,45 @@ class Lock(Holding):
         """The command that removes this holding's active-lock index entry."""
         return index.remove_call(self.keys.prefix, self.resource, self.owner, self.job_id)
 
-    def _given_back(self, found: Any, why: str) -> LockBackendUnavailable:
+    def _given_back(self, why: str) -> Steps[LockBackendUnavailable]:
         """An acquire that got the lock but cannot use it: counted as an acquire error, the
         lock given back (best effort: else it expires on its own), and the error to raise."""
         self._count_failed_attempt()
         with contextlib.suppress(*REDIS_ERRORS):
-            waiting.release(found, self.keys, self.token, "", [self._unindex()])
+            yield from waiting.release_steps(self.keys, self.token, "", [self._unindex()])
         return self._error(LockBackendUnavailable, f"{why}; not acquired")
 
+    @async_unsafe(_IN_LOOP)
     def renew(self) -> bool:
         """Renew now (replacing the TTL). False, and the lock marked lost, if no longer ours;
         False without asking Redis when not held, in a forked child, and once ``max_hold`` has
         passed (the lock then runs out, as with the heartbeat). With ``REPLICA_ACKS``, a renewal
         short of the replicas raises :class:`LockBackendUnavailable` and counts for nothing, as
         in the renewal thread (:mod:`.replicas`)."""
-        if self.state not in _HOLDING or self._foreign():
-            return False
-        sent = time.monotonic()
-        if sent >= self.hold_until:
+        sent = self._renewal_start()
+        if sent is None:
             return False
         try:
-            code = replicas.renew(client(self.cache), self.key, self.token, self.ttl_ms)
+            found = client(self.cache)
+        except REDIS_ERRORS as exc:
+            raise self._unavailable(exc, "renew the lock") from exc
+        return drive(self._renewing(sent), found)
+
+    def _renewal_start(self) -> float | None:
+        """The monotonic send time of a renewal that may start now; None when not held here
+        (or in a forked child) or past ``max_hold``."""
+        if self.state not in _HOLDING or self._foreign():
+            return None
+        sent = time.monotonic()
+        if sent >= self.hold_until:
+            return None
+        return sent
+
+    def _renewing(self, sent: float) -> Steps[bool]:
+        """One renewal sent at the monotonic ``sent``: True if renewed (the validity then counts
+        from ``sent``), False and the lock marked lost if it was no longer ours."""
+        try:
+            code = yield from replicas.renew(self.key, self.token, self.ttl_ms)
         except LockBackendUnavailable as exc:
             raise self._error(LockBackendUnavailable, f"Renewal not counted: {exc}") from exc
         except REDIS_ERRORS as exc:
@@ -370,6 +404,7 @@ class Lock(Holding):
         log_lock(logging.DEBUG, "renewed", self, "lock renewed")
         return True
 
+    @async_unsafe(_IN_LOOP)
     def release(self) -> bool:
         """Release if still ours (compare-and-delete). False if it had expired or changed owner.
 
@@ -382,6 +417,7 @@ class Lock(Holding):
         with self._one_call():
             return self._release([])[0]
 
+    @async_unsafe(_IN_LOOP)
     def release_with(self, calls: list[Call]) -> tuple[bool, list[Any] | None]:
         """:meth:`release`, with ``calls`` (commands for the lock's Redis server, such as a job's
         outcome) sent in the release's round trip. Returns (released, the calls' replies, a
@@ -393,8 +429,28 @@ class Lock(Holding):
             return self._release(calls)
 
     def _release(self, calls: list[Call]) -> tuple[bool, list[Any] | None]:
-        if self._foreign() or self.state not in (*_HOLDING, LockState.LOST):
+        """The body of :meth:`release_with`, run under :meth:`_one_call`."""
+        if not self._releasable():
             return False, None
+        try:
+            found = client(self.cache)
+        except REDIS_ERRORS as exc:
+            renewer().remove(self)
+            self.mark_released()
+            raise self._unavailable(exc, "release the lock") from exc
+        return drive(self._release_steps(found, calls), found)
+
+    def _releasable(self) -> bool:
+        """Whether a release has anything to do: the lock was held (or lost) by this process."""
+        return not self._foreign() and self.state in (*_HOLDING, LockState.LOST)
+
+    def _release_steps(self, found: Any, calls: list[Call]) -> Steps[tuple[bool, list[Any] | None]]:
+        """Release the lock on ``found`` with ``calls`` riding along (see :meth:`release_with`).
+
+        The heartbeat stops first; the hold time, pending metrics (always inside a job: a work
+        horse may exit right after) and the index entry's removal ride in the release's round
+        trip. A connection lost mid-call sends the release once more, without the metrics and
+        ``calls``."""
         renewer().remove(self)
         sent = time.monotonic()
         if sent >= self.valid_until and self.mark_lost("validity deadline passed"):
@@ -402,30 +458,25 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        entry = self._index_entry()
+        index_keys, index_args = index.in_script(found, self.keys.prefix, self._index_entry())
+        unindex = (index_keys[:1], index_args[1:2])
+        also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
+        pending = metrics.take_for_flush(force=bool(self.job_id))
+        flush = [metrics.flush_call(pending)] if pending else []
+        riders: list[Any] | None = None
         retried = False
-        pending: dict[str, int] = {}
         try:
-            found = client(self.cache)
-            index_keys, index_args = index.in_script(found, self.keys.prefix, entry)
-            unindex = (index_keys[:1], index_args[1:2])
-            also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
-            # Metrics ride along: always inside a job (a work horse may exit right after).
-            pending = metrics.take_for_flush(force=bool(self.job_id))
-            flush = [metrics.flush_call(pending)] if pending else []
-            next_ticket = self._next_ticket
             try:
-                code, replies = waiting.release(
-                    found, self.keys, self.token, next_ticket, [*also, *flush, *calls], unindex
+                code, replies = yield from waiting.release_steps(
+                    self.keys, self.token, self._next_ticket, [*also, *flush, *calls], unindex
                 )
-                riders: list[Any] | None = replies[len(also) + len(flush) :]
+                riders = replies[len(also) + len(flush) :]
             except RedisConnectionError:  # lost mid-call: once more, without the metrics
                 metrics.add(pending)  # kept for the next flush (twice rather than lost)
                 retried = True
                 pending = {}
-                riders = None
-                code, replies = waiting.release(
-                    found, self.keys, self.token, next_ticket, also, unindex
+                code, replies = yield from waiting.release_steps(
+                    self.keys, self.token, self._next_ticket, also, unindex
                 )
         except REDIS_ERRORS as exc:
             self.mark_released()
@@ -436,6 +487,11 @@ class Lock(Holding):
         # Sent twice, it finds the lock gone, or handed over (another owner), if the first one
         # ran: that was our own release, if the lock was still valid when sent.
         released = code is Outcome.OK or (retried and valid)
+        self._released(code, released, held_for)
+        return released, riders
+
+    def _released(self, code: Outcome, released: bool, held_for: float) -> None:
+        """Record the end of a holding (``released``: by this release), held ``held_for`` s."""
         if not released and self.mark_lost(code.reason):
             self.announce_lost(code.reason)
         self.mark_released()
@@ -445,7 +501,6 @@ class Lock(Holding):
         else:
             message = "lock was no longer ours at release"
             log_lock(logging.WARNING, "released", self, message, reason=code.reason)
-        return released, riders
 
     def __enter__(self) -> Lock:
         if not self.acquire():
@@ -461,21 +516,37 @@ class Lock(Holding):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        released_in_block = self._leave_context()
+        if self._foreign():
+            return  # a forked child leaving its copy of the block: the lock is the parent's
+        try:
+            self.release()
+        except LockBackendUnavailable as error:
+            self._release_failed_on_leaving(exc, error)
+            return
+        self._check_kept(exc, released_in_block)
+
+    def _leave_context(self) -> bool:
+        """Leaving a ``with`` block: ``current_lock()`` back as it was; whether the block
+        released the lock itself."""
         token = self._context_token
         self._context_token = None
         if token is not None:
             reset_current_lock(token, self)
-        if self._foreign():
-            return  # a forked child leaving its copy of the block: the lock is the parent's
-        released_in_block = self.state is LockState.RELEASED
-        try:
-            self.release()
-        except LockBackendUnavailable:
-            if exc is None:
-                raise
-            # The block's own exception wins; the lock expires after its TTL.
-            logger.warning("could not release %s after an error in the block", self.key)
-            return
+        return self.state is LockState.RELEASED
+
+    def _release_failed_on_leaving(
+        self, exc: BaseException | None, error: LockBackendUnavailable
+    ) -> None:
+        """Leaving a block, the release raised ``error``: raised again, unless the block raised
+        ``exc``, which wins (the lock expires after its TTL)."""
+        if exc is None:
+            raise error
+        logger.warning("could not release %s after an error in the block", self.key)
+
+    def _check_kept(self, exc: BaseException | None, released_in_block: bool) -> None:
+        """:class:`LockLost` when the lock was lost in a block that raised nothing (``exc``)
+        and did not release it itself."""
         if exc is None and not released_in_block and self.lost_reason:
             raise self._error(
                 LockLost, f"Lock was lost before the end of the with block: {self.lost_reason}"
@@ -490,7 +561,8 @@ class Lock(Holding):
         if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
             raise TypeError(
                 f"lock({self.resource!r}) cannot decorate the async def {func.__qualname__}: "
-                "its body would run after the call returned, outside the lock"
+                f"its body would run after the call returned, outside the lock: use "
+                f"alock({self.resource!r})"
             )
 
         @functools.wraps(func)

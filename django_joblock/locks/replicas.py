@@ -17,19 +17,20 @@ import math
 from typing import Any
 
 from .. import conf
-from ..backend import REDIS_ERRORS, is_cluster, send
+from ..backend import REDIS_ERRORS, is_cluster
 from ..exceptions import JoblockConfigError, LockBackendUnavailable
+from ..redis_steps import Send, Steps
 from .scripts import RENEW, Outcome
 
 
-def renew(found: Any, key: str, token: str, ttl_ms: int) -> Outcome:
+def renew(key: str, token: str, ttl_ms: int) -> Steps[Outcome]:
     """RENEW the lock at ``key`` (held with ``token``) and, with ``REPLICA_ACKS``, ``WAIT`` in the
     same round trip (a write of *this* connection, which is what ``WAIT`` counts). Raises
     redis-py's errors, and :class:`LockBackendUnavailable` when renewed but short of the replicas
     within ``REPLICA_ACK_TIMEOUT``."""
     wait = replica_wait(math.inf)
     call = (RENEW, [key], [token, ttl_ms])
-    reply, *acked = send(found, [call, wait] if wait else [call])
+    reply, *acked = yield Send([call, wait] if wait else [call])
     if isinstance(reply, Exception):
         raise reply
     if wait and reply == Outcome.OK:
@@ -37,16 +38,16 @@ def renew(found: Any, key: str, token: str, ttl_ms: int) -> Outcome:
     return Outcome(reply)
 
 
-def shortfall(found: Any, key: str, token: str, ttl_ms: int) -> str:
+def shortfall(found: Any, key: str, token: str, ttl_ms: int) -> Steps[str]:
     """Why the lock at ``key`` (held with ``token``) did not reach ``REPLICA_ACKS`` replicas
-    within ``REPLICA_ACK_TIMEOUT``, or "" when it did (one :func:`renew`)."""
+    within ``REPLICA_ACK_TIMEOUT``, or "" when it did (one :func:`renew` on ``found``)."""
     if is_cluster(found):
         raise JoblockConfigError(
             "JOBLOCK['REPLICA_ACKS'] cannot be used with a Redis Cluster client "
             "(system check django_joblock.E008)"
         )
     try:
-        if renew(found, key, token, ttl_ms) is not Outcome.OK:
+        if (yield from renew(key, token, ttl_ms)) is not Outcome.OK:
             return "the lock was lost before it was replicated"
     except LockBackendUnavailable as exc:
         return f"{exc} within {conf.get().REPLICA_ACK_TIMEOUT:g}s"

@@ -32,7 +32,8 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .. import conf
-from ..backend import MAX_BLOCK, REDIS_ERRORS, blocking_client, is_cluster, send, text
+from ..backend import MAX_BLOCK, REDIS_ERRORS, blocking_client, is_cluster, text
+from ..redis_steps import Block, RunScript, Send, Steps, drive
 from .keys import LockKeys
 from .scripts import LEAVE, RELEASE, RENEW, WAIT, Outcome
 
@@ -78,15 +79,15 @@ def wait_in_line(
     The last try also leaves the line. Redis errors propagate; anything else raised while
     waiting (``KeyboardInterrupt``) leaves the line first, giving back a lock handed over.
     """
-    waiter = _Waiter(client, keys, ticket, args, confirm=confirm)
+    waiter = Waiter(keys, ticket, args, confirm=confirm)
     with _counted_blocking_client(alias) as blocking:
         try:
-            return waiter.take_turn(blocking, deadline)
+            return drive(waiter.take_turn(deadline), client, blocking)
         except REDIS_ERRORS:
             raise  # the ticket expires on its own; a retry by the same Lock keeps the place
         except BaseException:
             with contextlib.suppress(*REDIS_ERRORS):  # else the ticket expires after WAITER_TTL
-                waiter.leave()
+                drive(waiter.leave(), client)
             raise
 
 
@@ -110,19 +111,17 @@ def _counted_blocking_client(alias: str) -> Iterator[Any]:
             blocking.connection_pool.disconnect(inuse_connections=False)
 
 
-class _Waiter:
-    """A waiting acquire's ticket in the line of a lock, and the calls it makes with it.
+class Waiter:
+    """A waiting acquire's ticket in the line of a lock, and the flows it runs with it
+    (:mod:`django_joblock.redis_steps`: the same for the sync and the asyncio clients).
 
     Holds what every call of one wait shares; creating it makes no call. ``args`` are
     ACQUIRE's arguments (the owner token and the lock's TTL in ms first), ``confirm`` as for
     :func:`wait_in_line`."""
 
-    def __init__(
-        self, client: Any, keys: LockKeys, ticket: str, args: list[Any], *, confirm: bool
-    ) -> None:
+    def __init__(self, keys: LockKeys, ticket: str, args: list[Any], *, confirm: bool) -> None:
         waiter_ttl = conf.get().WAITER_TTL
         waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
-        self.client = client
         self.keys = keys
         self.ticket = ticket
         self.args = args
@@ -135,20 +134,19 @@ class _Waiter:
         self._wait_keys = [*lock_keys(keys), self.wake]
         self._wait_args = [*args, ticket, waiter_ttl_ms, self.hand_ttl_ms]
 
-    def take_turn(self, blocking: Any, deadline: float) -> Turn:
+    def take_turn(self, deadline: float) -> Steps[Turn]:
         """Wait in line until this waiter takes the lock, is handed it, or the monotonic
         ``deadline`` passes; then one last WAIT takes it or leaves the line (refused).
 
-        Calls WAIT, then blocks in ``BLPOP`` on ``blocking`` for a hand-over, and again. A
-        failed block is followed by a WAIT (which finds a lock handed over meanwhile); the
-        second failure in a row raises. Redis errors of the other calls propagate."""
+        Calls WAIT, then blocks in ``BLPOP`` for a hand-over, and again. A failed block is
+        followed by a WAIT (which finds a lock handed over meanwhile); the second failure in a
+        row raises. Redis errors of the other calls propagate."""
         failed_blocks = 0
         while True:
             sent = time.monotonic()
             last = sent >= deadline
-            fence, pttl_ms, place = WAIT(
-                self.client, self._wait_keys, [*self._wait_args, int(last)]
-            )
+            wait_args = [*self._wait_args, int(last)]
+            fence, pttl_ms, place = yield RunScript(WAIT, self._wait_keys, wait_args)
             if fence > 0:
                 return Turn(int(fence), sent, None, text(place))
             if last:
@@ -158,7 +156,7 @@ class _Waiter:
                 continue  # one last try, which also leaves the line
             timeout = self._block_timeout(deadline - now, place, pttl_ms)
             try:
-                popped = blocking.blpop([self.wake], timeout=timeout)
+                popped = yield Block(self.wake, timeout)
                 failed_blocks = 0
             except REDIS_ERRORS:
                 # Failed while blocked (a restart, say): the next WAIT tells whether Redis is
@@ -169,7 +167,7 @@ class _Waiter:
                 continue
             if popped is None:
                 continue
-            turn = self._handed_over(text(popped[1]), sent)
+            turn = yield from self._handed_over(text(popped[1]), sent)
             if turn is not None:
                 return turn
 
@@ -182,7 +180,7 @@ class _Waiter:
             block = min(block, int(pttl_ms) / 1000 + 0.001)
         return max(0.001, round(block, 3))
 
-    def _handed_over(self, message: str, sent: float) -> Turn | None:
+    def _handed_over(self, message: str, sent: float) -> Steps[Turn | None]:
         """The turn of the lock a release handed over, pushing ``message`` ("fence next-ticket").
 
         Its validity counts from ``sent``, the send time of the last WAIT, for the hand-over
@@ -195,15 +193,16 @@ class _Waiter:
         valid_for = self.hand_ttl_ms / 1000
         if (short and self.confirm) or time.monotonic() - sent >= valid_for / 2:
             renewed = time.monotonic()
-            if RENEW(self.client, [self.keys.lock], [self.args[0], self.args[1]]) != Outcome.OK:
+            outcome = yield RunScript(RENEW, [self.keys.lock], [self.args[0], self.args[1]])
+            if outcome != Outcome.OK:
                 return None  # it ran out before we could renew it: wait on
             return Turn(int(fence), renewed, None, after)
         return Turn(int(fence), sent, valid_for if short else None, after)
 
-    def leave(self) -> None:
+    def leave(self) -> Steps[None]:
         """Leave the line now (LEAVE), giving back a lock handed over to this waiter meanwhile."""
         leave_keys = [self.keys.lock, self.keys.queue, self.keys.tickets, self.wake]
-        LEAVE(self.client, leave_keys, [self.args[0], self.ticket])
+        yield RunScript(LEAVE, leave_keys, [self.args[0], self.ticket])
 
 
 def release(
@@ -214,6 +213,17 @@ def release(
     also: list[Any],
     unindex: tuple[list[str], list[Any]] = ([], []),
 ) -> tuple[Outcome, list[Any]]:
+    """:func:`release_steps` on the redis-py client ``client``."""
+    return drive(release_steps(keys, token, expected, also, unindex), client)
+
+
+def release_steps(
+    keys: LockKeys,
+    token: str,
+    expected: str,
+    also: list[Any],
+    unindex: tuple[list[str], list[Any]] = ([], []),
+) -> Steps[tuple[Outcome, list[Any]]]:
     """Release the lock held with ``token``, handing it to the first live ticket in line.
 
     ``expected`` is the ticket the holder believes first ("" if none known); ``also`` are
@@ -233,7 +243,8 @@ def release(
                 script_keys += unindex[0]
                 args += unindex[1]
         # ``also`` rides with the first try only: the replies after RELEASE's are its own.
-        reply, *replies = send(client, [(RELEASE, script_keys, args)], also if first else [])
+        sent = yield Send([(RELEASE, script_keys, args)], also if first else [])
+        reply, *replies = sent
         if first:
             also_replies = replies
         if isinstance(reply, Exception):

@@ -174,7 +174,12 @@ class SentinelGroup:
             _wait(self._replicas_in_sync, timeout, "the replicas did not sync")
             for sentinel in self.sentinels:
                 sentinel.start()
-            _wait(self._sentinels_ready, timeout, "the sentinels did not see the setup")
+            self.last_seen: list[tuple[Any, Any, Any]] = []
+            try:
+                _wait(self._sentinels_ready, timeout, "the sentinels did not see the setup")
+            except RedisServerError as exc:
+                seen = f"(replicas, other sentinels, flags) seen: {self.last_seen}"
+                raise RedisServerError(f"{exc}; {seen}") from exc
         except BaseException:
             self.stop()
             raise
@@ -258,14 +263,17 @@ class SentinelGroup:
         return True
 
     def _sentinels_ready(self) -> bool:
+        seen = []
         for sentinel in self.sentinels:
             with sentinel.client(socket_timeout=1) as client:
                 master = client.sentinel_master(self.master_name)
-                if int(master["num-slaves"]) < len(self.replicas):
-                    return False
-                if int(master["num-other-sentinels"]) < len(self.sentinels) - 1:
-                    return False
-        return True
+            seen.append((master["num-slaves"], master["num-other-sentinels"], master["flags"]))
+        # What each sentinel saw last (replicas, other sentinels, flags): for the timeout's message.
+        self.last_seen = seen
+        return all(
+            int(replicas) >= len(self.replicas) and int(others) >= len(self.sentinels) - 1
+            for replicas, others, _ in seen
+        )
 
 
 class ClusterNodes:
