@@ -28,7 +28,7 @@ from .jobs.decorator import locked_job
 from .jobs.outcomes import JobOutcome
 from .jobs.spec import OnConflict
 from .locks.async_lock import AsyncLock, alock
-from .locks.fencing import fenced_update
+from .locks.fencing import afenced_update, fenced_update
 from .locks.info import LockInfo, lock_info
 from .locks.lock import Lock, LockState, current_lock, lock
 from .outbox import send_after_commit
@@ -58,6 +58,7 @@ __all__ = [
     "OutboxMessage",
     "ResourceInTransaction",
     "StaleFence",
+    "afenced_update",
     "alock",
     "current_lock",
     "fenced_update",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -10,7 +11,13 @@ from django.db import connection as db_connection
 from django.db import transaction
 from django_redis import get_redis_connection
 
-from django_joblock import current_lock, fenced_update, locked_job, send_after_commit
+from django_joblock import (
+    afenced_update,
+    current_lock,
+    fenced_update,
+    locked_job,
+    send_after_commit,
+)
 from tests.procs.provider import post
 from tests.testapp.models import Account
 
@@ -136,6 +143,21 @@ def unfenced_write(name: str, label: str, value: int) -> int:
     Account.objects.filter(name=name).update(balance=value)
     _redis().rpush("test:written", label)
     return value
+
+
+@locked_job("default", lock="account:{name}", idempotency_key="acredit:{credit_id}", ttl=2)
+async def acredit(name: str, credit_id: str, amount: int, seconds: float = 0.0) -> dict:
+    """``credit``'s async twin: Django's async ORM and ``afenced_update`` inside the job's
+    transaction; ``test:after:<credit_id>`` says the body ran past its sleep."""
+    account = await Account.objects.aget(name=name)
+    await asyncio.sleep(seconds)
+    _redis().set(f"test:after:{credit_id}", os.getpid())
+    held = current_lock()
+    assert held is not None and held.fence is not None
+    balance = account.balance + amount
+    await afenced_update(Account.objects.filter(pk=account.pk), held.fence, balance=balance)
+    _redis().incr(f"test:effects:{credit_id}")
+    return {"credited": amount, "fence": held.fence}
 
 
 @locked_job("default", lock="account:{name}", idempotency_key="credit:{credit_id}", ttl=2)

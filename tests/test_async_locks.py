@@ -20,9 +20,9 @@ from django_joblock import (
     LockLost,
     LockNotAcquired,
     StaleFence,
+    afenced_update,
     alock,
     current_lock,
-    fenced_update,
     lock,
 )
 from tests import harness, racers
@@ -181,13 +181,9 @@ def test_the_fence_refuses_an_async_holders_stale_write(rconn):
         assert await old.aacquire()
         await asyncio.sleep(1.2)  # expired: a newer holder takes it and writes
         async with alock("account:1", ttl=5) as new:
-            await sync_to_async(fenced_update)(
-                Account.objects.filter(pk=account.pk), new.fence, balance=10
-            )
+            await afenced_update(Account.objects.filter(pk=account.pk), new.fence, balance=10)
         with pytest.raises(StaleFence):
-            await sync_to_async(fenced_update)(
-                Account.objects.filter(pk=account.pk), old.fence, balance=99
-            )
+            await afenced_update(Account.objects.filter(pk=account.pk), old.fence, balance=99)
 
     run(scenario)
     account.refresh_from_db()

@@ -131,3 +131,20 @@ def test_run_jobs_runs_a_locked_task(rconn):
     refreshed = task_jobs.credit_rq.get_result(result.id)
     assert refreshed.status == "SUCCESSFUL", refreshed.errors
     assert refreshed.return_value == {"credited": 5}
+
+
+def test_async_code_enqueues_with_adelay_and_aenqueue_and_the_duplicate_replays(rconn):
+    import asyncio
+
+    Account.objects.create(name="acct", balance=0)
+
+    async def enqueue_from_async_code() -> list[object]:
+        first = await jobs.credit.adelay("acct", "A-1", 10)
+        again = await jobs.credit.aenqueue("acct", "A-1", 10, job_timeout=60)  # a duplicate
+        return [first, again]
+
+    first, again = asyncio.run(enqueue_from_async_code())
+    assert again.timeout == 60, "aenqueue takes RQ's options as enqueue does"
+    run = run_jobs("default")
+    assert run.outcomes() == {first.id: "ran", again.id: "replayed"}
+    assert Account.objects.get(name="acct").balance == 10

@@ -6,6 +6,7 @@ exit). Outside the main thread the lock is only flagged; fences still refuse wri
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -24,10 +25,34 @@ _guard = threading.Lock()
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
+    error = loss_error()
+    if error is not None:
+        raise error
+
+
+def loss_error() -> LockLost | None:
+    """The :class:`LockLost` that aborts the armed job, once its lock was lost; else None."""
     armed = _armed
-    if armed is not None and (held := armed.lock) is not None and armed.reason:
-        message = f"Job aborted: its lock was lost ({armed.reason})"
-        raise LockLost(message, resource=held.resource, key=held.key, owner=held.owner)
+    if armed is None or armed.lock is None or not armed.reason:
+        return None
+    held = armed.lock
+    message = f"Job aborted: its lock was lost ({armed.reason})"
+    return LockLost(message, resource=held.resource, key=held.key, owner=held.owner)
+
+
+def cancel_on_loss(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+    """Have the armed job's abort cancel ``task`` (an ``async def`` job's body, running on
+    ``loop`` in another thread) instead of interrupting the main thread, which waits for it."""
+    with _guard:
+        if _armed is not None:
+            _armed.task = (loop, task)
+
+
+def stop_cancelling() -> None:
+    """The async body ended: a loss from here on interrupts the main thread again."""
+    with _guard:
+        if _armed is not None:
+            _armed.task = None
 
 
 class Abort:
@@ -41,6 +66,7 @@ class Abort:
         self.active = threading.current_thread() is threading.main_thread()
         self._main_ident = threading.main_thread().ident
         self._outer: Abort | None = None
+        self.task: tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]] | None = None
         self._previous: signal.Handlers | Callable[[int, FrameType | None], Any] | int | None = None
 
     def __enter__(self) -> Abort:
@@ -58,11 +84,13 @@ class Abort:
         self.reason = reason or "lost"
         # Noticed by the job's own thread (ensure_held), it raises LockLost: no signal mid-rollback.
         ident = self._main_ident
-        if self.active and ident is not None and threading.get_ident() != ident:
-            with _guard:
-                if _armed is self:
-                    self.sent = True
-                    signal.pthread_kill(ident, ABORT_SIGNAL)
+        with _guard:
+            if _armed is self and self.task is not None:  # an async body: cancel its task
+                loop, task = self.task
+                loop.call_soon_threadsafe(task.cancel)
+            elif _armed is self and self.active and ident not in (None, threading.get_ident()):
+                self.sent = True
+                signal.pthread_kill(ident, ABORT_SIGNAL)
         if self.then is not None:
             self.then(lock, reason)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
+from asgiref.sync import sync_to_async
 from django.db import transaction
 from django.utils.module_loading import autodiscover_modules
 
@@ -52,6 +53,13 @@ class LockedJob(Protocol[P, R_co]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
     def delay(self, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
+    async def adelay(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """``.delay()`` from async code, as Django's async ORM calls its sync half
+        (``sync_to_async``: an enqueue on commit joins the caller's transaction)."""
+
+    async def aenqueue(self, *args: Any, **kwargs: Any) -> Any:
+        """``.enqueue()`` from async code (see :meth:`adelay`)."""
 
     def enqueue(self, *args: Any, **kwargs: Any) -> Any:
         """As rq's ``Queue.enqueue``: the job's arguments, with RQ's options (``job_timeout``,
@@ -168,11 +176,10 @@ def locked_job(
         raise ValueError(f"@locked_job: {why}")
 
     def decorate(func: Callable[P, R]) -> LockedJob[P, R]:
-        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        if inspect.isasyncgenfunction(func):
             raise TypeError(
-                f"@locked_job {func.__qualname__}: async def jobs are not supported (RQ would "
-                "run the body after the lock was released and the transaction committed); "
-                "make it a def and call async code with asgiref's async_to_sync"
+                f"@locked_job {func.__qualname__}: an async generator is not a job (RQ stores "
+                "a job's return value, not the values it yields)"
             )
         check_rq_options(rq_options, f"@locked_job {func.__qualname__}")
         check_template(func, lock, "lock")
@@ -209,9 +216,17 @@ def locked_job(
         def delay(*args: P.args, **kwargs: P.kwargs) -> Any:
             return enqueue_call(spec, wrapper, args, kwargs, {})
 
+        async def adelay(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return await sync_to_async(delay)(*args, **kwargs)
+
+        async def aenqueue(*args: Any, **kwargs: Any) -> Any:
+            return await sync_to_async(enqueue)(*args, **kwargs)
+
         locked = cast(Any, wrapper)
         locked.delay = delay
+        locked.adelay = adelay
         locked.enqueue = enqueue
+        locked.aenqueue = aenqueue
         locked.enqueue_call = enqueue_with_options
         locked.spec = spec
         registry[spec.name] = spec

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from ..idempotency.one_commit import claim_in_transaction, record_failure, recor
 from ..idempotency.store import record_model
 from ..locks import notes
 from ..locks.lock import Lock, reset_current_lock, set_current_lock
+from . import async_body
 from .abort import Abort
 from .job_transaction import job_transaction
 from .outcomes import JobOutcome, Run, finish
@@ -56,7 +58,10 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     state = Run(spec, spec.resource(arguments), spec.key(arguments), job, worker)
     try:
         try:
-            call = functools.partial(spec.func, *args, **kwargs)
+            if inspect.iscoroutinefunction(spec.func):
+                call = functools.partial(async_body.call, spec.func, args, kwargs)
+            else:
+                call = functools.partial(spec.func, *args, **kwargs)
             outcome, result, extra = _flow(state, arguments, call)
         except Exception as exc:
             failed = JobOutcome.ABORTED if isinstance(exc, LockLost) else JobOutcome.FAILED

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from asgiref.sync import sync_to_async
 from django.db import models
 from django.db.models import Max, Q
 
@@ -55,3 +56,10 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
             current=current,
         )
     return updated
+
+
+async def afenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> int:
+    """:func:`fenced_update` from async code, as Django's ``QuerySet.aupdate()`` runs
+    ``update()`` (``sync_to_async``, thread-sensitive: inside the transaction the caller opened
+    the same way). Same statement, result and errors."""
+    return await sync_to_async(fenced_update)(queryset, fence, **values)

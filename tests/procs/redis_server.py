@@ -18,8 +18,10 @@ Guarantees and failure modes:
 - On Linux the server is SIGTERMed when the thread that started it dies (``PR_SET_PDEATHSIG``),
   so a test run killed half-way leaves no orphan holding the port. Elsewhere, :meth:`stop` is
   the only clean-up.
-- :func:`free_port` asks the kernel for a port that is free *now*; another process may take it
-  before the server binds it, which :meth:`~RedisServer.start` reports as above.
+- :func:`free_port` asks the kernel for a port that is free *now* and that no other test
+  process got from it lately; a process of another kind may still take it before the server
+  binds it, which :meth:`~RedisServer.start` reports as above, as it reports a server of
+  another process answering on the port.
 
 Not for production: no password, no TLS, one process per server.
 """
@@ -49,11 +51,41 @@ class RedisServerError(RuntimeError):
     """The throwaway redis-server could not be started (the message says why)."""
 
 
+# Ports given out by free_port() in the last PORT_RESERVATION seconds, one file each, shared by
+# every test process of the machine (CI runs three suites side by side).
+PORTS_GIVEN = Path(tempfile.gettempdir()) / "joblock-test-ports"
+PORT_RESERVATION = 600.0
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the time of the call."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on at the time of the call, and that no
+    process on this machine got from this function in the last :data:`PORT_RESERVATION`
+    seconds: two suites side by side once got one port at once, the second server failed to
+    bind it and the first answered its owner's clients (CI: "the sentinels did not see the
+    setup within 60s")."""
+    PORTS_GIVEN.mkdir(exist_ok=True)
+    for _ in range(200):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if _reserve(PORTS_GIVEN / str(port)):
+            return port
+    raise RedisServerError(f"no free port found that {PORTS_GIVEN} does not list")
+
+
+def _reserve(marker: Path) -> bool:
+    """Create ``marker`` (the port is ours) unless another process made it recently."""
+    try:
+        marker.touch(exist_ok=False)
+        return True
+    except FileExistsError:
+        try:
+            stale = time.time() - marker.stat().st_mtime > PORT_RESERVATION
+        except FileNotFoundError:
+            stale = True
+        if stale:
+            marker.unlink(missing_ok=True)  # the next try may take it
+        return False
 
 
 def available() -> bool:
@@ -112,6 +144,11 @@ class RedisServer:
         kwargs.setdefault("socket_timeout", 5)
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
+    def _answered_by_ours(self, client: Any) -> bool:
+        """Whether the server answering on the port is the process this object started."""
+        assert self.proc is not None
+        return int(client.info("server")["process_id"]) == self.proc.pid
+
     def start(self) -> None:
         """Start the server and wait until it answers (see the module docs for failures)."""
         if self.running:
@@ -138,11 +175,15 @@ class RedisServer:
         )
         client = self.client(socket_connect_timeout=1)
         deadline = time.monotonic() + self.startup_timeout
+        foreign = False
         try:
             while True:
                 try:
                     client.ping()
-                    return
+                    if self._answered_by_ours(client):
+                        return
+                    foreign = True  # another process's server holds the port: ours cannot bind
+                    break
                 except redis.ConnectionError:
                     if self.proc.poll() is not None or time.monotonic() > deadline:
                         break
@@ -152,6 +193,8 @@ class RedisServer:
         exited = self.proc.poll()
         self.kill()
         state = f"exited with status {exited}" if exited is not None else "did not answer"
+        if foreign:
+            state = "found another process's server answering on its port"
         raise RedisServerError(
             f"redis-server on port {self.port} {state} within {self.startup_timeout:g}s; "
             f"end of its log:\n{self._log_tail()}"
