@@ -278,3 +278,58 @@ def test_admin_is_read_only_and_filterable(admin_client):
     detail = admin_client.get(f"{url}{record.pk}/change/")
     assert detail.status_code == 200 and b"&quot;amount&quot;: &quot;10.00&quot;" in detail.content
     assert admin_client.post(f"{url}{record.pk}/delete/").status_code == 403
+
+
+def test_async_with_idempotent_runs_the_block_once_and_replays_the_result():
+    import asyncio
+
+    runs: list[str] = []
+
+    async def send_receipt(tag: str) -> object:
+        async with idempotent("areceipt:1") as claim:
+            if claim.done:
+                return claim.result
+            runs.append(tag)
+            await asyncio.sleep(0.05)
+            await claim.asucceed({"sent_by": tag})
+            return claim.result
+
+    async def scenario() -> list[object]:
+        first = await send_receipt("first")
+        again = await send_receipt("again")  # a replay
+        return [first, again]
+
+    assert asyncio.run(scenario()) == [{"sent_by": "first"}, {"sent_by": "first"}]
+    assert runs == ["first"]
+
+    async def concurrent() -> list[object]:
+        async def claim_running(key: str) -> str:
+            try:
+                async with idempotent(key):
+                    await asyncio.sleep(0.3)
+                    return "ran"
+            except IdempotencyInProgress:
+                return "in progress"
+
+        return await asyncio.gather(*(claim_running("areceipt:2") for _ in range(2)))
+
+    assert sorted(asyncio.run(concurrent())) == ["in progress", "ran"]
+
+
+def test_an_async_block_that_raises_records_the_failure_and_a_retry_runs_again():
+    import asyncio
+
+    async def failing() -> None:
+        async with idempotent("areceipt:3"):
+            raise RuntimeError("the mail server said no")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(failing())
+    record = IdempotencyRecord.objects.get(key="areceipt:3")
+    assert record.status == "failed" and "mail server" in record.error
+
+    async def retry() -> bool:
+        async with idempotent("areceipt:3") as claim:
+            return claim.done
+
+    assert asyncio.run(retry()) is False, "a failure is not replayed: the retry runs"

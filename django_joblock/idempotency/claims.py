@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -79,6 +80,11 @@ class Claim:
         self.result = result
         transaction.on_commit(lambda: setattr(self, "_committed", True), using=self.using)
 
+    async def asucceed(self, result: Any = None) -> None:
+        """:meth:`succeed` from async code, as Django's async ORM runs queries
+        (``sync_to_async``, thread-sensitive: in the transaction the claim was made in)."""
+        await sync_to_async(self.succeed)(result)
+
     def _finish(self, status: RecordStatus, error: str = "", **fields: Any) -> int:
         """Finish this claim's record now, only while this claim still owns it."""
         now = timezone.now()
@@ -132,6 +138,15 @@ class Idempotent:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self.claim is not None:
             self.claim.end(exc)
+
+    async def __aenter__(self) -> Claim:
+        """``async with idempotent(key) as claim:``: the claim's queries run as Django's async
+        ORM runs its own (``sync_to_async``, thread-sensitive), so the block's
+        ``await claim.asucceed(...)`` and the end of the block use the same connection."""
+        return await sync_to_async(self.__enter__)()
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        await sync_to_async(self.__exit__)(exc_type, exc, tb)
 
 
 #: ``with idempotent(key, scope=..., fingerprint=..., lease=...) as claim:``, the public name.
