@@ -346,3 +346,46 @@ def test_alock_on_a_sentinel_client_says_it_needs_one_redis_server(settings):
 
     with pytest.raises(JoblockConfigError, match="one Redis server"):
         run(scenario)
+
+
+@pytest.mark.slow
+def test_a_silent_redis_fails_an_async_acquire_within_redis_timeout(settings, proxy):
+    """Redis black-holed behind a proxy: a one-try and a waiting ``aacquire`` each raise
+    LockBackendUnavailable within REDIS_TIMEOUT (1 s here), and the loop kept ticking."""
+    from django_joblock import LockBackendUnavailable
+
+    silent = {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": harness.proxy_url()}
+    settings.CACHES = {**settings.CACHES, "silent": silent}
+    settings.JOBLOCK = {"REDIS_TIMEOUT": 1}
+
+    async def scenario() -> tuple[list[float], int]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        warm = alock("silent:1", ttl=30, cache="silent")
+        assert await warm.aacquire(), "connections made before the fault"
+        proxy.set("blackhole")
+        took = []
+        for wait in (0, 3):
+            started = time.monotonic()
+            with pytest.raises(LockBackendUnavailable):
+                await alock("silent:2", ttl=30, cache="silent").aacquire(wait=wait)
+            took.append(time.monotonic() - started)
+        done.set()
+        await tick
+        return took, ticks
+
+    try:
+        took, ticks = run(scenario)
+        assert proxy.mode == "blackhole", "negative control: Redis was silent throughout"
+    finally:
+        proxy.set("forward")
+    assert all(seconds < 1 + 1 for seconds in took), took
+    assert ticks >= 10, "the loop ran while the acquires waited for Redis"
