@@ -3,7 +3,9 @@ heartbeat, claim, transaction, record), inline and on real RQ workers of both cl
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from typing import Any
 
 import pytest
 from rq.job import JobStatus
@@ -53,12 +55,16 @@ def test_with_the_abort_off_the_lost_async_job_runs_on_and_still_commits_nothing
 
 @pytest.mark.slow
 @pytest.mark.parametrize("simple", [False, True], ids=["Worker", "SimpleWorker"])
-def test_an_async_job_on_real_workers_applies_a_duplicate_delivery_once(settings, rconn, simple):
+def test_an_async_job_enqueued_from_async_code_runs_on_real_workers_once(settings, rconn, simple):
     Account.objects.create(name="a", balance=0)
     crew = Workers(settings.JOBLOCK)
     try:
         crew.start(simple=simple)
-        delivered = [jobs.acredit.delay("a", "C-4", 10) for _ in range(2)]  # delivered twice
+
+        async def enqueue_twice() -> list[Any]:  # from async code; a duplicate delivery
+            return [await jobs.acredit.adelay("a", "C-4", 10) for _ in range(2)]
+
+        delivered = asyncio.run(enqueue_twice())
         for job in delivered:
             assert wait_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 60) is (
                 JobStatus.FINISHED
