@@ -73,3 +73,39 @@ def test_locks_heartbeat_and_wait_over_tls(settings, tls_server):
     # Negative control: the port really speaks TLS only.
     with pytest.raises(LockBackendUnavailable):
         lock("tls:2", ttl=5, cache="plain").acquire()
+
+
+def test_async_locks_over_tls_and_a_unix_socket(settings, tls_server, tmp_path):
+    """``alock()``'s asyncio clients are built from the cache's connection class and arguments:
+    TLS with its CA file, and a unix socket, as the sync locks' are."""
+    import asyncio
+
+    from django_joblock import alock
+
+    server, port, cert = tls_server
+    socket_path = tmp_path / "redis.sock"
+    unix = RedisServer(extra_args=["--unixsocket", str(socket_path), "--unixsocketperm", "700"])
+    unix.start()
+    settings.CACHES = {
+        **settings.CACHES,
+        "tls": _cache(f"rediss://127.0.0.1:{port}/0", ssl_ca_certs=str(cert)),
+        "plain": _cache(f"redis://127.0.0.1:{port}/0"),
+        "unix": _cache(f"unix://{socket_path}?db=0"),
+    }
+
+    async def scenario(cache: str) -> tuple[str, bool]:
+        async with alock(f"{cache}:1", ttl=5, cache=cache) as held:
+            busy = await alock(f"{cache}:1", cache=cache).aacquire(wait=0.2)
+            return held.token, busy
+
+    try:
+        for cache, client in (("tls", server.client()), ("unix", unix.client())):
+            token, busy = asyncio.run(scenario(cache))
+            assert busy is False, "busy: waited in line, then gave up"
+            assert client.exists(f"joblock:{{{cache}:1}}:fence"), f"{cache}: written there"
+            assert token
+        # Negative control: the TLS port refuses plain connections.
+        with pytest.raises(LockBackendUnavailable):
+            asyncio.run(alock("plain:1", ttl=5, cache="plain").aacquire())
+    finally:
+        unix.stop()
