@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from django_redis import get_redis_connection
 
@@ -115,3 +116,20 @@ def count_run(n: int) -> int:
     enqueues it with ``run_after`` and checks that each ran once."""
     get_redis_connection("default").hincrby("test:runs", str(n), 1)
     return n
+
+
+@locked_task(lock=LOCK, idempotency_key=KEY, ttl=2)
+async def acredit_inline(name: str, credit_id: str, amount: int) -> dict:
+    """An ``async def`` task: ``tests.jobs.acredit``'s body (the async ORM, fenced)."""
+    return await jobs.acredit.spec.func(name, credit_id, amount)
+
+
+@locked_task(lock=LOCK, idempotency_key=KEY, ttl=2, backend="rq")
+async def acredit_rq(name: str, credit_id: str, amount: int) -> dict:
+    return await jobs.acredit.spec.func(name, credit_id, amount)
+
+
+@locked_task(lock=LOCK, idempotency_key=KEY, ttl=2, takes_context=True)
+async def acredit_with_context(context: Any, name: str, credit_id: str, amount: int) -> dict:
+    result = await jobs.acredit.spec.func(name, credit_id, amount)
+    return {**result, "attempt": context.attempt}

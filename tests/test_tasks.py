@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -377,15 +378,43 @@ def test_a_priority_is_refused_by_the_rq_backend_and_honoured_inline(rconn):
 
 
 @pytest.mark.parametrize("takes_context", [False, True])
-def test_an_async_task_is_refused_at_decoration_with_or_without_context(takes_context):
-    """``takes_context=True`` on an ``async def`` was accepted, then failed differently on
-    each backend."""
+def test_an_async_generator_is_refused_at_decoration_with_or_without_context(takes_context):
+    async def credit(context: object, name: str) -> Any:
+        yield name
 
-    async def credit(context: object, name: str) -> None:
-        pass
-
-    with pytest.raises(TypeError, match=r"@locked_task .*credit: async def tasks are not"):
+    with pytest.raises(TypeError, match=r"@locked_task .*credit: an async generator is not"):
         locked_task(lock="account:{name}", takes_context=takes_context)(credit)
+
+
+def test_an_async_task_inline_applies_once_and_replays(rconn):
+    _account()
+    first = task_jobs.acredit_inline.enqueue("acct", "A-1", 10)
+    second = task_jobs.acredit_inline.enqueue("acct", "A-1", 10)
+    assert (first.status, second.status) == (OK, OK), (first.errors, second.errors)
+    assert first.return_value == second.return_value
+    assert first.return_value["credited"] == 10
+    assert Account.objects.get().balance == 10
+    assert int(rconn.get("test:effects:A-1")) == 1, "the body ran once"
+
+
+def test_an_async_task_with_its_context_inline(rconn):
+    _account()
+    result = task_jobs.acredit_with_context.enqueue("acct", "A-2", 5)
+    assert result.status == OK, result.errors
+    assert result.return_value["attempt"] == 1 and result.return_value["credited"] == 5
+    assert Account.objects.get().balance == 5
+
+
+@pytest.mark.slow
+def test_an_async_task_on_the_rq_backend_applies_duplicates_once(workers, rconn):
+    _account()
+    workers.start()
+    workers.start(simple=True)
+    results = [task_jobs.acredit_rq.enqueue("acct", "A-3", 10) for _ in range(2)]
+    for result in results:
+        assert _refreshed(result, crew=workers).status == OK, result.errors
+    assert Account.objects.get().balance == 10
+    assert int(rconn.get("test:effects:A-3")) == 1
 
 
 def credit_anywhere(name: str) -> None:

@@ -66,6 +66,22 @@ def _on_rq(task: LockedTask) -> bool:
     return isinstance(task.get_backend(), RQBackend)
 
 
+def _without_context(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` called with the task's context (set by the task's wrapper) as its first
+    argument: a coroutine function for an ``async def``, so the flow awaits it."""
+    if inspect.iscoroutinefunction(func):
+
+        async def awaited(*args: Any, **kwargs: Any) -> Any:
+            return await func(_context.get(), *args, **kwargs)
+
+        return awaited
+
+    def called(*args: Any, **kwargs: Any) -> Any:
+        return func(_context.get(), *args, **kwargs)
+
+    return called
+
+
 def _refuse_a_plain_rq_backend(task: LockedTask) -> None:
     """:class:`JoblockConfigError` for a task on django-tasks-rq's own backend, which would
     enqueue it without ``@locked_job``'s flow: no admission, the job's options ignored, a
@@ -112,21 +128,16 @@ def locked_task(
     def decorate(func: Callable[..., Any]) -> LockedTask:
         if isinstance(func, Task):
             raise TypeError(f"@locked_task {func.name}: put @locked_task in place of @task")
-        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
-            # Refused with or without takes_context (its wrapper would hide the coroutine).
+        if inspect.isasyncgenfunction(func):
             raise TypeError(
-                f"@locked_task {func.__qualname__}: async def tasks are not supported (the body "
-                "would run after the lock was released); make it a def and call async code "
-                "with asgiref's async_to_sync"
+                f"@locked_task {func.__qualname__}: an async generator is not a task (its "
+                "values would be lost)"
             )
         if not takes_context:
-            locked = make(func)
+            locked = make(func)  # an async def's body is awaited inside the flow (@locked_job)
         else:  # the flow runs the function without its context: templates, fingerprint
             params = list(inspect.signature(func).parameters.values())[1:]
-
-            def body(*args: Any, **kwargs: Any) -> Any:
-                return func(_context.get(), *args, **kwargs)
-
+            body = _without_context(func)
             functools.update_wrapper(body, func)
             del body.__wrapped__  # type: ignore[attr-defined]
             body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
