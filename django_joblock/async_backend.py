@@ -25,6 +25,7 @@ from typing import Any
 import redis
 import redis.asyncio
 from redis.asyncio import connection as aio_connection
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -118,7 +119,7 @@ def _made(alias: str, timeout: float, *, grow: bool) -> Any:
     kwargs.update(
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
-        retry=redis.asyncio.retry.Retry(NoBackoff(), 0),
+        retry=AsyncRetry(NoBackoff(), 0),
         health_check_interval=0,
         client_name="joblock",
         connection_class=connection_class,
