@@ -394,3 +394,36 @@ def test_a_silent_redis_fails_an_async_acquire_within_redis_timeout(settings, pr
         proxy.set("forward")
     assert all(seconds < 1 + 1 for seconds in took), took
     assert ticks >= 10, "the loop ran while the acquires waited for Redis"
+
+
+@pytest.mark.slow
+def test_an_async_waiter_whose_redis_goes_away_raises_and_can_wait_again(server, rconn):
+    """Redis killed while a task waits in line: the task gets LockBackendUnavailable (never
+    "busy"); once Redis is back the same lock waits again and gets a larger fence."""
+    from django_joblock import LockBackendUnavailable
+
+    async def scenario() -> tuple[object, AsyncLock, AsyncLock]:
+        holder = alock("restart:1", ttl=30)
+        assert await holder.aacquire()
+        waiter = alock("restart:1", ttl=30, wait=60)
+        waiting = asyncio.create_task(waiter.aacquire())
+        while not rconn.zcard(holder.keys.queue):
+            await asyncio.sleep(0.01)
+        server.kill()
+        try:
+            outcome: object = await asyncio.wait_for(waiting, 30)
+        except LockBackendUnavailable as exc:
+            outcome = exc
+        server.start()
+        assert await waiter.aacquire(wait=10)
+        return outcome, holder, waiter
+
+    outcome, holder, waiter = run(scenario)
+    assert isinstance(outcome, LockBackendUnavailable), outcome
+    assert waiter.fence is not None and holder.fence is not None
+    assert waiter.fence > holder.fence, "the fence still increases across the restart"
+
+    async def release_both() -> tuple[bool, bool]:
+        return await waiter.arelease(), await holder.arelease()
+
+    assert run(release_both) == (True, False)
