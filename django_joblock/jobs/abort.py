@@ -2,7 +2,9 @@
 renewal thread sends ``SIGUSR2`` (unused by RQ) to the main thread, whose handler raises
 :class:`LockLost` even in a blocking call, so the transaction rolls back and the job fails. The
 previous handler is restored after each job, a late signal drained first (never the default action:
-exit). Outside the main thread the lock is only flagged; fences still refuse writes."""
+exit). An ``async def`` job's body, awaited in another thread (:mod:`.async_body`), has its task
+cancelled instead. Outside the main thread the lock is only flagged; fences still refuse
+writes."""
 
 from __future__ import annotations
 
