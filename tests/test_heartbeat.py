@@ -283,3 +283,21 @@ def test_released_locks_leave_no_pile_of_renewal_entries(rconn):
         assert len(renewer()._heap) < 2500, len(renewer()._heap)
     finally:
         assert long_held.release()
+
+
+def test_a_loss_is_counted_by_the_time_the_lock_is_marked_lost(rconn):
+    """A job's thread that finds its lock LOST (marked by the renewal thread) flushes its
+    metrics and may exit at once: the loss must already be in the buffer when the state
+    changes, not added later when the renewal thread announces it (CI: a horse's
+    ``locks_lost`` alert never fired)."""
+    from django_joblock import metrics
+
+    held = lock("counted:1", ttl=5)
+    assert held.acquire()
+    metrics.take_for_flush(force=True)
+    assert held.mark_lost("taken by another owner")  # what the renewal thread does first
+    pending = metrics.take_for_flush(force=True)
+    assert pending.get("lost|counted|") == 1, pending
+    held.announce_lost("taken by another owner")  # then this, which must not count again
+    assert "lost|counted|" not in metrics.take_for_flush(force=True)
+    held.release()

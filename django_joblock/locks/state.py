@@ -118,15 +118,17 @@ class Holding:
         with self._transition:
             if self.state not in (LockState.HELD, LockState.SUSPECT):
                 return False
+            # Counted with the change: a thread that finds the lock LOST (a job's own, about
+            # to flush its metrics and exit) finds the loss counted (CI: the count came after).
+            metrics.count("lost", self.family, self.job_func)
             self.state = LockState.LOST
             self.lost_reason = reason
             return True
 
     def announce_lost(self, reason: str) -> None:
-        """Tell everyone this holding was lost (after :meth:`mark_lost`): metric, warning,
-        ``lock_lost`` signal, ``on_lost``. A receiver's or callback's exception is logged,
-        never raised: the renewal thread calls this and must keep renewing other locks."""
-        metrics.count("lost", self.family, self.job_func)
+        """Tell everyone this holding was lost (after :meth:`mark_lost`, which counted it):
+        warning, ``lock_lost`` signal, ``on_lost``. A receiver's or callback's exception is
+        logged, never raised: the renewal thread calls this and must keep renewing other locks."""
         log_lock(logging.WARNING, "lost", self, f"lock lost: {reason}", reason=reason)
         try:
             lock_lost.send(sender=type(self), lock=self, reason=reason)
