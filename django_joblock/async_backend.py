@@ -38,6 +38,7 @@ from .backend import (
     connection,
     forgotten,
     is_cluster,
+    own_options,
     pipeline,
 )
 from .exceptions import JoblockConfigError
@@ -116,14 +117,8 @@ def _made(alias: str, timeout: float, *, grow: bool) -> Any:
         for name, value in pool.connection_kwargs.items()
         if name in accepted and name not in _NOT_INHERITED
     }
-    kwargs.update(
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=AsyncRetry(NoBackoff(), 0),
-        health_check_interval=0,
-        client_name="joblock",
-        connection_class=connection_class,
-    )
+    kwargs.update(own_options(timeout))
+    kwargs.update(retry=AsyncRetry(NoBackoff(), 0), connection_class=connection_class)
     if grow:
         return redis.asyncio.Redis(connection_pool=redis.asyncio.ConnectionPool(**kwargs))
     new_pool = redis.asyncio.BlockingConnectionPool(

@@ -149,13 +149,7 @@ def _dedicated(alias: str, timeout: float, role: str) -> Any:
 def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
     """A client on ``base``'s server(s): ``timeout``-second sockets, no retries, and
     :data:`POOL_SIZE` connections callers wait for (with ``grow``: one per concurrent caller)."""
-    overrides: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-        "retry": Retry(NoBackoff(), 0),
-        "health_check_interval": 0,
-        "client_name": "joblock",  # what CLIENT LIST shows for the locks' connections
-    }
+    overrides: dict[str, Any] = {**own_options(timeout), "retry": Retry(NoBackoff(), 0)}
     if is_cluster(base):
         from redis.cluster import ClusterNode
 
@@ -176,6 +170,17 @@ def dedicated(base: Any, timeout: float, *, grow: bool = False) -> Any:
         return redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
     new_pool = redis.BlockingConnectionPool(max_connections=POOL_SIZE, timeout=timeout, **kwargs)  # type: ignore[no-untyped-call]
     return redis.Redis(connection_pool=new_pool)
+
+
+def own_options(timeout: float) -> dict[str, Any]:
+    """The connection options of the locks' own clients, sync and asyncio (with a retry policy
+    of none, each its own client's class): ``timeout``-second sockets, no health checks."""
+    return {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "health_check_interval": 0,
+        "client_name": "joblock",  # what CLIENT LIST shows for the locks' connections
+    }
 
 
 # Arguments RedisCluster puts among its nodes' connection arguments itself (bound to that

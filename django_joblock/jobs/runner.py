@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +57,7 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     state = Run(spec, spec.resource(arguments), spec.key(arguments), job, worker)
     try:
         try:
-            if inspect.iscoroutinefunction(spec.func):
+            if spec.awaited:
                 call = functools.partial(async_body.call, spec.func, args, kwargs)
             else:
                 call = functools.partial(spec.func, *args, **kwargs)

@@ -70,6 +70,11 @@ class JobSpec(Generic[P, R]):
     def signature(self) -> inspect.Signature:
         return inspect.signature(self.func)
 
+    @functools.cached_property
+    def awaited(self) -> bool:
+        """An ``async def`` function: its body is awaited inside the flow (``async_body``)."""
+        return inspect.iscoroutinefunction(self.func)
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by name, defaults applied (``TypeError`` if they do not fit)."""
         try:

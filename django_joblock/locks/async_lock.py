@@ -28,7 +28,7 @@ import inspect
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec
 
 from .. import async_backend
 from ..backend import REDIS_ERRORS
@@ -41,7 +41,6 @@ from .state import OnLost
 __all__ = ["AsyncLock", "alock"]
 
 P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class AsyncLock(Lock):
@@ -75,9 +74,7 @@ class AsyncLock(Lock):
         try:
             return await async_backend.drive(self._try_once(found, args, entry, started), found)
         except asyncio.CancelledError:
-            give_back = waiting.release_steps(self.keys, self.token, "", [self._unindex()])
-            with contextlib.suppress(*REDIS_ERRORS):
-                await asyncio.shield(async_backend.drive(give_back, found))
+            await asyncio.shield(async_backend.drive(self._give_back(), found))
             raise
 
     async def _await_in_line(

@@ -358,9 +358,14 @@ class Lock(Holding):
         """An acquire that got the lock but cannot use it: counted as an acquire error, the
         lock given back (best effort: else it expires on its own), and the error to raise."""
         self._count_failed_attempt()
+        yield from self._give_back()
+        return self._error(LockBackendUnavailable, f"{why}; not acquired")
+
+    def _give_back(self) -> Steps[None]:
+        """Release a lock this object may have got but does not hold (no state to change),
+        with its index entry. Best effort: a Redis error is ignored (it expires on its own)."""
         with contextlib.suppress(*REDIS_ERRORS):
             yield from waiting.release_steps(self.keys, self.token, "", [self._unindex()])
-        return self._error(LockBackendUnavailable, f"{why}; not acquired")
 
     @async_unsafe(_IN_LOOP)
     def renew(self) -> bool:

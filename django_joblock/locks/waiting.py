@@ -243,8 +243,7 @@ def release_steps(
                 script_keys += unindex[0]
                 args += unindex[1]
         # ``also`` rides with the first try only: the replies after RELEASE's are its own.
-        sent = yield Send([(RELEASE, script_keys, args)], also if first else [])
-        reply, *replies = sent
+        reply, *replies = yield Send([(RELEASE, script_keys, args)], also if first else [])
         if first:
             also_replies = replies
         if isinstance(reply, Exception):
