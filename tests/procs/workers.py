@@ -32,8 +32,9 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-#: Seconds :meth:`WorkerProcesses.stop` waits for a process to exit after SIGKILL.
-KILL_WAIT = 10.0
+#: Seconds :meth:`WorkerProcesses.stop` waits for a process to exit after SIGKILL: the kernel
+#: reaps it, which took over 10 s once in CI with three suites on two cores.
+KILL_WAIT = 60.0
 
 
 def joblock_worker_args(
