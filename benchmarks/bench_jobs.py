@@ -68,6 +68,12 @@ def hot_locked(k: int, ms: float, tag: str) -> tuple[float, float]:
     return _work(ms)
 
 
+@locked_job("hot", lock="quota:{k}", concurrency=3)
+def hot_limited(k: int, ms: float, tag: str) -> tuple[float, float]:
+    """@locked_job with three runs per resource at once (admission: RateLimit(concurrency=3))."""
+    return _work(ms)
+
+
 @locked_job("hot", lock="hot:{k}", admission=False)
 def hot_requeue(k: int, ms: float, tag: str) -> tuple[float, float]:
     """@locked_job on the requeue-only path (rq 2.x, or admission=False)."""

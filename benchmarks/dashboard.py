@@ -106,7 +106,7 @@ def add_locks(start: int, stop: int) -> None:
         for i in range(chunk, min(stop, chunk + 2000)):
             keys = LockKeys(prefix, f"fam{i % FAMILIES}:{i}")
             token, job_id = f"{i:032x}", f"job-{i}"
-            entry = (keys.resource, owner_hash(token), 600.0, job_id)
+            entry = (keys.resource, owner_hash(token), 600.0, job_id, 0)
             index_keys, index_args = index.in_script(found, prefix, entry)
             details = [token, 600_000, FENCE_COUNTER_TTL_MS, "bench-host", 1, job_id, "bench.job"]
             calls.append(

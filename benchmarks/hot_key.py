@@ -3,11 +3,14 @@
     python benchmarks/hot_key.py [--jobs 60] [--ms 50] [--workers 4] [--rounds 3]
                                  [--resources 10] [--requeue-rounds 1]
 
-Scenarios: N jobs of D ms on **one** resource, and N jobs over M resources with Zipf-like
-popularity (resource k drawn with weight 1/(k+1), fixed seed). W ``SimpleWorker`` processes
+Scenarios: N jobs of D ms on **one** resource, N jobs over M resources with Zipf-like
+popularity (resource k drawn with weight 1/(k+1), fixed seed), and N jobs on one resource
+that allows **three** runs at once (``RateLimit(concurrency=3)`` against
+``@locked_job(concurrency=3)``). W ``SimpleWorker`` processes
 (``JoblockSimpleWorker``), one of them with RQ's scheduler, drain each batch. Contenders:
 
-- plain RQ with RQ's own ``RateLimit(key=<resource>, concurrency=1)`` (rq >= 3.0);
+- plain RQ with RQ's own ``RateLimit(key=<resource>, concurrency=1)`` (rq >= 3.0; 3 in the
+  last scenario);
 - ``@locked_job(lock="hot:{k}")`` as a new user writes it (admission, the new default);
 - ``@locked_job(..., admission=False)``: the requeue-only path (rq 2.x behaviour), which
   waits for RQ's scheduler in whole seconds; run ``--requeue-rounds`` times only (it is slow);
@@ -134,7 +137,12 @@ def zipf_keys(n: int, m: int, seed: int) -> list[int]:
 
 
 def drain(
-    queue: Any, keys: list[int], ms: float, workers: int, enqueue: Callable[..., Any]
+    queue: Any,
+    keys: list[int],
+    ms: float,
+    workers: int,
+    enqueue: Callable[..., Any],
+    concurrency: int = 1,
 ) -> Sample:
     from rq.job import Job
 
@@ -163,7 +171,7 @@ def drain(
         waits.append(max(0.0, begin - job.created_at.timestamp()))
         requeues += int(job.get_meta(refresh=False).get("joblock", {}).get("requeues", 0))
     busiest = max(Counter(keys).values())
-    floor = max(busiest * ms / 1000, len(keys) * ms / 1000 / workers)
+    floor = max(busiest * ms / 1000 / concurrency, len(keys) * ms / 1000 / workers)
     return Sample(max(ends) - started, floor, requeues, len(keys), waits)
 
 
@@ -173,7 +181,7 @@ def quantile(values: list[float], q: float) -> float:
 
 
 REQUEUE = "@locked_job(admission=False), requeue"
-RATE_LIMIT = "plain RQ + RateLimit(concurrency=1)"
+RATE_LIMIT = "plain RQ + RQ's RateLimit"
 
 
 def parse_args() -> argparse.Namespace:
@@ -232,8 +240,26 @@ def make_contenders(queue: Any) -> dict[str, Callable[..., Any]]:
     return contenders
 
 
+def limited_contenders(queue: Any) -> dict[str, Callable[..., Any]]:
+    """The N = 3 scenario's contenders: RQ's RateLimit(concurrency=3) and
+    @locked_job(concurrency=3)."""
+    from bench_jobs import hot_limited, hot_plain
+    from rq import RateLimit
+
+    return {
+        RATE_LIMIT: lambda k, ms, tag: queue.enqueue(
+            hot_plain, args=(k, ms, tag), rate_limit=RateLimit(key=f"quota:{k}", concurrency=3)
+        ),
+        "@locked_job(concurrency=3)": lambda k, ms, tag: hot_limited.delay(k, ms, tag),
+    }
+
+
 def run_scenario(
-    queue: Any, keys: list[int], args: argparse.Namespace, contenders: dict[str, Callable[..., Any]]
+    queue: Any,
+    keys: list[int],
+    args: argparse.Namespace,
+    contenders: dict[str, Callable[..., Any]],
+    concurrency: int = 1,
 ) -> dict[str, list[Sample]]:
     """Drain ``keys`` with each contender in turn, round after round (the requeue path for
     ``--requeue-rounds`` only); contender -> its samples."""
@@ -242,7 +268,8 @@ def run_scenario(
         for name, enqueue in contenders.items():
             limit = args.requeue_rounds if name == REQUEUE else args.rounds
             if round_no < limit:
-                samples[name].append(drain(queue, keys, args.ms, args.workers, enqueue))
+                sample = drain(queue, keys, args.ms, args.workers, enqueue, concurrency)
+                samples[name].append(sample)
     return samples
 
 
@@ -301,6 +328,8 @@ def benchmark(args: argparse.Namespace, url: str, db_path: str, crew: WorkerProc
     print_header(args)
     for scenario, keys in scenarios.items():
         print_scenario(scenario, run_scenario(queue, keys, args, contenders))
+    limited = run_scenario(queue, [0] * args.jobs, args, limited_contenders(queue), 3)
+    print_scenario("1 resource, 3 at once", limited)
 
 
 def main() -> int:

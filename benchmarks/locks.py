@@ -4,7 +4,9 @@
                                [--hot-procs P] [--hot-cycles N] [--hot-hold S] [--hot-rounds R]
 
 Every contender does the same thing: build a lock object for one resource, acquire it without
-waiting, release it. Contenders run in interleaved rounds (A B C ... A B C ...) so that machine
+waiting, release it. The ``limit=3`` row is a lock with three holders' slots (its acquire looks
+at every slot in the line's script and indexes its holding in a round trip of its own).
+Contenders run in interleaved rounds (A B C ... A B C ...) so that machine
 noise hits them alike; cycles/s is the median over rounds, latency percentiles are over every
 cycle. Ratios are against the raw floor (``SET NX PX`` + ``EVALSHA`` compare-and-delete) and
 against python-redis-lock with ``auto_renewal``, measured in this same run.
@@ -107,6 +109,7 @@ def contenders(url: str) -> dict[str, Callable[[str], Any]]:
     found["django-joblock, heartbeat off"] = joblock_cycle(False)
     found["django-joblock, heartbeat on"] = joblock_cycle(True)
     found[METRICS_OFF] = joblock_cycle(True)
+    found["django-joblock, limit=3"] = joblock_cycle(True, limit=3)
     return found
 
 
@@ -153,12 +156,13 @@ def pottery_contenders(url: str) -> dict[str, Callable[[str], None]]:
     return {"pottery Redlock (1 master)": pottery_cycle}
 
 
-def joblock_cycle(heartbeat: bool) -> Callable[[str], None]:
-    """Our ``Lock``'s cycle, with its heartbeat on or off."""
+def joblock_cycle(heartbeat: bool, limit: int = 1) -> Callable[[str], None]:
+    """Our ``Lock``'s cycle, with its heartbeat on or off, on a lock of ``limit`` holders (three
+    slots are looked at by each acquire of a ``limit=3`` lock; it takes the first free one)."""
     from django_joblock import Lock
 
     def cycle(resource: str) -> None:
-        held = Lock(resource, ttl=30, heartbeat=heartbeat)
+        held = Lock(resource, ttl=30, heartbeat=heartbeat, limit=limit)
         if held.acquire():
             held.release()
 
@@ -184,7 +188,7 @@ def scripts_only() -> Callable[[str], None]:
 
     def cycle(resource: str) -> None:
         held = Lock(resource, ttl=30)  # for its keys and token only: not acquired
-        keys, entry = held.keys, (resource, held.owner, held.ttl, "")
+        keys, entry = held.keys, held.index_entry()
         index_keys, index_args = index.in_script(found, keys.prefix, entry)
         args = [held.token, held.ttl_ms, FENCE_COUNTER_TTL_MS, *holder_details()[2]]
         if ACQUIRE(found, [*waiting.lock_keys(keys), *index_keys], [*args, *index_args]) > 0:

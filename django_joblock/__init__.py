@@ -29,7 +29,7 @@ from .jobs.outcomes import JobOutcome
 from .jobs.spec import OnConflict
 from .locks.async_lock import AsyncLock, alock
 from .locks.fencing import afenced_update, fenced_update
-from .locks.info import LockInfo, lock_info
+from .locks.info import LockInfo, lock_holders, lock_info
 from .locks.lock import Lock, LockState, current_lock, lock
 from .outbox import send_after_commit
 
@@ -66,6 +66,7 @@ __all__ = [
     "force_release",
     "idempotent",
     "lock",
+    "lock_holders",
     "lock_info",
     "locked_job",
     "locked_task",

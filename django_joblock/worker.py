@@ -218,9 +218,10 @@ class _Loop:
         here: the next job of its resource starts now, not after the lock's TTL."""
         state = (job.meta or {}).get("joblock")
         resource = state.get("resource") if isinstance(state, dict) else None
-        if isinstance(resource, str) and resource:
+        limit = state.get("limit", 1) if isinstance(state, dict) else 1
+        if isinstance(resource, str) and resource and isinstance(limit, int):
             try:
-                liveness.release_ended(resource, job.id, self.name)
+                liveness.release_ended(resource, job.id, self.name, limit)
             except REDIS_ERRORS as exc:  # the lock then expires after its TTL
                 logger.warning("worker %s: job %s's lock not checked (%s)", self.name, job.id, exc)
 

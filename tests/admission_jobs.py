@@ -250,3 +250,29 @@ def append_in_order(name: str, label: str, hold: bool) -> str:
     if hold:
         _wait_for(f"test:go:{label}", limit=600)
     return label
+
+
+QUOTA_LIMIT = 3  # the limited jobs' concurrency: at most this many run per resource
+
+
+@locked_job("default", lock="quota:{k}", ttl=HOT_TTL, concurrency=QUOTA_LIMIT)
+def limited(k: int, label: str, seconds: float) -> str:
+    """A job on a resource that allows three runs at once."""
+    _log_interval(label, seconds)
+    return label
+
+
+@locked_job("default", lock="quota:{k}", ttl=HOT_TTL, concurrency=QUOTA_LIMIT, atomic=False)
+def limited_hold(k: int, label: str) -> str:
+    """``hot_hold`` on the limited resource: holds a slot until ``test:go:<label>``."""
+    return str(hot_hold.spec.func(k, label))
+
+
+@locked_job("default", lock="quota:{k}", ttl=HOT_TTL, concurrency=QUOTA_LIMIT)
+def limited_write(k: int, label: str) -> str:
+    """Waits for its go flag (a test may pause it past its TTL meanwhile), then writes a row in
+    the job's transaction, which commits only while the job still holds its slot."""
+    _redis().set(f"test:pid:{label}", os.getpid())
+    _wait_for(f"test:go:{label}")
+    Account.objects.create(name=label, balance=1)
+    return label

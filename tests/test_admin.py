@@ -220,11 +220,14 @@ def test_joblock_locks_json_lists_documented_fields(rconn):
         "ttl_ms",
         "pttl_ms",
         "held_for",
+        "slot",
+        "limit",
         "health",
         "why",
     }
     assert set(rows[0]) == expected
     assert rows[0]["owner"] == held.owner and rows[0]["health"] == "healthy"
+    assert (rows[0]["slot"], rows[0]["limit"]) == (0, 1)
     assert held.token not in out.getvalue()
     out = StringIO()
     call_command("joblock_locks", "--json", "--stuck", stdout=out)

@@ -32,6 +32,7 @@ MARKUP = ['<svg/onload=alert("jl")>', '"><script>alert("jl")</script>']
 PARAMETERS = [
     "resource",
     "owner",
+    "slot",
     "reason",
     "family",
     "health",
@@ -122,6 +123,7 @@ def test_markup_in_any_parameter_of_any_admin_view_is_never_reflected(rconn):
             {"resource": payload, "owner": "0" * 12, "reason": "x"},
             {"resource": "order:1", "owner": payload, "reason": "x"},
             {"resource": "order:1", "owner": "0" * 12, "reason": payload},
+            {"resource": "order:1", "owner": "0" * 12, "reason": "x", "slot": payload},
         ):
             response = browser.post(RELEASE, data, follow=True)
             if _reflected(response, payload):

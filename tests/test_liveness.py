@@ -411,7 +411,7 @@ def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):
     "healthy" until its lock expired: a lock never renewed proved nothing. A @locked_job with
     its heartbeat on renews by TTL / 3, so never renewed past TTL / 2 is a stopped heartbeat."""
     from django_joblock.monitor.active import active_locks
-    from django_joblock.monitor.health import Health, lock_health
+    from django_joblock.monitor.health import Health, holder_health
 
     crews(True).start("default")
     admission_jobs.long_hold.delay(36, "stopped")  # TTL 30 s: first renewal after 10 s
@@ -420,8 +420,10 @@ def test_a_job_stopped_before_its_first_renewal_is_shown_silent(crews, rconn):
     try:
 
         def health() -> tuple[str, str]:
-            found = lock_health(active_locks()).get("hot:36")
-            return (found.state.value, found.why) if found else ("", "")
+            rows = active_locks()
+            judged = zip(rows, holder_health(rows), strict=True)
+            found = [each for row, each in judged if row.resource == "hot:36"]
+            return (found[0].state.value, found[0].why) if found else ("", "")
 
         assert health()[0] == Health.HEALTHY.value, "negative control: young, it proves nothing yet"
         assert int(rconn.hget("joblock:{hot:36}:lock", "renewals") or 0) == 0

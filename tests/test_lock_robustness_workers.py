@@ -123,7 +123,7 @@ def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn)
     from django.core.management import call_command
 
     from django_joblock.monitor.active import active_locks
-    from django_joblock.monitor.health import Health, lock_health
+    from django_joblock.monitor.health import Health, holder_health
     from tests.harness import ROOT, child_env, wait_for
 
     proc = subprocess.Popen(
@@ -134,7 +134,7 @@ def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn)
 
         def health() -> str:
             rows = active_locks()
-            return lock_health(rows)[rows[0].resource].state.value if rows else ""
+            return holder_health(rows)[0].state.value if rows else ""
 
         renewed = lambda: int(rconn.hget("joblock:{ext:1}:lock", "renewals") or 0) >= 1  # noqa: E731
         assert wait_for(renewed, 10)
@@ -142,7 +142,7 @@ def test_a_holder_outside_rq_that_stops_renewing_is_reported_not_renewing(rconn)
         os.kill(proc.pid, signal.SIGSTOP)
         assert wait_for(lambda: health() == Health.SILENT.value, 10), health()
         rows = active_locks()
-        assert "its heartbeat stopped" in lock_health(rows)["ext:1"].why
+        assert "its heartbeat stopped" in holder_health(rows)[0].why
         out = io.StringIO()
         call_command("joblock_reap", stdout=out)
         assert rconn.exists("joblock:{ext:1}:lock"), "not reaped: " + out.getvalue()

@@ -9,6 +9,7 @@ parameter is a ``text/plain`` 400 naming it; a Redis that does not answer is a 5
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from typing import Any
 
@@ -26,8 +27,14 @@ from ..backend import REDIS_ERRORS
 from ..exceptions import LockBackendUnavailable
 from ..jobs.decorator import idempotency_scopes
 from ..jobs.history import Delivery, summary
-from ..locks.info import lock_info
-from ..locks.keys import is_owner_hash, owner_hash, validate_family, validate_resource
+from ..locks.info import LockInfo, lock_holders
+from ..locks.keys import (
+    MAX_LIMIT,
+    is_owner_hash,
+    owner_hash,
+    validate_family,
+    validate_resource,
+)
 from ..models import Dashboard, IdempotencyRecord, LockAudit
 from ..monitor import control, dashboard
 from ..monitor.health import Health, job_queue, record_deliveries
@@ -141,15 +148,38 @@ def _bad_dashboard_parameter(family: str | None, health: str | None, timeline: s
     return ""
 
 
-def _bad_release_parameter(resource: str, owner: str) -> str:
-    """Why the force release's resource or owner hash is refused ("" if they are fine)."""
+def _bad_release_parameter(resource: str, owner: str, slot: str) -> str:
+    """Why the force release's resource, owner hash or slot is refused ("" if they are fine)."""
     try:
         validate_resource(resource)
+        _release_slot(slot)
     except ValueError as exc:
         return str(exc)
     if owner and not is_owner_hash(owner):
         return f"Invalid owner {owner[:80]!r}: expected a 12-character owner hash."
     return ""
+
+
+def _release_slot(given: str) -> int:
+    """The slot a force release names (``""``: slot 0, a plain lock's); ``ValueError`` naming
+    the ``slot`` parameter otherwise."""
+    if not given:
+        return 0
+    if not re.fullmatch("[0-9]{1,9}", given):
+        raise ValueError(f"Invalid slot {given[:20]!r}: expected a number 0..{MAX_LIMIT - 1}.")
+    return control.validate_slot("slot", int(given))
+
+
+def _held_slot(resource: str, slot: int) -> LockInfo | None:
+    """The holder of ``slot`` of ``resource``'s lock now, or None (read with slots 0..slot,
+    one round trip)."""
+    held = lock_holders(resource, limit=slot + 1)
+    return next((info for info in held if info.slot == slot), None)
+
+
+def _named(resource: str, slot: int) -> str:
+    """The resource as messages name it: with its slot, for any slot but a plain lock's 0."""
+    return f"{resource} (slot {slot})" if slot else resource
 
 
 @admin.register(Dashboard)
@@ -234,54 +264,60 @@ class DashboardAdmin(ReadOnlyAdmin):
         source = request.POST if request.method == "POST" else request.GET
         resource = source.get("resource", "")
         owner = source.get("owner", "")
-        if problem := _bad_release_parameter(resource, owner):
+        if problem := _bad_release_parameter(resource, owner, source.get("slot", "")):
             return bad_request(problem)
+        slot = _release_slot(source.get("slot", ""))
         if request.method == "GET":
-            return self._release_confirmation(request, resource, owner, errors=[])
+            return self._release_confirmation(request, resource, owner, slot, errors=[])
         reason = request.POST.get("reason", "").strip()
         if not reason:
             errors = ["A reason is required."]
-            return self._release_confirmation(request, resource, owner, errors)
+            return self._release_confirmation(request, resource, owner, slot, errors)
         if not owner:
             errors = ["The owner shown on the page is missing."]
-            return self._release_confirmation(request, resource, owner, errors)
-        return self._force_release(request, resource, owner, reason)
+            return self._release_confirmation(request, resource, owner, slot, errors)
+        return self._force_release(request, resource, owner, slot, reason)
 
     def _force_release(
-        self, request: HttpRequest, resource: str, owner: str, reason: str
+        self, request: HttpRequest, resource: str, owner: str, slot: int, reason: str
     ) -> HttpResponse:
-        """Compare-and-delete + audit, then back to the dashboard with the outcome as a message;
-        the confirmation page again, with the error, if the release was refused."""
+        """Compare-and-delete of ``slot``'s holding + audit, then back to the dashboard with the
+        outcome as a message; the confirmation page again, with the error, if it was refused."""
         try:  # the actor is the user's name
-            result = control.force_release(resource, owner=owner, reason=reason, user=request.user)
+            result = control.force_release(
+                resource, owner=owner, slot=slot, reason=reason, user=request.user
+            )
         except LockBackendUnavailable as exc:
             error = f"{exc}. See the lock audit log for what was recorded."
             return self._release_unavailable(request, resource, error)
         except ValueError as exc:  # nothing released
-            return self._release_confirmation(request, resource, owner, [str(exc)])
+            return self._release_confirmation(request, resource, owner, slot, [str(exc)])
+        named = _named(resource, slot)
         if result.released:
-            message = f"Force-released lock {resource} (owner {owner}): {reason}"
+            message = f"Force-released lock {named} (owner {owner}): {reason}"
             self.log_change(request, result.audit, message)
-            messages.success(request, f"Released {resource}: {reason}")
+            messages.success(request, f"Released {named}: {reason}")
         else:
             messages.error(request, f"Not released: {result.outcome}")
         return redirect(DASHBOARD)
 
     def _release_confirmation(
-        self, request: HttpRequest, resource: str, owner: str, errors: list[str]
+        self, request: HttpRequest, resource: str, owner: str, slot: int, errors: list[str]
     ) -> HttpResponse:
-        """The confirmation page: the lock as it is now, and why the last attempt failed."""
+        """The confirmation page: the holder of ``slot`` as it is now, and why the last attempt
+        failed."""
         try:
-            current = lock_info(resource)
+            current = _held_slot(resource, slot)
         except LockBackendUnavailable as exc:
             return self._release_unavailable(request, resource, f"{exc}. Nothing was changed.")
         return self._render(
             request,
             "release_confirm",
-            f"Force-release {resource}?",
+            f"Force-release {_named(resource, slot)}?",
             "Force release",
             resource=resource,
             owner=owner,
+            slot=slot,
             lock=current,
             errors=errors,
         )

@@ -285,10 +285,14 @@ class _Claimant:
 
 def _lock_held_now() -> tuple[int | None, str]:
     """The fence and the resource of the lock held now in this context; ``(None, "")`` when
-    none is held (or it has no fence)."""
+    none is held (or it has no fence). The fence is None for a lock with several holders
+    (``limit`` > 1): they hold it at once, so an older fence is no proof that its holder is
+    gone, and its claim is not superseded (:meth:`Claim.supersedes`)."""
     held = current_lock()
     if held is None or not held.held or held.fence is None:
         return None, ""
+    if held.limit > 1:
+        return None, held.resource
     return held.fence, held.resource
 
 

@@ -1,8 +1,9 @@
 """Admission (docs/jobs.md): a job whose resource is busy waits parked in RQ, not in a requeue
 loop. On rq >= 3.0 a job with a lock is enqueued with RQ's ``RateLimit(key=<its lock key>,
-concurrency=1)``: RQ parks the others, using no worker nor retry budget, until the slot frees (a
-killed horse's at once, a dead worker's at RQ's next maintenance); time-sorted job ids keep them
-FIFO. Admission decides only *when* a job starts; the lock stays the safety."""
+concurrency=N)`` (N = the job's ``concurrency``, 1 by default): RQ parks the others, using no
+worker nor retry budget, until a slot frees (a killed horse's at once, a dead worker's at RQ's
+next maintenance); time-sorted job ids keep them FIFO. Admission decides only *when* a job
+starts; the lock stays the safety."""
 
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ def supported() -> bool:
     return RateLimit is not None
 
 
-def plan(queue: Any, resource: str, enabled: bool, options: dict[str, Any]) -> Admission:
-    """Decide how a job on ``resource`` waits; if parked, add ``rate_limit`` (and, without a
+def plan(
+    queue: Any, resource: str, enabled: bool, options: dict[str, Any], concurrency: int = 1
+) -> Admission:
+    """Decide how a job on ``resource`` waits; if parked, add ``rate_limit`` (RQ's
+    ``RateLimit`` with ``concurrency`` runs at once: the job lock's ``limit``; and, without a
     ``job_id``, a time-sorted one) to ``options``, the enqueue call's merged RQ options."""
     own_prefix = (
         queue.job_class.redis_job_namespace_prefix != Job.redis_job_namespace_prefix
@@ -63,6 +67,6 @@ def plan(queue: Any, resource: str, enabled: bool, options: dict[str, Any]) -> A
         if refused:
             return why
     key = LockKeys(conf.get().KEY_PREFIX, resource).lock  # joblock:{order:1}:lock
-    options["rate_limit"] = RateLimit(key=key, concurrency=1)
+    options["rate_limit"] = RateLimit(key=key, concurrency=concurrency)
     options.setdefault("job_id", f"{time.time_ns():016x}{secrets.token_hex(8)}")
     return Admission.RATE_LIMIT

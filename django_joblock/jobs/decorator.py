@@ -22,7 +22,7 @@ from django.utils.module_loading import autodiscover_modules
 
 from .. import conf, metrics
 from ..idempotency.inputs import fingerprint_of, key_family, validate_scope
-from ..locks.keys import family
+from ..locks.keys import family, validate_limit
 from ..logs import logger
 from . import admission as admission_mod
 from . import runner
@@ -103,6 +103,7 @@ def locked_job(
     dedupe: bool = False,
     on_commit: bool = True,
     scope: str | None = None,
+    concurrency: int = 1,
     **rq_options: Any,
 ) -> Callable[[Callable[P, R]], LockedJob[P, R]]:
     """Decorate an RQ job function with the safe flow (:mod:`.runner`, docs/jobs.md): lock the
@@ -148,6 +149,10 @@ def locked_job(
     ``scope``: the scope of the idempotency records (default: the dotted name, which a rename
     changes; at most 100 characters; needs ``idempotency_key``).
 
+    ``concurrency``: how many runs of one resource may run at once (default 1; up to 100,
+    needs ``lock``): the lock's ``limit`` (each run holds a slot) and, with admission, RQ's
+    ``RateLimit(concurrency=N)``. A fence then orders nothing: ``fenced_update`` refuses it.
+
     ``rq_options``: RQ's ``enqueue`` options for every enqueue (``job_timeout``,
     ``result_ttl``, ``retry``...), checked here.
 
@@ -171,6 +176,7 @@ def locked_job(
         or _argument_problem(lock, idempotency_key, flags, on_lost, rq_options)
         or _idempotency_problem(idempotency_key, atomic, dedupe, rq_options)
         or _scope_problem(scope, idempotency_key)
+        or _concurrency_problem(concurrency, lock)
     )
     if why:
         raise ValueError(f"@locked_job: {why}")
@@ -195,6 +201,7 @@ def locked_job(
             on_lost=on_lost,
             rq_options=dict(rq_options),
             idempotency_scope=scope,
+            concurrency=concurrency,
             **flags,
         )
         if idempotency_key is not None:  # the scope is the dotted name: too long fails each run
@@ -286,6 +293,18 @@ def _old_positional_spelling(
     except TypeError:
         return False
     return True
+
+
+def _concurrency_problem(concurrency: object, lock: Template) -> str | None:
+    """What is wrong with ``concurrency=``, or None: an int in 1..``MAX_LIMIT``, above 1 only
+    for a job with a lock (it is the lock's ``limit``)."""
+    try:
+        validate_limit("concurrency", concurrency)
+    except ValueError as exc:
+        return str(exc).replace("concurrency limit", "concurrency", 1)
+    if concurrency != 1 and lock is None:
+        return "concurrency= is how many runs may hold the lock at once: it needs a lock"
+    return None
 
 
 def _scope_problem(scope: str | None, idempotency_key: Template) -> str | None:
@@ -399,7 +418,10 @@ def _add_joblock_state(
     may also add ``rate_limit`` and ``job_id`` to ``options`` (:func:`.admission.plan`)."""
     state: dict[str, Any] = {"resource": resource, "idempotency_key": key}
     if resource is not None:
-        state["admission"] = admission_mod.plan(queue, resource, spec.admission, options).value
+        plan = admission_mod.plan(queue, resource, spec.admission, options, spec.concurrency)
+        state["admission"] = plan.value
+        if spec.concurrency > 1:
+            state["limit"] = spec.concurrency  # for the worker that finds a horse dead
     options["meta"] = {**options.get("meta", {}), "joblock": state}
 
 

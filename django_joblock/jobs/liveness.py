@@ -53,7 +53,7 @@ def sweep(queue_connection: Any) -> list[index.Member]:
         return []
     pipe = client().pipeline(transaction=False)
     for entry in found:
-        pipe.hget(LockKeys(settings.KEY_PREFIX, entry.resource).lock, "token")
+        pipe.hget(entry.key, "token")
     tokens = pipe.execute()
     gone = [
         entry
@@ -94,20 +94,38 @@ def _free_slot(queue_connection: Any, prefix: str, entry: index.Member) -> None:
     logger.warning(message, entry.job_id, entry.resource, next_job, extra=fields)
 
 
-def release_ended(resource: str, job_id: str, worker: str) -> bool:
-    """Release ``resource``'s lock if RQ job ``job_id``'s run on ``worker`` (its work horse has
-    exited: killed) still holds it, as the holder would, with the lock's token (it hands the lock
-    to the first waiter); never a run of the same job on another worker (a retry, a re-delayed
-    ``dedupe`` job). One round trip, two when it releases; Redis errors propagate."""
+def release_ended(resource: str, job_id: str, worker: str, limit: int = 1) -> bool:
+    """Release ``resource``'s lock (the slot it holds, of a lock with ``limit`` slots) if RQ job
+    ``job_id``'s run on ``worker`` (its work horse has exited: killed) still holds it, as the
+    holder would, with the lock's token (it hands the lock to the first waiter); never a run of
+    the same job on another worker (a retry, a re-delayed ``dedupe`` job). One round trip, two
+    when it releases; Redis errors propagate."""
     locks = client()
     keys = LockKeys(conf.get().KEY_PREFIX, resource)
-    found = LockHash.decode(locks.hgetall(keys.lock))
-    if found is None or (found.job_id, found.worker) != (job_id, worker):
+    holding = _held_by(locks, keys, limit, job_id, worker)
+    if holding is None:
         return False
-    unindex = index.remove_call(keys.prefix, resource, found.owner, job_id)
+    slot, found = holding
+    keys = keys.at(slot)
+    unindex = index.remove_call(keys.prefix, resource, found.owner, job_id, slot)
     released = waiting.release(locks, keys, found.token, "", [unindex])[0] is Outcome.OK
     if released:
         fields = {"job_id": job_id, "resource": resource, "outcome": "released_for_dead_horse"}
         message = "job %s's work horse exited holding %s: its lock is released"
         logger.warning(message, job_id, resource, extra=fields)
     return released
+
+
+def _held_by(
+    locks: Any, keys: LockKeys, limit: int, job_id: str, worker: str
+) -> tuple[int, LockHash] | None:
+    """The slot (of ``limit``) and lock hash ``job_id``'s run on ``worker`` holds, if any: the
+    slots are read in one round trip."""
+    pipe = locks.pipeline(transaction=False)
+    for slot in range(limit):
+        pipe.hgetall(keys.slot_key(slot))
+    for slot, raw in enumerate(pipe.execute()):
+        found = LockHash.decode(raw)
+        if found is not None and (found.job_id, found.worker) == (job_id, worker):
+            return slot, found
+    return None

@@ -86,7 +86,13 @@ def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> End
         except IdempotencyInProgress as exc:
             return conflict(state, None, exc)
     abort = Abort(spec.on_lost)
-    held = Lock(state.resource, ttl=spec.ttl, heartbeat=spec.heartbeat, on_lost=abort.lost)
+    held = Lock(
+        state.resource,
+        ttl=spec.ttl,
+        heartbeat=spec.heartbeat,
+        on_lost=abort.lost,
+        limit=spec.concurrency,
+    )
     try:  # a worker tries once (admission let it start); an inline call waits ACQUIRE_WAIT
         acquired = held.acquire(wait=0.0 if state.worker else None)
     except LockBackendUnavailable as exc:

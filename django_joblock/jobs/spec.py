@@ -60,6 +60,7 @@ class JobSpec(Generic[P, R]):
     on_commit: bool = True
     on_rq: bool = True  # False: a @locked_task whose backend runs it elsewhere (no RQ queue)
     idempotency_scope: str | None = None  # ``scope=``: None for the dotted name
+    concurrency: int = 1  # runs of one resource at once: its lock's ``limit``
 
     @property
     def name(self) -> str:

@@ -55,12 +55,12 @@ class AsyncLock(Lock):
         re-raises ``CancelledError``. Raises as ``acquire`` does."""
         with self._one_call():
             wait, args = self._prepare_acquire(wait)
-            entry = self._index_entry()
+            entry = self.index_entry()
             started = time.monotonic()
             try:
                 found = async_backend.client(self.cache)
-                if wait > 0:
-                    turn = await self._await_in_line(found, args, entry, started + wait)
+                if wait > 0 or self.limit > 1:  # with a limit, a one-try is a wait's last call
+                    turn = await self._await_in_line(found, args, started + wait)
                 else:
                     turn = await self._try_once_cancellable(found, args, entry, started)
             except REDIS_ERRORS as exc:
@@ -77,13 +77,13 @@ class AsyncLock(Lock):
             await asyncio.shield(async_backend.drive(self._give_back(), found))
             raise
 
-    async def _await_in_line(
-        self, found: Any, args: list[Any], entry: index.Entry, deadline: float
-    ) -> waiting.Turn:
+    async def _await_in_line(self, found: Any, args: list[Any], deadline: float) -> waiting.Turn:
         """:meth:`~.lock.Lock._wait_in_line`, awaited. Redis errors are raised (the ticket
         expires on its own, and a repeat keeps the place); anything else (a cancellation)
         leaves the line first, shielded from a second cancellation."""
-        waiter = waiting.Waiter(self.keys, self.owner, args, confirm=not self.heartbeat)
+        waiter = waiting.Waiter(
+            self.keys, self.owner, args, confirm=not self.heartbeat, limit=self.limit
+        )
         async with async_backend.blocking_client(self.cache) as blocking:
             try:
                 turn = await async_backend.drive(waiter.take_turn(deadline), found, blocking)
@@ -94,7 +94,8 @@ class AsyncLock(Lock):
                     await asyncio.shield(async_backend.drive(waiter.leave(), found))
                 raise
         if turn.reply > 0:
-            await async_backend.drive(self._add_to_index(entry), found)
+            self._take_slot(turn.slot)
+            await async_backend.drive(self._add_to_index(self.index_entry()), found)
         return turn
 
     async def arelease(self) -> bool:
@@ -162,6 +163,7 @@ def alock(
     max_hold: float | None = None,
     on_lost: OnLost | None = None,
     cache: str | None = None,
+    limit: int = 1,
 ) -> AsyncLock:
     """An :class:`AsyncLock` on ``resource``: ``async with alock("order:1") as held:``, or as a
     decorator of an ``async def`` (``@alock("report")``). The arguments are :func:`~.lock.lock`'s.
@@ -176,4 +178,5 @@ def alock(
         max_hold=max_hold,
         on_lost=on_lost,
         cache=cache,
+        limit=limit,
     )

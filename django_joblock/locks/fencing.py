@@ -30,13 +30,15 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
     Sets ``lock_fence = fence`` with ``values`` in one statement; returns the rows updated.
     Raises :class:`StaleFence` (carrying the highest fence found) when no row qualified: a newer
     holder wrote them, or the queryset matched nothing; ``ValueError`` for a fence that is not
-    a positive int (``None`` from a lock never acquired)."""
+    a positive int (``None`` from a lock never acquired), and for the fence of the lock held
+    here when it has several holders (``limit`` > 1: see :func:`_refuse_shared_fence`)."""
     if isinstance(fence, bool) or not isinstance(fence, int) or fence <= 0:
         raise ValueError(f"fenced_update: fence must be a positive int, got {fence!r}.")
     if "lock_fence" in values:
         raise ValueError(
             "fenced_update: lock_fence is set from the fence argument; do not pass it in values."
         )
+    _refuse_shared_fence(fence)
     updated = queryset.filter(Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence)).update(
         lock_fence=fence, **values
     )
@@ -56,6 +58,23 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
             current=current,
         )
     return updated
+
+
+def _refuse_shared_fence(fence: int) -> None:
+    """``ValueError`` when ``fence`` is that of the lock held here and the lock has several
+    holders at once (``lock(limit=N)``, ``@locked_job(concurrency=N)``).
+
+    Their fences increase with each acquire, but a row several legitimate holders write cannot
+    be guarded by them: a holder that wrote with a larger fence would make the others' valid
+    writes look stale, and a stale holder could still write after a valid one with a smaller
+    fence. Guarding would be pretending; the write is refused instead."""
+    held = current_lock()
+    if held is not None and held.limit > 1 and held.fence == fence:
+        raise ValueError(
+            f"fenced_update: the fence {fence} is of lock({held.resource!r}, "
+            f"limit={held.limit}), which several holders hold at once: a fence cannot order "
+            "their writes to shared rows (docs/locks.md, 'Several holders')"
+        )
 
 
 async def afenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> int:

@@ -1,7 +1,8 @@
 """The active-lock index and the families set: the one module that encodes and reads them.
 
 - ``P:active:<family>`` (ZSET): one member ``resource#owner`` (``resource#owner#job_id``
-  for an RQ job's lock) per holding, scored by its expiry (Unix ms). The ACQUIRE script
+  for an RQ job's lock; ``resource#owner#job_id#slot`` for slot 1 or more of a lock with a
+  limit) per holding, scored by its expiry (Unix ms). The ACQUIRE script
   writes it and RELEASE removes it (on Redis Cluster, and after a wait in line, a round trip
   of its own follows them, best effort: another node's outage never fails a lock); every
   renewal refreshes its score. An entry whose score passed proves that its holding ended without a
@@ -26,7 +27,8 @@ from .. import conf
 from ..backend import client, is_cluster, text
 from . import keys
 
-Entry = tuple[str, str, float, str]  # (resource, owner, ttl in seconds, RQ job id or "")
+# (resource, owner, ttl in seconds, RQ job id or "", slot of a lock with a limit, else 0)
+Entry = tuple[str, str, float, str, int]
 
 
 class Member(NamedTuple):
@@ -37,6 +39,12 @@ class Member(NamedTuple):
     owner: str
     job_id: str
     expires_ms: int  # the score: the holding's expiry (Unix ms, by its holder's clock)
+    slot: int = 0  # which lock hash of the resource the holding has (lock(limit=N))
+
+    @property
+    def key(self) -> str:
+        """The lock hash of this holding, under the settings' key prefix."""
+        return keys.LockKeys(conf.get().KEY_PREFIX, self.resource, self.slot).lock
 
 
 def _index_key(prefix: str, family: str) -> str:
@@ -47,8 +55,10 @@ def families_key(prefix: str) -> str:
     return f"{prefix}:families"
 
 
-def member(resource: str, owner: str, job_id: str = "") -> str:
+def member(resource: str, owner: str, job_id: str = "", slot: int = 0) -> str:
     """The index member of one holding (a resource has no ``#``; neither has an RQ job id)."""
+    if slot:
+        return f"{resource}#{owner}#{job_id}#{slot}"
     return f"{resource}#{owner}#{job_id}" if job_id else f"{resource}#{owner}"
 
 
@@ -56,9 +66,9 @@ def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
     """Commands that (re)index holdings by expiry: a ``ZADD`` per family, a ``SADD`` of them."""
     now_ms = time.time() * 1000
     scores: dict[str, list[Any]] = {}
-    for resource, owner, ttl, job_id in entries:
+    for resource, owner, ttl, job_id, slot in entries:
         scores.setdefault(keys.family(resource), []).extend(
-            (int(now_ms + ttl * 1000), member(resource, owner, job_id))
+            (int(now_ms + ttl * 1000), member(resource, owner, job_id, slot))
         )
     calls: list[list[Any]] = [
         ["ZADD", _index_key(prefix, family), *pairs] for family, pairs in scores.items()
@@ -74,17 +84,19 @@ def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[An
     Cluster (the index is in other slots): :func:`add_calls` and :func:`remove_call` instead."""
     if is_cluster(found):
         return [], []
-    resource, owner, ttl, job_id = entry
+    resource, owner, ttl, job_id, slot = entry
     family = keys.family(resource)
     score = int(time.time() * 1000 + ttl * 1000)
     index_keys = [_index_key(prefix, family), families_key(prefix)]
-    return index_keys, [score, member(resource, owner, job_id), family]
+    return index_keys, [score, member(resource, owner, job_id, slot), family]
 
 
-def remove_call(prefix: str, resource: str, owner: str, job_id: str = "") -> list[Any]:
+def remove_call(
+    prefix: str, resource: str, owner: str, job_id: str = "", slot: int = 0
+) -> list[Any]:
     """The command that removes one holding's entry."""
     key = _index_key(prefix, keys.family(resource))
-    return ["ZREM", key, member(resource, owner, job_id)]
+    return ["ZREM", key, member(resource, owner, job_id, slot)]
 
 
 def families() -> list[str]:
@@ -125,9 +137,10 @@ def _decoded(names: list[str], replies: list[Any]) -> list[Member]:
     decoded = []
     for family, pairs in zip(names, replies, strict=True):
         for raw, score in pairs:
-            resource, _, rest = text(raw).partition("#")  # the inverse of member()
-            owner, _, job_id = rest.partition("#")
-            decoded.append(Member(family, resource, owner, job_id, int(score)))
+            # The inverse of member(): resource#owner[#job_id[#slot]].
+            resource, owner, job_id, slot = [*text(raw).split("#"), "", ""][:4]
+            slot_number = int(slot) if slot.isdigit() else 0
+            decoded.append(Member(family, resource, owner, job_id, int(score), slot_number))
     return decoded
 
 
@@ -148,5 +161,7 @@ def drop(stale: list[Member]) -> None:
         prefix = conf.get().KEY_PREFIX
         pipe = client().pipeline(transaction=False)
         for entry in stale:
-            pipe.execute_command(*remove_call(prefix, entry.resource, entry.owner, entry.job_id))
+            pipe.execute_command(
+                *remove_call(prefix, entry.resource, entry.owner, entry.job_id, entry.slot)
+            )
         pipe.execute()

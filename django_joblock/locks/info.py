@@ -17,7 +17,7 @@ from rq import get_current_job
 
 from .. import conf
 from ..backend import REDIS_ERRORS, Call, cache_argument, client, send, text, unavailable
-from .keys import LockKeys, owner_hash, validate_resource
+from .keys import LockKeys, owner_hash, validate_limit, validate_resource
 from .scripts import READ
 
 HOST = socket.gethostname()[:255]
@@ -54,6 +54,7 @@ class Holder:
     renewed_ms: int | None
     renewals: int
     ttl_ms: int | None
+    limit: int  # holders the lock allows at once (lock(limit=N)); 1 for a plain lock
 
     def holder(self) -> dict[str, Any]:
         """These fields as keyword arguments (to build a row that extends them)."""
@@ -89,6 +90,7 @@ class LockHash(Holder):
             renewed_ms=_int(fields.get("renewed_ms")),
             renewals=_int(fields.get("renewals")) or 0,
             ttl_ms=_int(fields.get("ttl_ms")),
+            limit=_int(fields.get("limit")) or 1,
         )
 
     @property
@@ -97,11 +99,12 @@ class LockHash(Holder):
         return owner_hash(self.token)
 
     def details(self) -> dict[str, str]:
-        """The holder details an audit row keeps (no token, no fence), as text."""
+        """The holder details an audit row keeps (no token, no fence; the limit of a lock with
+        several holders), as text."""
         return {
             name: str(value)
             for name, value in self.holder().items()
-            if name != "fence" and value not in (None, "")
+            if name != "fence" and value not in (None, "") and (name, value) != ("limit", 1)
         }
 
 
@@ -126,16 +129,19 @@ class LockInfo:
     renewed_at: datetime | None
     renewals: int
     held_for: float = 0.0  # seconds since the acquisition, on the server's clock
+    slot: int = 0  # which of the ``limit`` slots of a lock with several holders
+    limit: int = 1  # holders the lock allows at once
+    slots_used: int = 1  # slots held at the read (``lock_info(..., limit=N)``)
 
 
 Snapshot = tuple[LockHash | None, int, int]  # (the hash or None, its PTTL in ms, server ms)
 
 
-def read_many(found: Any, resources: list[str]) -> list[Snapshot]:
-    """A :data:`Snapshot` per resource in one round trip (READ: an atomic read on the lock's own
-    server, with its clock). Raises redis-py's errors (map them with ``backend.unavailable``)."""
-    prefix = conf.get().KEY_PREFIX
-    calls: list[Call] = [(READ, [LockKeys(prefix, r).lock], []) for r in resources]
+def read_many(found: Any, lock_keys: list[str]) -> list[Snapshot]:
+    """A :data:`Snapshot` per lock hash in ``lock_keys`` in one round trip (READ: an atomic read
+    on the lock's own server, with its clock). Raises redis-py's errors (map them with
+    ``backend.unavailable``)."""
+    calls: list[Call] = [(READ, [key], []) for key in lock_keys]
     snapshots = []
     for reply in send(found, calls) if calls else []:
         if isinstance(reply, Exception):
@@ -148,24 +154,45 @@ def read_many(found: Any, resources: list[str]) -> list[Snapshot]:
 
 
 def lock_info(
-    resource: str, *, cache: str | None = None, using: str | None = None
+    resource: str, *, cache: str | None = None, using: str | None = None, limit: int = 1
 ) -> LockInfo | None:
     """Who holds ``resource`` now, or None when it is free: a snapshot (the lock may change
     hands a moment later) in one read-only round trip, which never takes or extends the lock.
     ``cache``: the django-redis cache alias of the locks (default ``JOBLOCK["REDIS_ALIAS"]``;
-    ``using=``, its old name, warns).
+    ``using=``, its old name, warns). For a lock with several holders give its ``limit``:
+    the holder of the lowest slot held is returned, with ``slots_used`` (see
+    :func:`lock_holders` for each of them).
 
-    Raises :class:`~django_joblock.InvalidResource` for a bad resource and
-    :class:`~django_joblock.LockBackendUnavailable` when Redis cannot be asked."""
+    Raises :class:`~django_joblock.InvalidResource` for a bad resource, ``ValueError`` for a
+    bad limit and :class:`~django_joblock.LockBackendUnavailable` when Redis cannot be asked."""
+    holders = lock_holders(resource, cache=cache_argument(cache, using), limit=limit)
+    return holders[0] if holders else None
+
+
+def lock_holders(resource: str, *, limit: int, cache: str | None = None) -> list[LockInfo]:
+    """The holders of each slot of ``resource``, a lock with up to ``limit`` holders
+    (``lock(resource, limit=N)``), lowest slot first: one read-only round trip, as
+    :func:`lock_info`. Raises as :func:`lock_info` does."""
     settings = conf.get()
     resource = validate_resource(resource)
+    keys = LockKeys(settings.KEY_PREFIX, resource)
+    slot_keys = [keys.slot_key(slot) for slot in range(validate_limit("lock_info:", limit))]
     try:
-        ((found, pttl, server_ms),) = read_many(client(cache_argument(cache, using)), [resource])
+        snapshots = read_many(client(cache), slot_keys)
     except REDIS_ERRORS as exc:
-        key = LockKeys(settings.KEY_PREFIX, resource).lock
-        raise unavailable(exc, "read the lock", resource=resource, key=key, owner="") from exc
-    if found is None:
-        return None
+        raise unavailable(exc, "read the lock", resource=resource, key=keys.lock, owner="") from exc
+    held = [
+        (slot, found, pttl, server_ms)
+        for slot, (found, pttl, server_ms) in enumerate(snapshots)
+        if found is not None
+    ]
+    return [_info(resource, limit, len(held), *each) for each in held]
+
+
+def _info(
+    resource: str, limit: int, used: int, slot: int, found: LockHash, pttl: int, server_ms: int
+) -> LockInfo:
+    """The :class:`LockInfo` of one held ``slot`` of ``used`` (of ``limit``), from its read."""
     same = ("host", "pid", "job_id", "job_func", "worker", "renewals")  # as the hash has them
     return LockInfo(
         resource=resource,
@@ -176,6 +203,9 @@ def lock_info(
         acquired_at=_server_time(found.acquired_ms),
         renewed_at=_server_time(found.renewed_ms),
         held_for=found.seconds_held(server_ms),
+        slot=slot,
+        limit=found.limit,
+        slots_used=used,
         **{name: getattr(found, name) for name in same},
     )
 

@@ -9,10 +9,11 @@ Keys of one resource (``P`` = ``JOBLOCK["KEY_PREFIX"]``), all under its hash tag
 key a script touches is in one Redis Cluster slot (a resource cannot contain braces)::
 
     P:{order:123}:lock      HASH    token, fence, holder details (TTL = the lock's TTL)
+    P:{order:123}:lock:I    HASH    the same, for slot I (1..N-1) of a lock with limit=N
     P:{order:123}:fence     STRING  last fence issued (expires a day after the last acquire)
     P:{order:123}:queue     ZSET    tickets of waiting acquires in arrival order
     P:{order:123}:tickets   HASH    ticket -> its expiry and the details of a handed-over lock
-    P:{order:123}:wake:T    LIST    "fence next-ticket", pushed when the lock is handed to T
+    P:{order:123}:wake:T    LIST    "fence next-ticket lock-hash", pushed when handed to T
     P:{order:123}:released  STRING  an operator's note on a release (locks/notes.py)
 """
 
@@ -25,6 +26,9 @@ from dataclasses import dataclass
 from ..exceptions import InvalidResource
 
 MAX_RESOURCE_LENGTH = 200
+# Most holders a lock with a limit may have at once (``lock(limit=N)``): each slot is a key
+# its scripts look at, so N is what one acquire costs the server.
+MAX_LIMIT = 100
 _CHARS = "A-Za-z0-9_.:@/-"
 RESOURCE_RE = re.compile(rf"[{_CHARS}]{{1,{MAX_RESOURCE_LENGTH}}}\Z")
 # A family is a resource's part before its first ':' (no ':' itself).
@@ -78,19 +82,44 @@ def is_owner_hash(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch("[0-9a-f]{12}", value) is not None
 
 
+def validate_limit(what: str, limit: object) -> int:
+    """``limit`` if it is an int in 1..:data:`MAX_LIMIT` (most holders at once), else
+    ``ValueError`` naming ``what``."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(
+            f"{what} limit must be an int in 1..{MAX_LIMIT} (most holders at once), got {limit!r}."
+        )
+    return limit
+
+
 @dataclass(frozen=True)
 class LockKeys:
-    """The keys of one resource under one prefix."""
+    """The keys of one resource under one prefix; ``slot`` picks which lock hash ``lock`` is
+    (slot 0, the only one of a lock without a limit, is ``P:{resource}:lock``)."""
 
     prefix: str
     resource: str
+    slot: int = 0
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}:{{{self.resource}}}:{name}"
 
     @property
     def lock(self) -> str:
-        return self._key("lock")
+        return self.slot_key(self.slot)
+
+    def slot_key(self, slot: int) -> str:
+        """The lock hash of ``slot`` (0: ``P:{resource}:lock``)."""
+        return self._key("lock") if slot == 0 else self._key(f"lock:{slot}")
+
+    def more_slots(self, limit: int) -> list[str]:
+        """The lock hashes of slots 1..``limit`` - 1: what a lock with that limit adds to
+        slot 0's."""
+        return [self.slot_key(slot) for slot in range(1, limit)]
+
+    def at(self, slot: int) -> LockKeys:
+        """These keys with ``lock`` naming ``slot``'s hash."""
+        return LockKeys(self.prefix, self.resource, slot)
 
     @property
     def fence(self) -> str:

@@ -50,7 +50,7 @@ from ..signals import lock_acquired, lock_contended, lock_released
 from . import current, index, replicas, waiting
 from .current import reset_current_lock, set_current_lock
 from .info import holder_details
-from .keys import LockKeys, validate_resource
+from .keys import LockKeys, validate_limit, validate_resource
 from .renewal import renewer
 from .scripts import ACQUIRE, FENCE_COUNTER_TTL_MS, Outcome
 from .state import Holding, LockState, OnLost, drift
@@ -74,7 +74,9 @@ class Lock(Holding):
 
     ``ttl`` (s) defaults to ``JOBLOCK["LOCK_TTL"]``; ``wait`` (s) is how long :meth:`acquire`
     waits in line for a busy lock (default ``JOBLOCK["ACQUIRE_WAIT"]``, 0 = one try,
-    ``math.inf`` = until it gets it). With ``heartbeat`` the renewal thread renews the lock
+    ``math.inf`` = until it gets it). ``limit`` (default 1) is how many holders the resource
+    may have at once: each takes one of its ``limit`` slots (``slot``), with its own token,
+    TTL, heartbeat and fence. With ``heartbeat`` the renewal thread renews the lock
     every ``HEARTBEAT_INTERVAL`` (default ttl/3) until ``max_hold`` (s), and calls
     ``on_lost(lock, reason)`` when it finds it lost. ``cache`` names the django-redis cache.
     """
@@ -90,10 +92,13 @@ class Lock(Holding):
         on_lost: OnLost | None = None,
         cache: str | None = None,
         using: str | None = None,
+        limit: int = 1,
     ) -> None:
         settings = conf.get()
         cache = cache_argument(cache, using)
         self.resource: str = validate_resource(resource)
+        what = f"lock({resource!r}):"
+        self.limit: int = validate_limit(what, limit)
         # As given, for the lock of each call when this one decorates a function.
         self._arguments: dict[str, Any] = {
             "ttl": ttl,
@@ -102,8 +107,8 @@ class Lock(Holding):
             "max_hold": max_hold,
             "on_lost": on_lost,
             "cache": cache,
+            "limit": limit,
         }
-        what = f"lock({resource!r}):"
         ttl = settings.LOCK_TTL if ttl is None else ttl
         self.ttl: float = conf.TTL_RANGE.check(f"{what} ttl", ttl)
         wait = settings.ACQUIRE_WAIT if wait is None else wait
@@ -117,7 +122,8 @@ class Lock(Holding):
         self.on_lost: OnLost | None = on_lost
         self.cache: str = cache or settings.REDIS_ALIAS
         self.keys = LockKeys(settings.KEY_PREFIX, self.resource)
-        self.key: str = self.keys.lock
+        self.key: str = self.keys.lock  # the lock hash of the slot held (slot 0 until then)
+        self.slot: int = 0
         self.family: str = self.keys.family
         # Who was first in line behind this holder when it got the lock: its release hands
         # the lock to that waiter in the same round trip (see waiting.release).
@@ -194,12 +200,12 @@ class Lock(Holding):
     def _acquire(self, wait: float | None) -> bool:
         """The body of :meth:`acquire`, run under :meth:`_one_call`."""
         wait, args = self._prepare_acquire(wait)
-        entry = self._index_entry()
+        entry = self.index_entry()
         started = time.monotonic()
         try:
             found = client(self.cache)  # on Redis Cluster, made by asking a node
-            if wait > 0:
-                turn = self._wait_in_line(found, args, entry, started + wait)
+            if wait > 0 or self.limit > 1:  # with a limit, a one-try is a wait's last call
+                turn = self._wait_in_line(found, args, started + wait)
             else:
                 turn = drive(self._try_once(found, args, entry, started), found)
         except REDIS_ERRORS as exc:
@@ -223,7 +229,14 @@ class Lock(Holding):
             self.token = secrets.token_hex(16)
             self._spent = False
         self.job_id, self.job_func, details = holder_details()
+        self._take_slot(0)
         return wait, [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
+
+    def _take_slot(self, slot: int) -> None:
+        """Point ``keys``, ``key`` and ``slot`` at the lock hash of ``slot``."""
+        self.slot = slot
+        self.keys = self.keys.at(slot)
+        self.key = self.keys.lock
 
     def _failed_attempt(self, exc: BaseException) -> LockBackendUnavailable:
         """An acquire that Redis failed: counted as a failed attempt; the error to raise (this
@@ -241,6 +254,7 @@ class Lock(Holding):
             metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
             self._report_busy(turn, waited)
             return False
+        self._take_slot(turn.slot)
         valid_for = yield from self._usable_for(found, turn, now)
         self._hold(turn, valid_for, waited)
         # Counted once the renewal thread knows the lock (``_hold``): it leaves a job's metrics
@@ -273,19 +287,25 @@ class Lock(Holding):
             yield from self._add_to_index(entry)
         return turn
 
-    def _wait_in_line(
-        self, found: Any, args: list[Any], entry: index.Entry, deadline: float
-    ) -> waiting.Turn:
+    def _wait_in_line(self, found: Any, args: list[Any], deadline: float) -> waiting.Turn:
         """Wait in line for the lock until the monotonic ``deadline`` (s), then index it if
         got. A lock handed over with less than its TTL left is renewed before returning when
         there is no heartbeat (else the heartbeat renews it within ``Turn.valid_for``). Redis
         errors are raised; an interruption leaves the line (:func:`.waiting.wait_in_line`)."""
         confirm = not self.heartbeat
         turn = waiting.wait_in_line(
-            found, self.cache, self.keys, self.owner, args, deadline, confirm=confirm
+            found,
+            self.cache,
+            self.keys,
+            self.owner,
+            args,
+            deadline,
+            confirm=confirm,
+            limit=self.limit,
         )
         if turn.reply > 0:
-            drive(self._add_to_index(entry), found)
+            self._take_slot(turn.slot)
+            drive(self._add_to_index(self.index_entry()), found)
         return turn
 
     def _add_to_index(self, entry: index.Entry) -> Steps[None]:
@@ -346,13 +366,11 @@ class Lock(Holding):
         metrics.count("acquire_attempts", self.family, self.job_func)
         metrics.count("acquire_errors", self.family, self.job_func)
 
-    def _index_entry(self) -> index.Entry:
-        """This holding's active-lock index entry: resource, owner, TTL (s), RQ job id."""
-        return (self.resource, self.owner, self.ttl, self.job_id)
-
     def _unindex(self) -> list[Any]:
         """The command that removes this holding's active-lock index entry."""
-        return index.remove_call(self.keys.prefix, self.resource, self.owner, self.job_id)
+        return index.remove_call(
+            self.keys.prefix, self.resource, self.owner, self.job_id, self.slot
+        )
 
     def _given_back(self, why: str) -> Steps[LockBackendUnavailable]:
         """An acquire that got the lock but cannot use it: counted as an acquire error, the
@@ -463,7 +481,7 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        index_keys, index_args = index.in_script(found, self.keys.prefix, self._index_entry())
+        index_keys, index_args = index.in_script(found, self.keys.prefix, self.index_entry())
         unindex = (index_keys[:1], index_args[1:2])
         also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
         pending = metrics.take_for_flush(force=bool(self.job_id))
@@ -602,6 +620,7 @@ def lock(
     on_lost: OnLost | None = None,
     cache: str | None = None,
     using: str | None = None,
+    limit: int = 1,
 ) -> Lock:
     """A :class:`Lock` on ``resource``, as redis-py's ``Redis.lock()`` makes its ``Lock``: use it
     with ``with lock("order:1") as held:``, as a decorator (``@lock("report")``), or call
@@ -614,8 +633,9 @@ def lock(
     try; ``math.inf``: until it gets it). ``heartbeat``: renew it every
     ``HEARTBEAT_INTERVAL`` (default ``ttl / 3``) while held, until ``max_hold`` (s), calling
     ``on_lost(lock, reason)`` when it finds it lost. ``cache``: the django-redis cache alias
-    (default ``JOBLOCK["REDIS_ALIAS"]``; ``using=``, its old name, warns). Raises
-    ``ValueError`` for a bad resource or number."""
+    (default ``JOBLOCK["REDIS_ALIAS"]``; ``using=``, its old name, warns). ``limit``: how many
+    holders at once (default 1; up to 100), each in a slot of its own. Raises ``ValueError``
+    for a bad resource or number."""
     return Lock(
         resource,
         ttl=ttl,
@@ -624,4 +644,5 @@ def lock(
         max_hold=max_hold,
         on_lost=on_lost,
         cache=cache_argument(cache, using),
+        limit=limit,
     )

@@ -281,7 +281,7 @@ class Renewer:
         retried here: a failure makes the locks SUSPECT, and they are retried soon."""
         items.sort(key=lambda item: item[1].valid_until)
         calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
-        entries = [(held.resource, held.owner, held.ttl, held.job_id) for _, held in items]
+        entries = [held.index_entry() for _, held in items]
         refresh = index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
         wait = replicas.replica_wait(timeout / 2)  # REPLICA_ACKS: right after the renewals
@@ -334,7 +334,10 @@ class Renewer:
         effort (an entry left expires by its score). Another holder's entry is not touched:
         the member names the owner."""
         prefix = conf.get().KEY_PREFIX
-        calls = [index.remove_call(prefix, held.resource, held.owner, held.job_id) for held in lost]
+        calls = [
+            index.remove_call(prefix, held.resource, held.owner, held.job_id, held.slot)
+            for held in lost
+        ]
         try:
             send(renewal_client(alias, timeout), calls)
         except REDIS_ERRORS as exc:

@@ -69,23 +69,24 @@ local function first_live(queue, tickets, now)
 end
 """
 
-# Someone waits: the first ticket in line (or ''); the lock hash (KEYS[1]) says so with its
+# Someone waits: the first ticket in line (or ''); the lock hash ``key`` says so with its
 # ``waiters`` field, which spares an uncontended release a look at the line.
 _FLAG_WAITERS = """
-local function flag_waiters(queue)
+local function flag_waiters(queue, key)
   local first = redis.call('ZRANGE', queue, 0, 0)[1]
   if not first then return '' end
-  redis.call('HSET', KEYS[1], 'waiters', 1)
+  redis.call('HSET', key, 'waiters', 1)
   return first
 end
 """
 
-# Write the lock (KEYS[1]) for ``token`` with a new fence (KEYS[2]); returns the fence.
+# Write the lock hash ``key`` for ``token`` with a new fence (KEYS[2]); returns the fence.
+# ``limit``, the number of slots of a lock with several holders, is written when above 1.
 # fence = max(counter + 1, server time in microseconds): strictly increasing per resource even
 # after the counter is lost (expiry, eviction, FLUSHDB, a restart without persistence), as long
 # as the server clock does not step backwards.
 _GRANT = """
-local function grant(t, token, ttl, fence_ttl, host, pid, job_id, job_func, worker)
+local function grant(key, t, token, ttl, fence_ttl, host, pid, job_id, job_func, worker, limit)
   local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local fence_s = string.format('%d', now_us)
   local last = tonumber(redis.call('SET', KEYS[2], fence_s, 'PX', fence_ttl, 'GET') or '0')
@@ -93,10 +94,11 @@ local function grant(t, token, ttl, fence_ttl, host, pid, job_id, job_func, work
     fence_s = string.format('%d', last + 1)
     redis.call('SET', KEYS[2], fence_s, 'PX', fence_ttl)
   end
-  redis.call('HSET', KEYS[1], 'token', token, 'fence', fence_s, 'ttl_ms', ttl,
+  redis.call('HSET', key, 'token', token, 'fence', fence_s, 'ttl_ms', ttl,
     'host', host, 'pid', pid, 'job_id', job_id, 'job_func', job_func, 'worker', worker,
     'acquired_ms', now_ms(t), 'renewed_ms', now_ms(t), 'renewals', 0)
-  redis.call('PEXPIRE', KEYS[1], ttl)
+  if limit and limit > 1 then redis.call('HSET', key, 'limit', limit) end
+  redis.call('PEXPIRE', key, ttl)
   return tonumber(fence_s)
 end
 """
@@ -144,8 +146,8 @@ local t = redis.call('TIME')
 if redis.call('EXISTS', KEYS[3]) == 1 and first_live(KEYS[3], KEYS[4], now_ms(t)) ~= nil then
   return -1
 end
-return indexed(grant(t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
-  ARGV[8]))
+return indexed(grant(KEYS[1], t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6],
+  ARGV[7], ARGV[8]))
 """
 )
 
@@ -153,15 +155,18 @@ WAIT = Script(
     """
 -- Wait in line: take the lock if it is free and nobody live is ahead, else take or refresh
 -- this waiter's ticket (see django_joblock/locks/waiting.py).
--- KEYS[1..4] as ACQUIRE, KEYS[5] this ticket's wake list
+-- KEYS[1..4] as ACQUIRE, KEYS[5] this ticket's wake list; for a lock with a limit of N
+-- holders, KEYS[6..N+4] the lock hashes of slots 1..N-1 (KEYS[1] is slot 0's)
 -- ARGV[1..8] as ACQUIRE, ARGV[9] ticket, ARGV[10] ticket ttl in ms, ARGV[11] ttl in ms of a
 -- lock handed over to this ticket by a release, ARGV[12] '1' for the last try (leave the line
 -- when not acquired)
--- Returns {fence, 0, first ticket in line or ''} when acquired (also when it already was
--- ours: handed over, or a retry; the TTL set afresh); {0, holder's PTTL in ms (0: free but
--- an earlier ticket's), 0 if first in line else 1 (-1 after a last try)} when not; an error,
--- nothing written, for a bad ttl. The wake list is emptied: what is popped after this call
--- was pushed by a hand-over that ran after it.
+-- Returns {fence, 0, first ticket in line or '', slot} when acquired (also when it already
+-- was ours: handed over, or a retry; the TTL set afresh); {0, PTTL in ms of the holder that
+-- expires first (0: a slot is free but earlier tickets'), 0 if next to be served else 1 (-1
+-- after a last try)} when not; an error, nothing written, for a bad ttl. With several slots
+-- a ticket takes a free one when fewer live tickets are ahead of it than slots are free. The
+-- wake list is emptied: what is popped after this call was pushed by a hand-over that ran
+-- after it.
 """
     + _CHECK_TTL
     + _check_ms("ticket ttl", "waiter_ttl", "ARGV[10]")
@@ -177,31 +182,48 @@ local function out()
   redis.call('ZREM', KEYS[3], ticket)
   redis.call('HDEL', KEYS[4], ticket)
 end
+-- The lock's slots: KEYS[1], then KEYS[6..] for a lock with a limit of several holders.
+local slots = {KEYS[1]}
+for i = 6, #KEYS do slots[#slots + 1] = KEYS[i] end
 redis.call('DEL', KEYS[5])
-local pttl = redis.call('PTTL', KEYS[1])
-if pttl ~= -2 then
-  local held = redis.call('HMGET', KEYS[1], 'token', 'fence')
-  if held[1] == ARGV[1] then
-    out()
-    redis.call('PEXPIRE', KEYS[1], ttl_ms)
-    redis.call('HSET', KEYS[1], 'ttl_ms', ttl_ms)
-    return {tonumber(held[2]), 0, flag_waiters(KEYS[3])}
-  end
-  if pttl == -1 then
-    redis.call('PEXPIRE', KEYS[1], ttl_ms)
-    pttl = ttl_ms
+local free, held = {}, {}
+local pttl = -2  -- the soonest a held slot expires (ms)
+for i, key in ipairs(slots) do
+  local left = redis.call('PTTL', key)
+  if left == -2 then
+    free[#free + 1] = i
+  else
+    local holder = redis.call('HMGET', key, 'token', 'fence')
+    if holder[1] == ARGV[1] then
+      out()
+      redis.call('PEXPIRE', key, ttl_ms)
+      redis.call('HSET', key, 'ttl_ms', ttl_ms)
+      return {tonumber(holder[2]), 0, flag_waiters(KEYS[3], key), i - 1}
+    end
+    if left == -1 then
+      redis.call('PEXPIRE', key, ttl_ms)
+      left = ttl_ms
+    end
+    held[#held + 1] = key
+    if pttl == -2 or left < pttl then pttl = left end
   end
 end
 local head = first_live(KEYS[3], KEYS[4], now_ms(t))
-if pttl == -2 then
-  if head == nil or head == ticket then
-    out()
-    local fence = grant(t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
-      ARGV[8])
-    return {fence, 0, flag_waiters(KEYS[3])}
-  end
-  pttl = 0
+-- Live tickets ahead of this one (with one slot, 0 or 1: only the first in line may take it).
+local ahead = 1
+if head == nil or head == ticket then
+  ahead = 0
+elseif #slots > 1 and head ~= '' then
+  ahead = redis.call('ZRANK', KEYS[3], ticket) or redis.call('ZCARD', KEYS[3])
 end
+if #free > ahead then
+  out()
+  local key = slots[free[1]]
+  local fence = grant(key, t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
+    ARGV[8], #slots)
+  return {fence, 0, flag_waiters(KEYS[3], key), free[1] - 1}
+end
+if #free > 0 then pttl = 0 end
 if ARGV[12] == '1' then
   out()
   return {0, pttl, -1}
@@ -214,13 +236,15 @@ if not redis.call('ZSCORE', KEYS[3], ticket) then
   redis.call('ZADD', KEYS[3], string.format('%d', order), ticket)
 end
 redis.call('HSET', KEYS[4], ticket, cmsgpack.pack(now_ms(t) + waiter_ttl, ARGV[1], hand_ttl,
-  ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]))
+  ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], #slots))
 -- Both keys live as long as their longest-lived ticket, and go with it.
 local keep = math.max(redis.call('PTTL', KEYS[3]), waiter_ttl)
 redis.call('PEXPIRE', KEYS[3], keep)
 redis.call('PEXPIRE', KEYS[4], keep)
-if pttl > 0 then redis.call('HSET', KEYS[1], 'waiters', 1) end
-if head == nil or head == ticket then return {0, pttl, 0} end
+for _, key in ipairs(held) do redis.call('HSET', key, 'waiters', 1) end
+-- Next to be served: no free slot waits for an earlier ticket, and one of the held slots
+-- would be this ticket's if it expired.
+if #free == 0 and ahead < #slots then return {0, pttl, 0} end
 return {0, pttl, 1}
 """
 )
@@ -228,16 +252,21 @@ return {0, pttl, 1}
 LEAVE = Script(
     """
 -- Leave the line: a waiting acquire that gave up or was interrupted.
--- KEYS[1] lock hash, KEYS[2] wait queue, KEYS[3] tickets, KEYS[4] this ticket's wake list
+-- KEYS[1] lock hash, KEYS[2] wait queue, KEYS[3] tickets, KEYS[4] this ticket's wake list;
+-- for a lock with a limit, KEYS[5..] the lock hashes of its other slots
 -- ARGV[1] owner token, ARGV[2] ticket
 -- Returns 1 when a lock handed over to this waiter (which it never learned of) was given
 -- back, else 0.
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('HDEL', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
+local slots = {KEYS[1]}
+for i = 5, #KEYS do slots[#slots + 1] = KEYS[i] end
+for _, key in ipairs(slots) do
+  if redis.call('HGET', key, 'token') == ARGV[1] then
+    redis.call('DEL', key)
+    return 1
+  end
 end
 return 0
 """
@@ -277,9 +306,10 @@ RELEASE = Script(
 -- with KEYS[6]: ARGV[3] this holding's index member, removed whatever the outcome
 -- Returns 1 released, 0 gone (expired/released), -1 held by another owner. With live tickets
 -- in line the lock (ours, or gone) goes to the first of them: written with its token,
--- details and hand-over ttl, and "fence next-ticket" pushed to its wake list. That needs the
--- wake list in KEYS: when the first live ticket is not ARGV[2] (or KEYS[5] is missing),
--- nothing is changed and that ticket is returned (a string), for the caller to ask again.
+-- details and hand-over ttl, and "fence next-ticket lock-hash" pushed to its wake list. That
+-- needs the wake list in KEYS: when the first live ticket is not ARGV[2] (or KEYS[5] is
+-- missing), nothing is changed and that ticket is returned (a string), for the caller to ask
+-- again. KEYS[1] may be any slot of a lock with a limit: the line is the resource's.
 """
     + _NOW_MS
     + _GRANT
@@ -297,15 +327,22 @@ if KEYS[4] and (held[2] or (not owner and redis.call('EXISTS', KEYS[3]) == 1)) t
   local head, data = first_live(KEYS[3], KEYS[4], now_ms(t))
   if data then  -- not when 100 dead tickets left the line unknown: its first notices in time
     if head ~= ARGV[2] or not KEYS[5] then return head end
+    local _, token, hand_ttl, host, pid, job_id, job_func, worker, limit = cmsgpack.unpack(data)
+    -- A ticket takes only a slot its lock has (slot 0 for a plain lock); the slot is the
+    -- suffix of the lock hash's key (locks/keys.py: P:{{resource}}:lock:<slot>).
+    local slot = tonumber(string.match(KEYS[1], ':lock:(%d+)$')) or 0
+    if slot >= (limit or 1) then
+      if owner then redis.call('DEL', KEYS[1]) end
+      return code
+    end
     redis.call('ZREM', KEYS[3], head)
     redis.call('HDEL', KEYS[4], head)
-    local _, token, hand_ttl, host, pid, job_id, job_func, worker = cmsgpack.unpack(data)
     redis.call('DEL', KEYS[1])
-    local fence = grant(t, token, hand_ttl, {FENCE_COUNTER_TTL_MS}, host, pid, job_id,
-      job_func, worker)
-    local after = flag_waiters(KEYS[3])
+    local fence = grant(KEYS[1], t, token, hand_ttl, {FENCE_COUNTER_TTL_MS}, host, pid,
+      job_id, job_func, worker, limit)
+    local after = flag_waiters(KEYS[3], KEYS[1])
     redis.call('DEL', KEYS[5])
-    redis.call('LPUSH', KEYS[5], string.format('%d', fence) .. ' ' .. after)
+    redis.call('LPUSH', KEYS[5], string.format('%d', fence) .. ' ' .. after .. ' ' .. KEYS[1])
     redis.call('PEXPIRE', KEYS[5], hand_ttl)
     return code
   end

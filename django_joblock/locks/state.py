@@ -48,6 +48,7 @@ class Holding:
 
     resource: str
     key: str
+    slot: int
     cache: str
     family: str
     job_id: str
@@ -195,6 +196,10 @@ class Holding:
         if self._owner[0] != self.token:
             self._owner = (self.token, owner_hash(self.token))
         return self._owner[1]
+
+    def index_entry(self) -> tuple[str, str, float, str, int]:
+        """This holding's active-lock index entry: resource, owner, TTL (s), RQ job id, slot."""
+        return (self.resource, self.owner, self.ttl, self.job_id, self.slot)
 
     def __repr__(self) -> str:
         return (

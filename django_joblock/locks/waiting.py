@@ -6,8 +6,8 @@ A waiting acquire takes the lock if it is free and nobody waits; otherwise it ta
 - **Arrival order.** While tickets are in line a free lock is theirs: a newcomer, even with
   ``wait=0``, is refused and joins the end. A wait is bounded by the work ahead of it.
 - **Handed over, not polled for.** The release script gives the lock to the first live ticket
-  (its token and details, a fresh fence) and pushes "fence next-ticket" to its wake list: a
-  release wakes exactly one waiter, holding the lock. The releaser must name that wake list
+  (its token and details, a fresh fence) and pushes "fence next-ticket lock-hash" to its wake
+  list: a release wakes exactly one waiter, holding the lock. The releaser must name that wake list
   (the ticket behind it when it got the lock); if another is first by then, the script
   changes nothing and says who, and :func:`release` asks again.
 - **Every block is bounded**: by the remaining wait, by a quarter of ``WAITER_TTL`` (at most
@@ -54,6 +54,7 @@ class Turn(NamedTuple):
     sent: float  # monotonic send time of the call from which the lock's validity counts
     valid_for: float | None  # seconds valid from ``sent`` (the hand-over TTL); None: the TTL
     next_ticket: str  # who was first in line behind this holder ("" if nobody)
+    slot: int = 0  # the slot taken, of a lock with a limit of several holders
 
 
 def lock_keys(keys: LockKeys) -> list[str]:
@@ -70,16 +71,18 @@ def wait_in_line(
     deadline: float,
     *,
     confirm: bool,
+    limit: int = 1,
 ) -> Turn:
     """Take the lock of ``keys``, waiting in line until the monotonic ``deadline``.
 
     ``ticket`` names this waiter (the lock's owner hash); ``args`` are ACQUIRE's arguments. A
     lock handed over with a shorter TTL than its own is renewed before returning when
     ``confirm`` (no heartbeat will), else within ``Turn.valid_for`` by the caller's heartbeat.
-    The last try also leaves the line. Redis errors propagate; anything else raised while
-    waiting (``KeyboardInterrupt``) leaves the line first, giving back a lock handed over.
+    ``limit`` is the lock's number of slots. The last try also leaves the line. Redis errors
+    propagate; anything else raised while waiting (``KeyboardInterrupt``) leaves the line
+    first, giving back a lock handed over.
     """
-    waiter = Waiter(keys, ticket, args, confirm=confirm)
+    waiter = Waiter(keys, ticket, args, confirm=confirm, limit=limit)
     with _counted_blocking_client(alias) as blocking:
         try:
             return drive(waiter.take_turn(deadline), client, blocking)
@@ -117,9 +120,11 @@ class Waiter:
 
     Holds what every call of one wait shares; creating it makes no call. ``args`` are
     ACQUIRE's arguments (the owner token and the lock's TTL in ms first), ``confirm`` as for
-    :func:`wait_in_line`."""
+    :func:`wait_in_line`, ``limit`` the lock's most holders at once (its slots)."""
 
-    def __init__(self, keys: LockKeys, ticket: str, args: list[Any], *, confirm: bool) -> None:
+    def __init__(
+        self, keys: LockKeys, ticket: str, args: list[Any], *, confirm: bool, limit: int = 1
+    ) -> None:
         waiter_ttl = conf.get().WAITER_TTL
         waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
         self.keys = keys
@@ -131,7 +136,8 @@ class Waiter:
         self.hand_ttl_ms = min(self.ttl_ms, waiter_ttl_ms)
         self.refresh = min(waiter_ttl / 4, MAX_BLOCK)  # the longest block: then WAIT again
         self.wake = keys.wake(ticket)
-        self._wait_keys = [*lock_keys(keys), self.wake]
+        self._more_slots = keys.more_slots(limit)
+        self._wait_keys = [*lock_keys(keys), self.wake, *self._more_slots]
         self._wait_args = [*args, ticket, waiter_ttl_ms, self.hand_ttl_ms]
 
     def take_turn(self, deadline: float) -> Steps[Turn]:
@@ -146,9 +152,9 @@ class Waiter:
             sent = time.monotonic()
             last = sent >= deadline
             wait_args = [*self._wait_args, int(last)]
-            fence, pttl_ms, place = yield RunScript(WAIT, self._wait_keys, wait_args)
+            fence, pttl_ms, place, *slot = yield RunScript(WAIT, self._wait_keys, wait_args)
             if fence > 0:
-                return Turn(int(fence), sent, None, text(place))
+                return Turn(int(fence), sent, None, text(place), int(slot[0]))
             if last:
                 return Turn(-1 - int(pttl_ms), sent, None, "")
             now = time.monotonic()
@@ -181,27 +187,36 @@ class Waiter:
         return max(0.001, round(block, 3))
 
     def _handed_over(self, message: str, sent: float) -> Steps[Turn | None]:
-        """The turn of the lock a release handed over, pushing ``message`` ("fence next-ticket").
+        """The turn of the lock a release handed over, pushing ``message`` ("fence next-ticket
+        lock-hash").
 
         Its validity counts from ``sent``, the send time of the last WAIT, for the hand-over
         TTL when shorter than the lock's. It is renewed first (its validity then counts from
         the renewal) when no heartbeat will (``confirm`` and a shorter TTL), or when this
         process woke so late that half the hand-over's validity is gone (then it is not safe
         to use as is). None when it ran out before it could be renewed: wait on."""
-        fence, _, after = message.partition(" ")
+        fence, _, rest = message.partition(" ")
+        after, _, key = rest.partition(" ")  # no key: pushed by a release of an older version
+        key = key or self.keys.lock
+        slot = self._slot_of(key)
         short = self.hand_ttl_ms < self.ttl_ms
         valid_for = self.hand_ttl_ms / 1000
         if (short and self.confirm) or time.monotonic() - sent >= valid_for / 2:
             renewed = time.monotonic()
-            outcome = yield RunScript(RENEW, [self.keys.lock], [self.args[0], self.args[1]])
+            outcome = yield RunScript(RENEW, [key], [self.args[0], self.args[1]])
             if outcome != Outcome.OK:
                 return None  # it ran out before we could renew it: wait on
-            return Turn(int(fence), renewed, None, after)
-        return Turn(int(fence), sent, valid_for if short else None, after)
+            return Turn(int(fence), renewed, None, after, slot)
+        return Turn(int(fence), sent, valid_for if short else None, after, slot)
+
+    def _slot_of(self, key: str) -> int:
+        """The slot whose lock hash is ``key`` (0 for slot 0's)."""
+        return self._more_slots.index(key) + 1 if key in self._more_slots else 0
 
     def leave(self) -> Steps[None]:
         """Leave the line now (LEAVE), giving back a lock handed over to this waiter meanwhile."""
         leave_keys = [self.keys.lock, self.keys.queue, self.keys.tickets, self.wake]
+        leave_keys += self._more_slots
         yield RunScript(LEAVE, leave_keys, [self.args[0], self.ticket])
 
 

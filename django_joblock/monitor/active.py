@@ -32,6 +32,15 @@ class ActiveLock(Holder):
     pttl_ms: int
     held_for: float  # seconds, on the lock server's clock
     read_ms: int = 0  # the lock server's clock (Unix ms) at the read: compare the holder's times
+    slot: int = 0  # which of ``limit`` slots (a lock with several holders)
+
+    @property
+    def label(self) -> str:
+        """The resource as people read it: with the slot for a lock with a limit
+        (``api:m slot 2 of 5``), the resource alone for a plain lock."""
+        if self.limit > 1 or self.slot:
+            return f"{self.resource} slot {self.slot} of {self.limit}"
+        return self.resource
 
 
 def active_locks(
@@ -45,7 +54,7 @@ def active_locks(
     entries = index.members(names, limit)
     if not entries:
         return []
-    hashes = read_many(client(), [entry.resource for entry in entries])
+    hashes = read_many(client(), [entry.key for entry in entries])
     found: list[ActiveLock] = []
     stale: list[index.Member] = []
     for entry, (held, pttl, server_ms) in zip(entries, hashes, strict=True):
@@ -62,6 +71,7 @@ def active_locks(
                 pttl_ms=pttl,
                 held_for=held.seconds_held(server_ms),
                 read_ms=server_ms,
+                slot=entry.slot,
             )
         )
     index.drop(stale)

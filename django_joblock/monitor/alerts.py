@@ -140,7 +140,7 @@ def _long_holds(factor: float) -> list[Alert]:
         longest = max(held_long, key=lambda lock: lock.held_for)
         p95 = usual[family] or 0.0
         message = (
-            f"{len(held_long)} lock(s) held far longer than usual; longest {longest.resource} "
+            f"{len(held_long)} lock(s) held far longer than usual; longest {longest.label} "
             f"for {longest.held_for:.0f}s by {longest.host}:{longest.pid} "
             f"(job {longest.job_id or '-'}); the family's p95 hold is {p95:g}s"
         )

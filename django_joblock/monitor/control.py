@@ -16,11 +16,11 @@ from ..backend import REDIS_ERRORS, client, unavailable
 from ..choices import AuditAction
 from ..locks import index, notes, waiting
 from ..locks.info import LockHash
-from ..locks.keys import LockKeys, is_owner_hash, owner_hash, validate_resource
+from ..locks.keys import MAX_LIMIT, LockKeys, is_owner_hash, owner_hash, validate_resource
 from ..locks.scripts import Outcome
 from ..models import LockAudit
 from .active import active_locks
-from .health import Health, lock_health
+from .health import Health, holder_health
 
 
 @dataclass
@@ -33,12 +33,24 @@ class ReleaseResult:
 MAX_REASON = 2000  # characters of a force-release reason
 
 
+def validate_slot(what: str, slot: object) -> int:
+    """``slot`` if it is an int in 0..:data:`MAX_LIMIT` - 1 (which holder of a lock with
+    ``limit=N``; 0 for a plain lock), else ``ValueError`` naming ``what``."""
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < MAX_LIMIT:
+        raise ValueError(
+            f"{what} must be an int in 0..{MAX_LIMIT - 1} (the slot of one holder of a lock "
+            f"with a limit, as joblock_locks shows it; 0 for a plain lock), got {slot!r}."
+        )
+    return slot
+
+
 def force_release(
     resource: str,
     *,
     reason: str,
     owner: str | None = None,
     token: str | None = None,
+    slot: int = 0,
     user: Any = None,
     actor: str = "",
     action: AuditAction = AuditAction.FORCE_RELEASE,
@@ -53,6 +65,10 @@ def force_release(
     ``owner`` / ``token``: release only if still held by this holder (``owner``: the token's
     12-character hash, as pages and logs show it); neither: whoever holds it now.
 
+    ``slot``: which holder of a lock with ``limit=N`` (0..N-1, as ``joblock_locks`` and the
+    dashboard show it); only that slot's holding is released, the other holders keep theirs.
+    The audit row's ``holder`` details name it (``"slot"``). 0, the default, is a plain lock's.
+
     ``user`` / ``actor``: who asked (a Django user, or a name such as a command's).
 
     ``action``: what the audit row calls it (a force release, or a reap of a dead holder).
@@ -60,23 +76,16 @@ def force_release(
     ``renewed_ms``: the holder's last renewal (Redis server ms) when it was judged dead: a lock
     renewed since is refused.
 
-    Raises ``ValueError`` for an empty reason, one too long or holding NUL, a bad resource or
-    owner, or both ``owner`` and ``token``; :class:`LockBackendUnavailable`, audited, when
-    Redis does not answer."""
+    Raises ``ValueError`` for an empty reason, one too long or holding NUL, a bad resource,
+    owner or slot, or both ``owner`` and ``token``; :class:`LockBackendUnavailable`, audited,
+    when Redis does not answer."""
     resource = validate_resource(resource)
-    reason = (reason or "").strip()
-    if not reason:
-        raise ValueError("A reason is required to force-release a lock.")
-    if "\x00" in reason:  # checked before the release: the audit row could not be written
-        raise ValueError("The reason contains a NUL character, which the audit log cannot keep.")
-    if len(reason) > MAX_REASON:  # an audit log of readable reasons, not of pasted dumps
-        raise ValueError(
-            f"The reason is {len(reason)} characters long; at most {MAX_REASON} are kept."
-        )
+    reason = _checked_reason(reason)
+    slot = validate_slot("slot", slot)
     wanted = _wanted_owner(owner, token)
     actor = actor or (getattr(user, "get_username", lambda: "")() if user else "")
     actor = actor.replace("\x00", "")[:150]  # LockAudit.actor
-    keys = LockKeys(conf.get().KEY_PREFIX, resource)
+    keys = LockKeys(conf.get().KEY_PREFIX, resource, slot)
     redis = client()  # short timeouts, no retries
 
     def audit(found: LockHash | None, released: bool, outcome: str) -> Any:
@@ -85,7 +94,7 @@ def force_release(
             resource=resource,
             owner=found.owner if found is not None else wanted or "",
             fence=found.fence if found is not None else None,
-            holder=found.details() if found is not None else {},
+            holder=_audited_holder(found, slot),
             reason=reason,
             released=released,
             outcome=outcome[:200],
@@ -133,6 +142,29 @@ def force_release(
     return ReleaseResult(released, outcome, row)
 
 
+def _checked_reason(reason: str) -> str:
+    """``reason`` stripped, or ``ValueError`` when it is empty, holds NUL or is too long."""
+    reason = (reason or "").strip()
+    if not reason:
+        raise ValueError("A reason is required to force-release a lock.")
+    if "\x00" in reason:  # checked before the release: the audit row could not be written
+        raise ValueError("The reason contains a NUL character, which the audit log cannot keep.")
+    if len(reason) > MAX_REASON:  # an audit log of readable reasons, not of pasted dumps
+        raise ValueError(
+            f"The reason is {len(reason)} characters long; at most {MAX_REASON} are kept."
+        )
+    return reason
+
+
+def _audited_holder(found: LockHash | None, slot: int) -> dict[str, str]:
+    """What an audit row keeps of the holder: its details and, for a lock with a limit or a
+    release asked of a slot other than 0, which slot (``"slot"``, as text like the rest)."""
+    details = found.details() if found is not None else {}
+    if slot or (found is not None and found.limit > 1):
+        details["slot"] = str(slot)
+    return details
+
+
 def _wanted_owner(owner: str | None, token: str | None) -> str | None:
     if owner is not None and token is not None:
         raise ValueError("Give the owner's hash or its token, not both.")
@@ -153,7 +185,7 @@ def _release(redis: Any, keys: LockKeys, found: LockHash, note: notes.OperatorRe
     encoded = note.encode()
     redis.set(keys.released, encoded, px=notes.ttl_ms(found.ttl_ms))
     # Entries are per owner: if the lock is gone or another's, this entry is stale anyway.
-    unindex = index.remove_call(keys.prefix, keys.resource, found.owner, found.job_id)
+    unindex = index.remove_call(keys.prefix, keys.resource, found.owner, found.job_id, keys.slot)
     outcome, _ = waiting.release(redis, keys, found.token, "", [unindex])
     if outcome is Outcome.OK:
         return True
@@ -163,19 +195,25 @@ def _release(redis: Any, keys: LockKeys, found: LockHash, note: notes.OperatorRe
 
 
 def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[str, str]]:
-    """Release the locks whose holder is dead (see :mod:`health`), unless renewed since.
-    Returns ``[(resource, outcome)]`` of those it acted on (or would, with ``dry_run``). Raises
+    """Release the locks whose holder is dead (see :mod:`health`), unless renewed since: each
+    dead holder's own slot of a lock with a limit, never its live neighbours'. Returns
+    ``[(what, outcome)]`` of those it acted on (or would, with ``dry_run``); ``what`` is the
+    resource, with the slot for a lock with a limit (:attr:`ActiveLock.label`). Raises
     :class:`LockBackendUnavailable` when Redis does not answer."""
     rows = active_locks(limit=10_000)
-    health = lock_health(rows)
     release = functools.partial(force_release, actor=actor, action=AuditAction.REAP)
     done = []
-    for row in rows:
-        state = health[row.resource].state
-        why = f"holder dead: {health[row.resource].why}"
-        if state is Health.DEAD and dry_run:
-            done.append((row.resource, f"would release ({why})"))
-        elif state is Health.DEAD:
-            result = release(row.resource, owner=row.owner, reason=why, renewed_ms=row.renewed_ms)
-            done.append((row.resource, result.outcome))
+    for row, health in zip(rows, holder_health(rows), strict=True):
+        why = f"holder dead: {health.why}"
+        if health.state is Health.DEAD and dry_run:
+            done.append((row.label, f"would release ({why})"))
+        elif health.state is Health.DEAD:
+            result = release(
+                row.resource,
+                owner=row.owner,
+                slot=row.slot,
+                reason=why,
+                renewed_ms=row.renewed_ms,
+            )
+            done.append((row.label, result.outcome))
     return done

@@ -6,6 +6,7 @@ cleanup, one family's history. No ``SCAN``, no ``COUNT(*)``; see docs/admin.md."
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from .. import metrics
@@ -13,7 +14,7 @@ from ..jobs import history
 from ..locks import index, keys
 from . import active, alerts
 from .charts import Chart, bar_chart, minute_chart, timeline_chart
-from .health import Health, lock_health, queue_connections, stuck_claims, stuck_jobs
+from .health import Health, holder_health, queue_connections, stuck_claims, stuck_jobs
 
 LOCK_ROWS = 100  # active locks shown in detail (per page render)
 CHART_MINUTES = 60
@@ -89,12 +90,20 @@ def build(
         ),
     ]
     locks = active.active_locks(family=family or None, limit=LOCK_ROWS, total=LOCK_ROWS)
-    health = lock_health(locks)  # one entry per lock
+    # A lock with a limit has a row per slot held: "slots used" counts them, read unfiltered.
+    used = Counter(held.resource for held in locks)
     rows: list[dict[str, Any]] = []
-    for held in locks:
-        found = health[held.resource]
+    for held, found in zip(locks, holder_health(locks), strict=True):
         ttl_left = max(0.0, held.pttl_ms / 1000)
-        rows.append(dict(lock=held, health=found.state.value, why=found.why, ttl_left=ttl_left))
+        rows.append(
+            dict(
+                lock=held,
+                health=found.state.value,
+                why=found.why,
+                ttl_left=ttl_left,
+                slots_used=used[held.resource],
+            )
+        )
     fired = alerts.evaluate()
     cards = [
         ("Active locks", active_total),

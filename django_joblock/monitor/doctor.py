@@ -21,11 +21,13 @@ from ..exceptions import LockBackendUnavailable
 from ..jobs import history
 from ..jobs.decorator import idempotency_scopes, registry
 from ..jobs.history import Delivery, summary
-from ..locks.info import lock_info
-from ..locks.keys import family, validate_resource
+from ..locks import index
+from ..locks.info import LockInfo, lock_holders, lock_info
+from ..locks.keys import MAX_LIMIT, family, validate_resource
 from ..models import IdempotencyRecord, LockAudit, OutboxMessage
 from .health import known_queues, queue_connections, record_deliveries
 
+INDEX_READ = 1000  # active-lock index entries of a resource's family the doctor reads
 OK = "ok"
 PROBLEM = "problem"
 INFO = "info"
@@ -137,24 +139,48 @@ def _line(run: Delivery) -> str:
 
 
 def _resource_story(resource: str) -> list[str]:
-    """The resource's holder now, then its latest operator actions (five at most)."""
-    return [f"resource {resource!r}: {_holder_now(resource)}"] + [
+    """The resource's holders now, then its latest operator actions (five at most)."""
+    return _holders_story(resource) + [
         f"  {audit.created_at:%Y-%m-%d %H:%M:%S} operator {audit.action} by {audit.actor}: "
         f"{audit.outcome} ({audit.reason})"
         for audit in LockAudit.objects.filter(resource=resource)[:5]
     ]
 
 
-def _holder_now(resource: str) -> str:
-    """Who holds the resource's lock now, or that it is free (or that Redis did not answer)."""
+def _holders_story(resource: str) -> list[str]:
+    """Who holds the resource's lock now (each holder of a lock with a limit, by slot), or that
+    it is free (or that Redis did not answer)."""
     try:
-        info = lock_info(resource)
-    except LockBackendUnavailable as exc:
-        return f"Redis unavailable ({exc})"
-    if info is None:
-        return "free now"
+        holders = _holders_now(resource)
+    except (LockBackendUnavailable, *REDIS_ERRORS) as exc:
+        return [f"resource {resource!r}: Redis unavailable ({exc})"]
+    if not holders:
+        return [f"resource {resource!r}: free now"]
+    if len(holders) == 1 and holders[0].limit == 1:
+        return [f"resource {resource!r}: held now by {_holder(holders[0])}"]
+    used = f"{len(holders)} of its {holders[0].limit} slots held now"
+    return [f"resource {resource!r}: {used}"] + [
+        f"  slot {info.slot}: held by {_holder(info)}" for info in holders
+    ]
+
+
+def _holders_now(resource: str) -> list[LockInfo]:
+    """The holders of the resource's lock now, lowest slot first. The limit of a lock with
+    several holders is in each slot's hash (slot 0's is read first); slot 0 may be free while
+    others are held, so the highest slot the active-lock index lists for the resource counts
+    too (its :data:`INDEX_READ` soonest-to-expire entries of the family: read-only, bounded)."""
+    first = lock_info(resource)
+    entries = index.members([family(resource)], INDEX_READ)
+    slots = [entry.slot + 1 for entry in entries if entry.resource == resource]
+    limit = min(max([first.limit if first else 1, *slots]), MAX_LIMIT)
+    if limit == 1:
+        return [first] if first else []
+    return lock_holders(resource, limit=limit)
+
+
+def _holder(info: LockInfo) -> str:
     return (
-        f"held now by {info.host}:{info.pid} (job {info.job_id or '-'}), fence "
+        f"{info.host}:{info.pid} (job {info.job_id or '-'}), fence "
         f"{info.fence}, {info.expires_in:.1f}s of TTL left"
     )
 

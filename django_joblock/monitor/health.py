@@ -133,43 +133,45 @@ def _evidence(active: ActiveLock, seen: tuple[str | None, bool] | None) -> list[
     return found
 
 
-def lock_health(locks: list[ActiveLock]) -> dict[str, LockHealth]:
-    """resource -> health, with one pipelined read per Redis server RQ uses."""
+def holder_health(locks: list[ActiveLock]) -> list[LockHealth]:
+    """The health of each holder in ``locks``, in their order (a lock with a limit has a row,
+    so a health, per slot held), with one pipelined read per Redis server RQ uses."""
     seen = _read_rq(locks) if locks else {}
     limit = conf.get().STUCK_AFTER
-    found: dict[str, LockHealth] = {}
-    for position, active in enumerate(locks):
-        # Both times are on the lock's Redis server clock.
-        since = max(0, active.read_ms - (active.renewed_ms or active.acquired_ms or 0))
-        # A renewal in the last half TTL proves a live renewal thread (e.g. an orphaned work
-        # horse whose worker died); a lock never renewed proves nothing either way.
-        young = since < (active.ttl_ms or 0) / 2
-        renewing = bool(active.renewals) and young
-        evidence = _evidence(active, seen.get(position))
-        # A plain lock() may have its heartbeat off: never renewed is then no sign.
-        spec = registry.get(active.job_func) if active.job_id else None
-        beats = bool(active.renewals) or (spec is not None and spec.heartbeat)
-        state = Health.HEALTHY
-        why = ""
-        if evidence and not renewing:
-            never = " (never renewed)" if not active.renewals else ""
-            state = Health.DEAD
-            why = "; ".join([*evidence, f"not renewed for {since / 1000:.0f}s{never}"])
-        elif beats and not young:
-            state = Health.SILENT
-            if active.renewals:
-                renewed = f"renewed {active.renewals} times, the last {since / 1000:.1f}s"
-            else:  # a job whose heartbeat renews by TTL / 3
-                renewed = f"never renewed in {since / 1000:.1f}s"
-            why = (
-                f"{renewed} ago (TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; "
-                f"it expires in {max(0, active.pttl_ms) / 1000:.1f}s"
-            )
-        elif active.held_for > limit:
-            state = Health.OVERDUE
-            why = f"held {active.held_for:.0f}s, longer than STUCK_AFTER {limit:g}s"
-        found[active.resource] = LockHealth(state, why)
-    return found
+    return [_judge(active, seen.get(position), limit) for position, active in enumerate(locks)]
+
+
+def _judge(active: ActiveLock, seen: tuple[str | None, bool] | None, limit: float) -> LockHealth:
+    """One holder's health, from its RQ job and worker as :func:`_read_rq` saw them (``seen``)
+    and ``STUCK_AFTER`` (``limit``, seconds)."""
+    # Both times are on the lock's Redis server clock.
+    since = max(0, active.read_ms - (active.renewed_ms or active.acquired_ms or 0))
+    # A renewal in the last half TTL proves a live renewal thread (e.g. an orphaned work
+    # horse whose worker died); a lock never renewed proves nothing either way.
+    young = since < (active.ttl_ms or 0) / 2
+    renewing = bool(active.renewals) and young
+    evidence = _evidence(active, seen)
+    # A plain lock() may have its heartbeat off: never renewed is then no sign.
+    spec = registry.get(active.job_func) if active.job_id else None
+    beats = bool(active.renewals) or (spec is not None and spec.heartbeat)
+    if evidence and not renewing:
+        never = " (never renewed)" if not active.renewals else ""
+        why = "; ".join([*evidence, f"not renewed for {since / 1000:.0f}s{never}"])
+        return LockHealth(Health.DEAD, why)
+    if beats and not young:
+        if active.renewals:
+            renewed = f"renewed {active.renewals} times, the last {since / 1000:.1f}s"
+        else:  # a job whose heartbeat renews by TTL / 3
+            renewed = f"never renewed in {since / 1000:.1f}s"
+        why = (
+            f"{renewed} ago (TTL {(active.ttl_ms or 0) / 1000:g}s): its heartbeat stopped; "
+            f"it expires in {max(0, active.pttl_ms) / 1000:.1f}s"
+        )
+        return LockHealth(Health.SILENT, why)
+    if active.held_for > limit:
+        why = f"held {active.held_for:.0f}s, longer than STUCK_AFTER {limit:g}s"
+        return LockHealth(Health.OVERDUE, why)
+    return LockHealth(Health.HEALTHY)
 
 
 @dataclass

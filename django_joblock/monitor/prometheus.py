@@ -35,7 +35,8 @@ class JoblockCollector:
                 seconds = totals.sums_us[metric.name][(fam, func)] / 1_000_000
                 histogram.add_metric([fam, func], cumulative, seconds)
             yield histogram
-        held = GaugeMetricFamily("joblock_active_locks", "Locks held right now.", labels=["family"])
+        help_text = "Locks held right now (a lock with limit=N counts each of its holders)."
+        held = GaugeMetricFamily("joblock_active_locks", help_text, labels=["family"])
         for fam, count in sorted(active_counts().items()):
             held.add_metric([fam], count)
         yield held

@@ -1,5 +1,7 @@
 """``manage.py joblock_locks [--family F] [--stuck] [--json] [--limit N]``: the active locks,
-each with its fields, its ``health`` and ``why`` (the evidence)."""
+each with its fields, its ``health`` and ``why`` (the evidence). A lock with a limit has a row
+per holder, with its ``slot`` and the ``limit`` (1 for a plain lock, whose text row shows
+neither)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_joblock.backend import REDIS_ERRORS, no_answer
 from django_joblock.locks.keys import validate_family
 from django_joblock.monitor.active import active_locks
-from django_joblock.monitor.health import Health, LockHealth, lock_health
+from django_joblock.monitor.health import Health, holder_health
 
 MAX_LIMIT = 1_000_000  # entries one family's index read may ask for
 
@@ -38,12 +40,11 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         try:
             locks = active_locks(family=options["family"], limit=options["limit"])
-            health = lock_health(locks)
+            health = holder_health(locks)
         except REDIS_ERRORS as exc:
             raise CommandError(no_answer(exc)) from exc
         rows = []
-        for active in locks:
-            state = health.get(active.resource, LockHealth(Health.HEALTHY))
+        for active, state in zip(locks, health, strict=True):
             row = {**asdict(active), "health": state.state.value, "why": state.why}
             row.pop("read_ms", None)
             if not options["stuck"] or state.state != Health.HEALTHY:
@@ -55,8 +56,9 @@ class Command(BaseCommand):
             self.stdout.write("No stuck locks." if options["stuck"] else "No active locks.")
         for row in rows:
             why = f" why={row['why']}" if row["why"] else ""
+            slot = f" slot {row['slot']}/{row['limit']}" if row["limit"] > 1 else ""
             self.stdout.write(
-                f"{row['resource']:40} {row['health']:12} fence={row['fence']} "
+                f"{row['resource']:40} {row['health']:12}{slot} fence={row['fence']} "
                 f"active={row['held_for']:.1f}s ttl_left={row['pttl_ms'] / 1000:.1f}s "
                 f"holder={row['host']}:{row['pid']} job={row['job_id'] or '-'} "
                 f"worker={row['worker'] or '-'} owner={row['owner']}{why}"
