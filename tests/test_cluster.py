@@ -195,6 +195,20 @@ def test_busy_lock_and_waiting_acquire_handed_over_on_every_primary(on_cluster):
         assert waiter.release() is True
 
 
+def test_a_lock_with_a_limit_on_every_primary(on_cluster):
+    """Its slots share the resource's hash tag: one node, one script; indexed per holder."""
+    for _node, resource in one_per_node(on_cluster, "quota"):
+        holders = [lock(resource, ttl=5, limit=2) for _ in range(3)]
+        assert [each.acquire() for each in holders] == [True, True, False]
+        assert sorted(each.slot for each in holders[:2]) == [0, 1]
+        assert wait_for(
+            lambda r=resource: sum(row.resource == r for row in active_locks()) == 2, 10
+        )
+        assert holders[0].release() and holders[2].acquire()
+        assert holders[2].slot == holders[0].slot
+        assert holders[1].release() and holders[2].release()
+
+
 def test_fenced_update_on_every_primary(on_cluster):
     for _, resource in one_per_node(on_cluster, "acct"):
         Account.objects.create(name=resource)

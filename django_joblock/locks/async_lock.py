@@ -82,7 +82,12 @@ class AsyncLock(Lock):
         expires on its own, and a repeat keeps the place); anything else (a cancellation)
         leaves the line first, shielded from a second cancellation."""
         waiter = waiting.Waiter(
-            self.keys, self.owner, args, confirm=not self.heartbeat, limit=self.limit
+            self.keys,
+            self.owner,
+            args,
+            confirm=not self.heartbeat,
+            limit=self.limit,
+            index_call=index.in_wait_script(found, self.keys.prefix, self.index_entry()),
         )
         async with async_backend.blocking_client(self.cache) as blocking:
             try:
@@ -95,7 +100,8 @@ class AsyncLock(Lock):
                 raise
         if turn.reply > 0:
             self._take_slot(turn.slot)
-            await async_backend.drive(self._add_to_index(self.index_entry()), found)
+            if not turn.indexed:  # handed over
+                await async_backend.drive(self._add_to_index(self.index_entry()), found)
         return turn
 
     async def arelease(self) -> bool:

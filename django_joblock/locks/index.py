@@ -91,6 +91,17 @@ def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[An
     return index_keys, [score, member(resource, owner, job_id, slot), family]
 
 
+def in_wait_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[Any]]:
+    """:func:`in_script` for WAIT, which picks the slot: the members of slot 0 and the start of
+    another slot's member (the script appends the slot's number). ``([], [])`` on Redis
+    Cluster."""
+    if is_cluster(found):
+        return [], []
+    resource, owner, ttl, job_id, _slot = entry
+    index_keys, (score, first, family) = in_script(found, prefix, (resource, owner, ttl, job_id, 0))
+    return index_keys, [score, first, f"{resource}#{owner}#{job_id}#", family]
+
+
 def remove_call(
     prefix: str, resource: str, owner: str, job_id: str = "", slot: int = 0
 ) -> list[Any]:

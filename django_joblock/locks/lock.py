@@ -288,8 +288,9 @@ class Lock(Holding):
         return turn
 
     def _wait_in_line(self, found: Any, args: list[Any], deadline: float) -> waiting.Turn:
-        """Wait in line for the lock until the monotonic ``deadline`` (s), then index it if
-        got. A lock handed over with less than its TTL left is renewed before returning when
+        """Wait in line for the lock until the monotonic ``deadline`` (s); a lock got is indexed
+        by WAIT itself, or in a round trip of its own when handed over (or on Redis Cluster).
+        A lock handed over with less than its TTL left is renewed before returning when
         there is no heartbeat (else the heartbeat renews it within ``Turn.valid_for``). Redis
         errors are raised; an interruption leaves the line (:func:`.waiting.wait_in_line`)."""
         confirm = not self.heartbeat
@@ -302,10 +303,12 @@ class Lock(Holding):
             deadline,
             confirm=confirm,
             limit=self.limit,
+            index_call=index.in_wait_script(found, self.keys.prefix, self.index_entry()),
         )
         if turn.reply > 0:
             self._take_slot(turn.slot)
-            drive(self._add_to_index(self.index_entry()), found)
+            if not turn.indexed:  # handed over, or Redis Cluster
+                drive(self._add_to_index(self.index_entry()), found)
         return turn
 
     def _add_to_index(self, entry: index.Entry) -> Steps[None]:

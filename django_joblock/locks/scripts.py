@@ -156,17 +156,20 @@ WAIT = Script(
 -- Wait in line: take the lock if it is free and nobody live is ahead, else take or refresh
 -- this waiter's ticket (see django_joblock/locks/waiting.py).
 -- KEYS[1..4] as ACQUIRE, KEYS[5] this ticket's wake list; for a lock with a limit of N
--- holders, KEYS[6..N+4] the lock hashes of slots 1..N-1 (KEYS[1] is slot 0's)
+-- holders, KEYS[6..N+4] the lock hashes of slots 1..N-1 (KEYS[1] is slot 0's); optional (one
+-- server, not Cluster), after them: the active-lock index of the family, the families set
 -- ARGV[1..8] as ACQUIRE, ARGV[9] ticket, ARGV[10] ticket ttl in ms, ARGV[11] ttl in ms of a
 -- lock handed over to this ticket by a release, ARGV[12] '1' for the last try (leave the line
--- when not acquired)
+-- when not acquired), ARGV[13] N - 1 (how many slot keys follow KEYS[5]; default 0); with
+-- the index keys: ARGV[14] index score (expiry, Unix ms), ARGV[15] index member of slot 0,
+-- ARGV[16] the start of the member of another slot (its number follows), ARGV[17] family
 -- Returns {fence, 0, first ticket in line or '', slot} when acquired (also when it already
--- was ours: handed over, or a retry; the TTL set afresh); {0, PTTL in ms of the holder that
--- expires first (0: a slot is free but earlier tickets'), 0 if next to be served else 1 (-1
--- after a last try)} when not; an error, nothing written, for a bad ttl. With several slots
--- a ticket takes a free one when fewer live tickets are ahead of it than slots are free. The
--- wake list is emptied: what is popped after this call was pushed by a hand-over that ran
--- after it.
+-- was ours: handed over, or a retry; the TTL set afresh; indexed, given the index keys);
+-- {0, PTTL in ms of the holder that expires first (0: a slot is free but earlier tickets'),
+-- 0 if next to be served else 1 (-1 after a last try)} when not; an error, nothing written,
+-- for a bad ttl. With several slots a ticket takes a free one when fewer live tickets are
+-- ahead of it than slots are free. The wake list is emptied: what is popped after this call
+-- was pushed by a hand-over that ran after it.
 """
     + _CHECK_TTL
     + _check_ms("ticket ttl", "waiter_ttl", "ARGV[10]")
@@ -183,8 +186,19 @@ local function out()
   redis.call('HDEL', KEYS[4], ticket)
 end
 -- The lock's slots: KEYS[1], then KEYS[6..] for a lock with a limit of several holders.
+local extra = tonumber(ARGV[13]) or 0
 local slots = {KEYS[1]}
-for i = 6, #KEYS do slots[#slots + 1] = KEYS[i] end
+for i = 6, 5 + extra do slots[#slots + 1] = KEYS[i] end
+-- The holding of slots[i] in the active-lock index, when its keys were given.
+local function indexed(fence, i)
+  if KEYS[6 + extra] then
+    local member = ARGV[15]
+    if i > 1 then member = ARGV[16] .. (i - 1) end
+    redis.call('ZADD', KEYS[6 + extra], ARGV[14], member)
+    redis.call('SADD', KEYS[7 + extra], ARGV[17])
+  end
+  return fence
+end
 redis.call('DEL', KEYS[5])
 local free, held = {}, {}
 local pttl = -2  -- the soonest a held slot expires (ms)
@@ -198,7 +212,7 @@ for i, key in ipairs(slots) do
       out()
       redis.call('PEXPIRE', key, ttl_ms)
       redis.call('HSET', key, 'ttl_ms', ttl_ms)
-      return {tonumber(holder[2]), 0, flag_waiters(KEYS[3], key), i - 1}
+      return {indexed(tonumber(holder[2]), i), 0, flag_waiters(KEYS[3], key), i - 1}
     end
     if left == -1 then
       redis.call('PEXPIRE', key, ttl_ms)
@@ -221,7 +235,7 @@ if #free > ahead then
   local key = slots[free[1]]
   local fence = grant(key, t, ARGV[1], ttl_ms, ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7],
     ARGV[8], #slots)
-  return {fence, 0, flag_waiters(KEYS[3], key), free[1] - 1}
+  return {indexed(fence, free[1]), 0, flag_waiters(KEYS[3], key), free[1] - 1}
 end
 if #free > 0 then pttl = 0 end
 if ARGV[12] == '1' then

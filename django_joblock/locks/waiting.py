@@ -55,6 +55,7 @@ class Turn(NamedTuple):
     valid_for: float | None  # seconds valid from ``sent`` (the hand-over TTL); None: the TTL
     next_ticket: str  # who was first in line behind this holder ("" if nobody)
     slot: int = 0  # the slot taken, of a lock with a limit of several holders
+    indexed: bool = False  # the holding's active-lock index entry was written with it
 
 
 def lock_keys(keys: LockKeys) -> list[str]:
@@ -72,17 +73,20 @@ def wait_in_line(
     *,
     confirm: bool,
     limit: int = 1,
+    index_call: tuple[list[str], list[Any]] = ([], []),
 ) -> Turn:
     """Take the lock of ``keys``, waiting in line until the monotonic ``deadline``.
 
     ``ticket`` names this waiter (the lock's owner hash); ``args`` are ACQUIRE's arguments. A
     lock handed over with a shorter TTL than its own is renewed before returning when
     ``confirm`` (no heartbeat will), else within ``Turn.valid_for`` by the caller's heartbeat.
-    ``limit`` is the lock's number of slots. The last try also leaves the line. Redis errors
+    ``limit`` is the lock's number of slots; ``index_call`` the active-lock index keys and
+    arguments WAIT writes a holding's entry with (:func:`.index.in_wait_script`; none: the
+    caller indexes). The last try also leaves the line. Redis errors
     propagate; anything else raised while waiting (``KeyboardInterrupt``) leaves the line
     first, giving back a lock handed over.
     """
-    waiter = Waiter(keys, ticket, args, confirm=confirm, limit=limit)
+    waiter = Waiter(keys, ticket, args, confirm=confirm, limit=limit, index_call=index_call)
     with _counted_blocking_client(alias) as blocking:
         try:
             return drive(waiter.take_turn(deadline), client, blocking)
@@ -120,10 +124,19 @@ class Waiter:
 
     Holds what every call of one wait shares; creating it makes no call. ``args`` are
     ACQUIRE's arguments (the owner token and the lock's TTL in ms first), ``confirm`` as for
-    :func:`wait_in_line`, ``limit`` the lock's most holders at once (its slots)."""
+    :func:`wait_in_line`, ``limit`` the lock's most holders at once (its slots), ``index_call``
+    the index keys and arguments WAIT writes a holding's entry with (as for
+    :func:`wait_in_line`)."""
 
     def __init__(
-        self, keys: LockKeys, ticket: str, args: list[Any], *, confirm: bool, limit: int = 1
+        self,
+        keys: LockKeys,
+        ticket: str,
+        args: list[Any],
+        *,
+        confirm: bool,
+        limit: int = 1,
+        index_call: tuple[list[str], list[Any]] = ([], []),
     ) -> None:
         waiter_ttl = conf.get().WAITER_TTL
         waiter_ttl_ms = max(1, int(waiter_ttl * 1000))
@@ -137,8 +150,11 @@ class Waiter:
         self.refresh = min(waiter_ttl / 4, MAX_BLOCK)  # the longest block: then WAIT again
         self.wake = keys.wake(ticket)
         self._more_slots = keys.more_slots(limit)
-        self._wait_keys = [*lock_keys(keys), self.wake, *self._more_slots]
+        index_keys, index_args = index_call
+        self._indexes = bool(index_keys)
+        self._wait_keys = [*lock_keys(keys), self.wake, *self._more_slots, *index_keys]
         self._wait_args = [*args, ticket, waiter_ttl_ms, self.hand_ttl_ms]
+        self._more_args = [len(self._more_slots), *index_args]
 
     def take_turn(self, deadline: float) -> Steps[Turn]:
         """Wait in line until this waiter takes the lock, is handed it, or the monotonic
@@ -151,10 +167,10 @@ class Waiter:
         while True:
             sent = time.monotonic()
             last = sent >= deadline
-            wait_args = [*self._wait_args, int(last)]
+            wait_args = [*self._wait_args, int(last), *self._more_args]
             fence, pttl_ms, place, *slot = yield RunScript(WAIT, self._wait_keys, wait_args)
             if fence > 0:
-                return Turn(int(fence), sent, None, text(place), int(slot[0]))
+                return Turn(int(fence), sent, None, text(place), int(slot[0]), self._indexes)
             if last:
                 return Turn(-1 - int(pttl_ms), sent, None, "")
             now = time.monotonic()
