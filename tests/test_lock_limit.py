@@ -297,3 +297,23 @@ def test_a_waiter_behind_a_silent_ticket_does_not_spin(rconn: Any) -> None:
     calls = int(rconn.info("commandstats")["cmdstat_evalsha"]["calls"]) - before
     assert calls <= 8, f"{calls} scripts in 1.5 s: the waiter spun"
     holder.release()
+
+
+@pytest.mark.django_db
+def test_an_operator_release_leaves_its_note_for_that_slots_holder(rconn: Any) -> None:
+    """Two holders released one after the other: each finds the note about its own release
+    (one note per resource would leave the first with the second's)."""
+    from django_joblock.locks import notes
+    from django_joblock.monitor.control import force_release
+
+    held = [lock("api:k", limit=3, heartbeat=False) for _ in range(3)]
+    for each in held:
+        assert each.acquire()
+    for each in held[1:]:
+        result = force_release("api:k", owner=each.owner, slot=each.slot, reason=f"r{each.slot}")
+        assert result.released
+    for each in held[1:]:
+        note = notes.read(rconn, each.keys.released, each.owner)
+        assert note is not None and note.reason == f"r{each.slot}", note
+    assert notes.read(rconn, held[0].keys.released, held[0].owner) is None
+    assert held[0].release()

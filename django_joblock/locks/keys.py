@@ -14,7 +14,8 @@ key a script touches is in one Redis Cluster slot (a resource cannot contain bra
     P:{order:123}:queue     ZSET    tickets of waiting acquires in arrival order
     P:{order:123}:tickets   HASH    ticket -> its expiry and the details of a handed-over lock
     P:{order:123}:wake:T    LIST    "fence next-ticket lock-hash", pushed when handed to T
-    P:{order:123}:released  STRING  an operator's note on a release (locks/notes.py)
+    P:{order:123}:released  STRING  an operator's note on a release (locks/notes.py); for
+                            slot I of a lock with a limit, P:{order:123}:released:I
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class LockKeys:
 
     @property
     def released(self) -> str:
-        return self._key("released")
+        """The operator's note on a release of ``slot``'s holding (:mod:`.notes`)."""
+        return self._key("released") if self.slot == 0 else self._key(f"released:{self.slot}")
 
     def wake(self, ticket: str) -> str:
         """The list the waiter holding ``ticket`` blocks on (pushed when handed the lock)."""
