@@ -6,7 +6,8 @@ the hot path), flushed by one Lua call (:data:`FLUSH`; both keys share the ``{me
 tag) into ``P:{metrics}:b:<minute>`` (expires after ``METRICS_RETENTION``: windows, rates,
 percentiles) and ``P:{metrics}:total`` (all-time, for Prometheus). In an RQ job a flush rides
 the lock release's round trip and ends every run (:func:`flush_now`), so a work horse that
-``os._exit``\\ s loses nothing. Otherwise a release, or the renewal thread, flushes increments
+``os._exit``\\ s loses nothing; an in-process worker's jobs wait for the next due flush instead
+(:func:`jobs_flush_when_due`). Otherwise a release, or the renewal thread, flushes increments
 once the oldest is ``FLUSH_INTERVAL`` s old (while a job holds its lock here,
 ``renewal.JOB_FLUSH_INTERVAL`` s: its release carries them), and so does the exit.
 
@@ -22,7 +23,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,8 @@ class Recorder:
         self.lock = threading.Lock()
         self.pending: dict[str, int] = defaultdict(int)
         self.since = 0.0  # monotonic time the oldest increment in ``pending`` was added
+        # Set while an in-process worker runs jobs (:func:`jobs_flush_when_due`).
+        self.jobs_wait = False
 
 
 _recorder = Recorder()
@@ -238,6 +241,36 @@ def flush(make_client: Callable[[], Any], taken: dict[str, int], at: float | Non
             raise reply
     except REDIS_ERRORS:
         add(taken)
+
+
+def flush_due() -> None:
+    """Flush the buffer if its oldest increment is ``FLUSH_INTERVAL`` s old (else nothing)."""
+    if enabled() and (taken := take_for_flush(force=False)):
+        flush(client, taken)
+
+
+def flush_at_job_end() -> bool:
+    """Whether a job's run ends with a flush (its lock release carries it): yes, unless an
+    in-process worker is running it (:func:`jobs_flush_when_due`). A work horse ``os._exit``\\ s
+    after its job, so it must flush then."""
+    return not _recorder.jobs_wait
+
+
+@contextlib.contextmanager
+def jobs_flush_when_due() -> Iterator[None]:
+    """While an in-process worker (one that runs job after job in its own process, as
+    :class:`~django_joblock.worker.JoblockSimpleWorker`) works: its jobs' metrics wait for the
+    next due flush (a lock release's round trip once the oldest is ``FLUSH_INTERVAL`` s old,
+    else the renewal thread or the worker, see :func:`flush_due`) instead of each job ending
+    with one. Flushed when the block ends. A process forked meanwhile (a work horse) flushes
+    at each job's end as before: its buffer is a new one."""
+    recorder = _recorder
+    recorder.jobs_wait = True
+    try:
+        yield
+    finally:
+        recorder.jobs_wait = False
+        flush_now()
 
 
 def flush_now(at: float | None = None) -> None:

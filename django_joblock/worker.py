@@ -34,7 +34,7 @@ from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.exceptions import NoSuchJobError
 from rq.utils import current_timestamp
 
-from . import outbox
+from . import metrics, outbox
 from .backend import REDIS_ERRORS
 from .jobs import liveness
 from .logs import logger
@@ -290,7 +290,19 @@ class JoblockWorker(_Loop, Worker):
 
 
 class JoblockSimpleWorker(_Loop, SimpleWorker):
-    """The in-process RQ worker, dropping stale database connections around each job."""
+    """The in-process RQ worker, dropping stale database connections around each job. Its jobs'
+    metrics go out once a second at most, in a lock release's round trip when one is due, else
+    from its heartbeat (:func:`~django_joblock.metrics.jobs_flush_when_due`), not one flush per
+    job: a work horse needs that, this process does not exit after a job."""
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        with metrics.jobs_flush_when_due():
+            return super().work(*args, **kwargs)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        super().heartbeat(timeout, pipeline)
+        if pipeline is None:  # RQ's dequeue loop, idle or between jobs: metrics now due go out
+            metrics.flush_due()  # (a Redis error keeps them for the next one)
 
     def execute_job(self, job: Any, queue: Any) -> Any:
         close_connections(stale_only=True)

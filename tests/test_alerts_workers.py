@@ -81,10 +81,11 @@ def test_acquire_errors_fire_from_a_worker_whose_lock_redis_is_down(split):
     assert wait_status(during, DONE, 30, crew) is JobStatus.FAILED, crew.logs()
     assert "LockBackendUnavailable" in during.latest_result().exc_string
     lock_server.start()
-    after = jobs.hold_resource.delay(30, "after", 0.0)  # its run flushes the count too
+    after = jobs.hold_resource.delay(30, "after", 0.0)  # the count goes out with its metrics
     assert wait_status(after, DONE, 30, crew) is JobStatus.FINISHED, crew.logs()
+    # An in-process worker flushes once the oldest count is a flush interval old.
+    assert wait_for(lambda: "acquire_errors" in _names(), 10), crew.logs()
     fired = {alert.name: alert for alert in alerts.evaluate()}
-    assert "acquire_errors" in fired, fired
     assert fired["acquire_errors"].value == 1 and "res 1" in fired["acquire_errors"].message
 
 
@@ -104,8 +105,9 @@ def test_renew_failures_fire_when_the_lock_redis_goes_down_under_a_running_job(s
     lock_server.start()
     assert wait_status(held, DONE, 30, crew) is JobStatus.FAILED, crew.logs()
     assert "LockLost" in held.latest_result().exc_string
-    after = jobs.hold_resource.delay(31, "after", 0.0)  # flushes the worker's counts
+    after = jobs.hold_resource.delay(31, "after", 0.0)  # the counts go out with its metrics
     assert wait_status(after, DONE, 30, crew) is JobStatus.FINISHED, crew.logs()
+    assert wait_for(lambda: {"renew_failures", "locks_lost"} <= _names(), 10), crew.logs()
     fired = {alert.name: alert for alert in alerts.evaluate()}
     assert "renew_failures" in fired and fired["renew_failures"].value >= 2, fired
     assert "locks_lost" in fired, fired

@@ -14,6 +14,7 @@ from rq.job import JobStatus
 
 from django_joblock import metrics
 from django_joblock.locks import renewal
+from django_joblock.worker import JoblockSimpleWorker
 from tests import harness, jobs
 from tests.counting import CommandCounter
 from tests.harness import wait_for
@@ -156,3 +157,34 @@ def test_a_job_longer_than_a_metrics_flush_interval_still_costs_two_round_trips(
     time.sleep(renewal.JOB_FLUSH_INTERVAL)  # quiet: the last flush is older than that
     locked, _ = _drain(counted, False, "tests.jobs.locked_nap", 20, (nap,), jobs=2)
     assert len(locked) - len(plain) == 2 * 2, _beyond(locked, plain)
+
+
+@pytest.mark.slow
+def test_an_in_process_workers_jobs_flush_their_metrics_when_due_not_one_flush_per_job(counted):
+    """A work horse flushes its job's metrics in the job's release (it ``os._exit``\\ s next);
+    :class:`JoblockSimpleWorker` runs job after job in its own process: a release carries them
+    once they are a flush interval old, and the rest go out when its ``work()`` ends. Negative
+    control: RQ's own ``SimpleWorker`` flushes in every release (a third EVALSHA in the flight
+    that carries the outcome)."""
+    import redis
+
+    def flushes_in_releases(worker_class: type, first: int) -> tuple[int, int]:
+        connection = redis.Redis.from_url(counted.url)
+        queue = Queue(f"flush-{first}", connection=connection)
+        for n in range(first, first + 5):
+            queue.enqueue("tests.jobs.locked_noop", n)
+        counted.take_flights()
+        worker_class([queue], connection=connection).work(burst=True)
+        flights, _ = counted.take_flights()
+        releases = [f for f in flights if "RPUSH" in f and "EVAL" not in f]
+        assert len(releases) == 5, flights
+        return sum(f.count("EVALSHA") == 3 for f in releases), metrics.totals().total("acquired")
+
+    _drain(counted, False, "tests.jobs.locked_noop", 0)  # scripts loaded, pools warm
+    metrics.flush_now()
+    before = metrics.totals().total("acquired")
+    per_job, after_rq = flushes_in_releases(SimpleWorker, 10)
+    assert (per_job, after_rq) == (5, before + 5), "RQ's SimpleWorker: a flush per release"
+    when_due, after_ours = flushes_in_releases(JoblockSimpleWorker, 20)
+    assert when_due <= 1, f"{when_due} of 5 releases carried a flush (one a second at most)"
+    assert after_ours == after_rq + 5, "every count is in Redis once the worker's work() ended"

@@ -10,7 +10,7 @@ import contextlib
 import json
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import conf
@@ -80,7 +80,8 @@ def _list_key(name: str) -> str:
 def add_calls(run: Delivery) -> list[list[Any]]:
     """The commands appending ``run`` to its family's history (sent with the job's outcome)."""
     name = _list_key(family_of(run.resource, run.key))
-    encoded = json.dumps(asdict(run), separators=(",", ":"))
+    # vars(): the fields as they are (all flat); asdict() would deep-copy them, per job.
+    encoded = json.dumps(vars(run), separators=(",", ":"))
     return [["RPUSH", name, encoded], ["LTRIM", name, -KEPT, -1], ["EXPIRE", name, TTL]]
 
 

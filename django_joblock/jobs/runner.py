@@ -74,7 +74,8 @@ def run(spec: JobSpec[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
         state.release([])  # finish() did, unless it raised
         state.note_duration()
         # Whatever this run counted and no lock release carried: the horse may os._exit next.
-        metrics.flush_now()
+        if metrics.flush_at_job_end():
+            metrics.flush_now()
 
 
 def _flow(state: Run, arguments: dict[str, Any], call: Callable[[], Any]) -> Ending:

@@ -473,10 +473,10 @@ class Lock(Holding):
     def _release_steps(self, found: Any, calls: list[Call]) -> Steps[tuple[bool, list[Any] | None]]:
         """Release the lock on ``found`` with ``calls`` riding along (see :meth:`release_with`).
 
-        The heartbeat stops first; the hold time, pending metrics (always inside a job: a work
-        horse may exit right after) and the index entry's removal ride in the release's round
-        trip. A connection lost mid-call sends the release once more, without the metrics and
-        ``calls``."""
+        The heartbeat stops first; the hold time, pending metrics (always inside a job, unless an
+        in-process worker runs it: a work horse may exit right after) and the index entry's
+        removal ride in the release's round trip. A connection lost mid-call sends the release
+        once more, without the metrics and ``calls``."""
         renewer().remove(self)
         sent = time.monotonic()
         if sent >= self.valid_until and self.mark_lost("validity deadline passed"):
@@ -487,7 +487,7 @@ class Lock(Holding):
         index_keys, index_args = index.in_script(found, self.keys.prefix, self.index_entry())
         unindex = (index_keys[:1], index_args[1:2])
         also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
-        pending = metrics.take_for_flush(force=bool(self.job_id))
+        pending = metrics.take_for_flush(force=bool(self.job_id) and metrics.flush_at_job_end())
         flush = [metrics.flush_call(pending)] if pending else []
         riders: list[Any] | None = None
         retried = False
