@@ -329,3 +329,13 @@ def locked_nap(n: int, seconds: float) -> int:
     """The same under a lock of its own: its metrics still wait for its release."""
     time.sleep(seconds)
     return n
+
+
+@locked_job("default", lock="account:{name}")
+def add_to_locked_row(name: str, amount: int) -> int:
+    """Lock-only: the body's first query locks its row (``select_for_update()``, which Django
+    allows only inside a transaction: the job's)."""
+    account = Account.objects.select_for_update().get(name=name)
+    account.balance += amount
+    account.save(update_fields=["balance"])
+    return account.balance

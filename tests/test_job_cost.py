@@ -188,3 +188,18 @@ def test_an_in_process_workers_jobs_flush_their_metrics_when_due_not_one_flush_p
     when_due, after_ours = flushes_in_releases(JoblockSimpleWorker, 20)
     assert when_due <= 1, f"{when_due} of 5 releases carried a flush (one a second at most)"
     assert after_ours == after_rq + 5, "every count is in Redis once the worker's work() ended"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("simple", [False, True], ids=["Worker", "SimpleWorker"])
+def test_a_body_whose_first_query_is_select_for_update_runs_in_the_jobs_transaction(
+    workers, simple
+):
+    """Django refuses ``select_for_update()`` outside a transaction, and checks before the query
+    is sent: the job's transaction, begun at the body's first query in a work horse, must have
+    begun by then."""
+    Account.objects.create(name="row", balance=0)
+    workers.start(simple=simple)
+    added = [jobs.add_to_locked_row.delay("row", 1) for _ in range(3)]
+    assert sorted(_results(added, workers)) == [1, 2, 3]  # type: ignore[type-var]
+    assert Account.objects.get(name="row").balance == 3

@@ -7,22 +7,23 @@ with the resource's guard taken before its first query (:mod:`..idempotency.reso
 
 **A body that never queries opens no connection.** When the database connection is not open yet
 (a forking worker's horse: the worker closes connections before each fork), the transaction
-begins at the body's first query, not before the body: a job that only uses Redis or an HTTP
-API costs no database session. When the connection is open (a ``SimpleWorker``, an inline
-call), the transaction begins before the body, as ``transaction.atomic()`` does.
-
-A body whose first database use is its own ``transaction.atomic()`` block, before any query,
-in a horse: that block is the outermost one and commits itself (the guard is taken in it, so
-its reads still wait for a previous holder's transaction); the job's end checks the lock only
-for a transaction the job began."""
+begins when the body opens the connection (Django's ``connection_created``), not before the
+body: a job that only uses Redis or an HTTP API costs no database session. Opening it is the
+first thing any database use does, so the transaction has begun before the body's first
+query, before Django checks that ``select_for_update()`` runs in a transaction, and before the
+body's own ``transaction.atomic()`` block, which nests in it (a savepoint) as it does when the
+connection is open. When the connection is open (a ``SimpleWorker``, an inline call), the
+transaction begins before the body, as ``transaction.atomic()`` does. Either way a body's
+``atomic(durable=True)`` is not one: the job's transaction encloses it."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from django.db import connections, transaction
+from django.db.backends.signals import connection_created
 
 from ..idempotency import resource_guard
 from ..locks.lock import Lock
@@ -43,30 +44,29 @@ def job_transaction(using: str, held: Lock | None, *, wait: float) -> Iterator[N
                 held.ensure_held()  # never commit the effect of a job that lost its lock
         return
     with contextlib.ExitStack() as stack:
-        first_query = _FirstQuery(using, stack)
-        with connection.execute_wrapper(first_query):
+        opened = _BeginWhenOpened(connection, using, stack)
+        connection_created.connect(opened, weak=False)
+        try:
             with resource_guard.before_first_query(using, held, wait=wait):
                 yield
-        if held is not None and first_query.began:
+        finally:
+            connection_created.disconnect(opened)
+        if held is not None and opened.began:
             held.ensure_held()  # as above; the transaction commits when the stack closes
 
 
-class _FirstQuery:
-    """An execute wrapper beginning the job's transaction (entered in ``stack``) right before
-    the first query on ``using``, unless the body is inside its own transaction by then."""
+class _BeginWhenOpened:
+    """A ``connection_created`` receiver that begins the job's transaction (entered in
+    ``stack``) when this thread's ``connection`` (of alias ``using``) opens. Other threads'
+    connections and other aliases are not its business."""
 
-    def __init__(self, using: str, stack: contextlib.ExitStack) -> None:
+    def __init__(self, connection: Any, using: str, stack: contextlib.ExitStack) -> None:
+        self.connection = connection
         self.using = using
         self.stack = stack
-        self.seen = False
         self.began = False
 
-    def __call__(self, execute: Callable[..., Any], sql: str, *args: Any) -> Any:
-        if not self.seen:
-            self.seen = True  # first: the BEGIN below comes through here too
-            # SQLite: the body's own atomic() sends BEGIN itself, before it is in its block.
-            beginning = sql.lstrip()[:5].upper() == "BEGIN"
-            if not beginning and not connections[self.using].in_atomic_block:
-                self.stack.enter_context(transaction.atomic(using=self.using))
-                self.began = True
-        return execute(sql, *args)
+    def __call__(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        if connection is self.connection and not self.began:
+            self.began = True
+            self.stack.enter_context(transaction.atomic(using=self.using))
