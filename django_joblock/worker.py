@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import Any
 
 import redis
-from django.db import connections
+from django.db import connections, router
 from rq import SimpleWorker, Worker
 from rq.defaults import DEFAULT_MAINTENANCE_TASK_INTERVAL
 from rq.exceptions import NoSuchJobError
@@ -36,6 +36,7 @@ from rq.utils import current_timestamp
 
 from . import metrics, outbox
 from .backend import REDIS_ERRORS
+from .idempotency import store
 from .jobs import liveness
 from .logs import logger
 
@@ -272,10 +273,13 @@ class _Loop:
 
 
 class JoblockWorker(_Loop, Worker):
-    """The forking RQ worker, closing database connections before each fork."""
+    """The forking RQ worker, closing database connections before each fork (and building the
+    idempotency records' statements, once, before the first)."""
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:
         close_connections(stale_only=False)
+        # The records' statements built here once, not again in every horse (no query).
+        store.warm(router.db_for_write(store.record_model()))
         super().fork_work_horse(job, queue)
 
     def handle_job_failure(self, job: Any, *args: Any, **kwargs: Any) -> None:

@@ -57,6 +57,17 @@ def test_a_simple_worker_runs_a_job_without_database_access(django_db_blocker, r
             connection.close()
 
 
+@pytest.mark.slow  # forks a work horse
+def test_a_forking_worker_prepares_its_horses_without_a_database_connection(rconn):
+    """Before each fork the worker builds the idempotency records' statements (so that no
+    horse builds them again) from the model and the backend's quoting alone: with database
+    access refused (pytest-django), a connection would raise in the worker and the job would
+    not run."""
+    job = _burst(JoblockWorker, rconn)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED, job.latest_result()
+    assert connection.connection is None
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_stale_connection_is_still_closed_around_a_job(settings, rconn):
     """Outside a transaction the simple worker still drops a connection past its max age."""

@@ -11,7 +11,8 @@ reads the row, inserted at the commit (the unique key decides); on SQLite
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -116,30 +117,78 @@ def _insert_sql(model: Any, connection: Any, values: Row) -> tuple[str, list[Any
     for name, field in fields:
         value = values[name] if name in values else field.get_default()
         params.append(field.get_db_prep_save(value, connection))
-    return _insert_statement(model, connection), params
+    return _statement("insert", model, connection), params
 
 
-# The statement per model and database vendor: the same text for every job (built once).
-_INSERT_STATEMENTS: dict[tuple[Any, str], str] = {}
-
-
+@functools.cache
 def _insert_fields(model: Any) -> list[tuple[str, Any]]:
     """(name, field) of the columns an insert writes: every concrete field but the id."""
     return [(f.name, f) for f in model._meta.concrete_fields if not f.primary_key]
 
 
 def _insert_statement(model: Any, connection: Any) -> str:
-    found = _INSERT_STATEMENTS.get((model, connection.vendor))
+    names = [name for name, _ in _insert_fields(model)]
+    return (
+        f"INSERT INTO {_table(model, connection)} ({_columns(model, connection, names)}) "
+        f"VALUES ({', '.join(['%s'] * len(names))}) "
+        f"ON CONFLICT ({_columns(model, connection, ('scope', 'key'))}) DO NOTHING "
+        f"RETURNING {_columns(model, connection, ['id'])}"
+    )
+
+
+def _insert_or_read_statement(model: Any, connection: Any) -> str:
+    # One statement. The CTE's INSERT and the read of the table share one snapshot: after an
+    # insert the read sees nothing (only the CTE's row comes back, marked 1); on a conflict
+    # with a row committed before the statement began, only the existing row (2).
+    pk = _columns(model, connection, ["id"])
+    nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
+    return (
+        f"WITH ins AS ({_statement('insert', model, connection)}) SELECT 1, {pk}, {nulls} "
+        f"FROM ins UNION ALL SELECT 2, {_columns(model, connection, ROW_FIELDS)} "
+        f"FROM {_table(model, connection)} WHERE {_by_key(model, connection)}"
+    )
+
+
+def _guard_and_read_statement(model: Any, connection: Any, resource: str) -> str:
+    return (
+        f"SELECT {resource}, {GUARD_SQL}, {_columns(model, connection, ROW_FIELDS, 't.')} "
+        f"FROM (SELECT 1) AS one LEFT JOIN {_table(model, connection)} t "
+        f"ON {_by_key(model, connection, 't.')}"
+    )
+
+
+# The statements, by name: the same text for every job of a model and database vendor.
+_BUILDERS: dict[str, Callable[[Any, Any], str]] = {
+    "insert": _insert_statement,
+    "insert_or_read": _insert_or_read_statement,
+    "guard_and_read": lambda model, connection: _guard_and_read_statement(
+        model, connection, "TRUE"
+    ),
+    "guard_resource_and_read": lambda model, connection: _guard_and_read_statement(
+        model, connection, GUARD_SQL
+    ),
+}
+_STATEMENTS: dict[tuple[str, Any, str], str] = {}
+
+
+def _statement(name: str, model: Any, connection: Any) -> str:
+    """Statement ``name`` for ``model`` on ``connection``'s vendor, built once per process."""
+    key = (name, model, connection.vendor)
+    found = _STATEMENTS.get(key)
     if found is None:
-        names = [name for name, _ in _insert_fields(model)]
-        found = (
-            f"INSERT INTO {_table(model, connection)} ({_columns(model, connection, names)}) "
-            f"VALUES ({', '.join(['%s'] * len(names))}) "
-            f"ON CONFLICT ({_columns(model, connection, ('scope', 'key'))}) DO NOTHING "
-            f"RETURNING {_columns(model, connection, ['id'])}"
-        )
-        _INSERT_STATEMENTS[(model, connection.vendor)] = found
+        found = _STATEMENTS[key] = _BUILDERS[name](model, connection)
     return found
+
+
+def warm(using: str) -> None:
+    """Build the statements for the records' database ``using`` now, without a query or a
+    connection: a forking worker calls it before it forks, so that no work horse builds them
+    again (each would, and throw them away at its exit)."""
+    connection = connections[using]
+    model = record_model()
+    _insert_fields(model)
+    for name in _BUILDERS:
+        _statement(name, model, connection)
 
 
 def _by_key(model: Any, connection: Any, prefix: str = "") -> str:
@@ -154,17 +203,8 @@ def _read(model: Any, connection: Any, fields: Any) -> Row:
 
 
 def _insert_or_read_postgresql(model: Any, connection: Any, values: Row) -> Found:
-    # One statement. The CTE's INSERT and the read of the table share one snapshot: after an
-    # insert the read sees nothing (only the CTE's row comes back, marked 1); on a conflict
-    # with a row committed before the statement began, only the existing row (2).
-    insert, params = _insert_sql(model, connection, values)
-    pk = _columns(model, connection, ["id"])
-    nulls = ", ".join(["NULL"] * (len(ROW_FIELDS) - 1))
-    sql = (
-        f"WITH ins AS ({insert}) SELECT 1, {pk}, {nulls} FROM ins "
-        f"UNION ALL SELECT 2, {_columns(model, connection, ROW_FIELDS)} "
-        f"FROM {_table(model, connection)} WHERE {_by_key(model, connection)}"
-    )
+    _, params = _insert_sql(model, connection, values)
+    sql = _statement("insert_or_read", model, connection)
     with connection.cursor() as cursor:
         cursor.execute(sql, [*params, values["scope"], values["key"]])
         found = cursor.fetchone()
@@ -184,12 +224,8 @@ def _guard_and_read_postgresql(
     # the unique key (one_commit.record_result), and the run is rolled back and goes again, finding
     # the row. Re-reading every "no row" under the guards would cost every first run a statement
     # for a race of two runs of one key within one statement's time.
-    resource = GUARD_SQL if lock_key is not None else "TRUE"
-    sql = (
-        f"SELECT {resource}, {GUARD_SQL}, {_columns(model, connection, ROW_FIELDS, 't.')} "
-        f"FROM (SELECT 1) AS one LEFT JOIN {_table(model, connection)} t "
-        f"ON {_by_key(model, connection, 't.')}"
-    )
+    name = "guard_resource_and_read" if lock_key is not None else "guard_and_read"
+    sql = _statement(name, model, connection)
     head = [name_for(lock_key)] if lock_key is not None else []
     scope = values["scope"]
     key = values["key"]
