@@ -3,7 +3,13 @@ loop. On rq >= 3.0 a job with a lock is enqueued with RQ's ``RateLimit(key=<its 
 concurrency=N)`` (N = the job's ``concurrency``, 1 by default): RQ parks the others, using no
 worker nor retry budget, until a slot frees (a killed horse's at once, a dead worker's at RQ's
 next maintenance); time-sorted job ids keep them FIFO. Admission decides only *when* a job
-starts; the lock stays the safety."""
+starts; the lock stays the safety.
+
+Its cost is RQ's: at each admitted job's end RQ's ``release_slot`` reads the limit's
+``concurrency`` from Redis (a ``HGET``, one round trip) before its release script, although the
+job carries it (``Job.rate_limit_concurrency``), and registers RQ's four scripts again. A fix
+that belongs in RQ (``RateLimitRegistry.from_job`` could take the job's own value); proposed
+upstream."""
 
 from __future__ import annotations
 
