@@ -76,7 +76,9 @@ def database(url: str) -> tuple[dict[str, Any], Callable[[], None]]:
     return {**base, "NAME": name}, drop
 
 
-def setup(url: str, db: dict[str, Any]) -> None:
+def setup(url: str, db: dict[str, Any], *, create: bool = True) -> None:
+    """Django for the benchmark on Redis ``url`` and database ``db``; with ``create``, the
+    database migrated and the benchmark's tables made (once, by the process that drives)."""
     import django
     from django.conf import settings
 
@@ -90,6 +92,8 @@ def setup(url: str, db: dict[str, Any]) -> None:
         SECRET_KEY="bench",  # migrate claims KEY_PREFIX with it (W016)
     )
     django.setup()
+    if not create:
+        return
     from django.core.management import call_command
     from django.db import connection
 

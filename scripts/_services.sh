@@ -63,3 +63,8 @@ ensure_chromium() {
     local want=${JOBLOCK_CHROMIUM:-/usr/bin/chromium}
     [ -x "$want" ] || command -v "$want" >/dev/null 2>&1 || _apt_install chromium chromium-driver
 }
+
+# valgrind, for the benchmark that counts instructions per job (run by tests/test_benchmarks.py).
+ensure_valgrind() {
+    command -v valgrind >/dev/null 2>&1 || _apt_install valgrind
+}

@@ -23,6 +23,7 @@ RUNS = {
         "alock against redis-py's asyncio Lock",
     ),
     "jobs": ("--jobs 6 --fork-jobs 2 --rounds 1", "floor"),
+    "job_instructions": ("--jobs 2 --kinds plain,lock", "M instr/job"),
     "hot_key": ("--jobs 6 --ms 5 --workers 2 --rounds 1", "vs RateLimit"),
     "idempotency": ("--ops 10 --rounds 1", "vs naive"),
     "dashboard": ("--sizes 100 --records 100", "dashboard ms"),
