@@ -262,8 +262,8 @@ def write_run(
     key: str = "",
 ) -> None:
     """Append a run to its family's history as a worker does when a run ends."""
+    from django_joblock.backend import send
     from django_joblock.jobs import history
 
     run = history.Delivery(job_id, func, key, resource, "w", "h", 1, started, took, outcome, waited)
-    for command in history.add_calls(run):
-        client.execute_command(*command)
+    send(client, history.add_calls(run))

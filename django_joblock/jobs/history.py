@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import conf
-from ..backend import REDIS_ERRORS, text
+from ..backend import REDIS_ERRORS, Call, Script, text
 from ..idempotency.inputs import key_family
 from ..locks.keys import family
 
@@ -77,12 +77,28 @@ def _list_key(name: str) -> str:
     return f"{conf.get().KEY_PREFIX}:runs:{name}"
 
 
-def add_calls(run: Delivery) -> list[list[Any]]:
-    """The commands appending ``run`` to its family's history (sent with the job's outcome)."""
+# One command, not RPUSH + LTRIM + EXPIRE: each command of a round trip costs the client more
+# than the server's work here.
+_APPEND = Script(
+    """
+-- Append a run to a family's history, keep the newest, expire the list after the last write.
+-- KEYS[1] the history list
+-- ARGV[1] the run (JSON), ARGV[2] how many runs to keep, ARGV[3] seconds to live
+-- Returns the list's length.
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return redis.call('LLEN', KEYS[1])
+"""
+)
+
+
+def add_calls(run: Delivery) -> list[Call]:
+    """The command appending ``run`` to its family's history (sent with the job's outcome)."""
     name = _list_key(family_of(run.resource, run.key))
     # vars(): the fields as they are (all flat); asdict() would deep-copy them, per job.
     encoded = json.dumps(vars(run), separators=(",", ":"))
-    return [["RPUSH", name, encoded], ["LTRIM", name, -KEPT, -1], ["EXPIRE", name, TTL]]
+    return [(_APPEND, [name], [encoded, KEPT, TTL])]
 
 
 def read(clients: list[Any], name: str, *, since: float = 0.0) -> list[Delivery]:
