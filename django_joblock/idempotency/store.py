@@ -161,12 +161,8 @@ def _guard_and_read_statement(model: Any, connection: Any, resource: str) -> str
 _BUILDERS: dict[str, Callable[[Any, Any], str]] = {
     "insert": _insert_statement,
     "insert_or_read": _insert_or_read_statement,
-    "guard_and_read": lambda model, connection: _guard_and_read_statement(
-        model, connection, "TRUE"
-    ),
-    "guard_resource_and_read": lambda model, connection: _guard_and_read_statement(
-        model, connection, GUARD_SQL
-    ),
+    "guard_and_read": functools.partial(_guard_and_read_statement, resource="TRUE"),
+    "guard_resource_and_read": functools.partial(_guard_and_read_statement, resource=GUARD_SQL),
 }
 _STATEMENTS: dict[tuple[str, Any, str], str] = {}
 
