@@ -13,8 +13,10 @@ first thing any database use does, so the transaction has begun before the body'
 query, before Django checks that ``select_for_update()`` runs in a transaction, and before the
 body's own ``transaction.atomic()`` block, which nests in it (a savepoint) as it does when the
 connection is open. When the connection is open (a ``SimpleWorker``, an inline call), the
-transaction begins before the body, as ``transaction.atomic()`` does. Either way a body's
-``atomic(durable=True)`` is not one: the job's transaction encloses it."""
+transaction begins before the body, as ``transaction.atomic()`` does. A body's
+``atomic(durable=True)`` is therefore refused by Django on an open connection and, on one the
+body opens, runs as a savepoint of the job's transaction: a job that needs a durable block
+takes ``atomic=False``."""
 
 from __future__ import annotations
 
