@@ -169,26 +169,32 @@ def test_an_in_process_workers_jobs_flush_their_metrics_when_due_not_one_flush_p
     that carries the outcome)."""
     import redis
 
-    def flushes_in_releases(worker_class: type, first: int) -> tuple[int, int]:
+    def flushes_in_releases(worker_class: type, first: int) -> tuple[int, float, int]:
+        """Of 5 jobs' releases, how many carried a flush; the drain's seconds; the count of
+        acquires in Redis after it."""
         connection = redis.Redis.from_url(counted.url)
         queue = Queue(f"flush-{first}", connection=connection)
         for n in range(first, first + 5):
             queue.enqueue("tests.jobs.locked_noop", n)
         counted.take_flights()
+        started = time.monotonic()
         worker_class([queue], connection=connection).work(burst=True)
+        took = time.monotonic() - started
         flights, _ = counted.take_flights()
         releases = [f for f in flights if f.count("EVALSHA") >= 3 and "EVAL" not in f]
         assert len(releases) == 5, flights
         # The release, the outcome's meta, the run history; and the metrics' flush, if any.
-        return sum(f.count("EVALSHA") == 4 for f in releases), metrics.totals().total("acquired")
+        flushed = sum(f.count("EVALSHA") == 4 for f in releases)
+        return flushed, took, metrics.totals().total("acquired")
 
     _drain(counted, False, "tests.jobs.locked_noop", 0)  # scripts loaded, pools warm
     metrics.flush_now()
     before = metrics.totals().total("acquired")
-    per_job, after_rq = flushes_in_releases(SimpleWorker, 10)
+    per_job, _, after_rq = flushes_in_releases(SimpleWorker, 10)
     assert (per_job, after_rq) == (5, before + 5), "RQ's SimpleWorker: a flush per release"
-    when_due, after_ours = flushes_in_releases(JoblockSimpleWorker, 20)
-    assert when_due <= 1, f"{when_due} of 5 releases carried a flush (one a second at most)"
+    when_due, took, after_ours = flushes_in_releases(JoblockSimpleWorker, 20)
+    at_most = min(4, 1 + int(took / metrics.FLUSH_INTERVAL))  # one a second (a busy machine)
+    assert when_due <= at_most, f"{when_due} of 5 releases carried a flush in {took:.1f}s"
     assert after_ours == after_rq + 5, "every count is in Redis once the worker's work() ended"
 
 
@@ -198,8 +204,8 @@ def test_a_body_whose_first_query_is_select_for_update_runs_in_the_jobs_transact
     workers, simple
 ):
     """Django refuses ``select_for_update()`` outside a transaction, and checks before the query
-    is sent: the job's transaction, begun at the body's first query in a work horse, must have
-    begun by then."""
+    is sent: in a work horse (no connection open) the job's transaction must have begun by then.
+    It began at the first query, after the check, and every run failed."""
     Account.objects.create(name="row", balance=0)
     workers.start(simple=simple)
     added = [jobs.add_to_locked_row.delay("row", 1) for _ in range(3)]
