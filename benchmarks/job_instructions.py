@@ -36,40 +36,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from jobs import FLOOR, OURS, ROWS, database, setup  # noqa: E402
+from jobs import FLOOR, OURS, database, job_kinds, setup  # noqa: E402
 from locks import private_redis  # noqa: E402
 
-PLAIN_NOOP = "no-op: plain RQ"
-PLAIN_UPDATE = "UPDATE: plain RQ"
+# --kinds names -> jobs.py's kinds (the same jobs; the floor on PostgreSQL only).
 KINDS = {
-    "plain": PLAIN_NOOP,
+    "plain": "no-op: plain RQ",
     "lock": "no-op: @locked_job (lock)",
     "idempotency": "no-op: @locked_job (lock + idempotency)",
-    "plain_update": PLAIN_UPDATE,
+    "plain_update": "UPDATE: plain RQ",
     "floor": FLOOR,
     "ours": OURS,
 }
-
-
-def enqueuers(queue: Any, run: str) -> dict[str, Callable[[int], Any]]:
-    """Kind -> a function enqueueing its i-th job (each with a resource and key of its own)."""
-    from bench_jobs import (
-        floor_update,
-        lock_and_idempotency,
-        lock_and_idempotency_update,
-        lock_only,
-        plain,
-        plain_update,
-    )
-
-    return {
-        "plain": lambda i: queue.enqueue(plain, i),
-        "lock": lambda i: lock_only.delay(i),
-        "idempotency": lambda i: lock_and_idempotency.delay(i, run),
-        "plain_update": lambda i: queue.enqueue(plain_update, i % ROWS),
-        "floor": lambda i: queue.enqueue(floor_update, i % ROWS, run, i),
-        "ours": lambda i: lock_and_idempotency_update.delay(i % ROWS, run, i),
-    }
 
 
 def worker_main(url: str, db: dict[str, Any]) -> None:
@@ -158,10 +136,13 @@ def main() -> int:
 
         from django_joblock.jobs.queues import get_queue
 
-        if connection.vendor != "postgresql" and "floor" in kinds:
-            kinds.remove("floor")  # its guard statement is PostgreSQL's
-        make = enqueuers(get_queue("bench"), f"count{os.getpid()}")
-        found = {KINDS[kind]: per_job(url, db, make[kind], args.jobs) for kind in kinds}
+        made = job_kinds(get_queue("bench"), floor=connection.vendor == "postgresql")
+        run = f"count{os.getpid()}"
+        found = {
+            KINDS[kind]: per_job(url, db, made[KINDS[kind]](run), args.jobs)
+            for kind in kinds
+            if KINDS[kind] in made
+        }
         print(
             f"Python {sys.version.split()[0]}; database {connection.vendor}; instructions per "
             f"job of a JoblockSimpleWorker draining {args.jobs} jobs (valgrind callgrind)\n"

@@ -104,6 +104,37 @@ def setup(url: str, db: dict[str, Any], *, create: bool = True) -> None:
         cursor.execute("CREATE TABLE bench_record (key text PRIMARY KEY, result bigint)")
 
 
+def job_kinds(queue: Any, *, floor: bool) -> dict[str, Callable[[str], Callable[[int], Any]]]:
+    """Kind of job -> for a run's tag, a function enqueueing the kind's i-th job on ``queue``
+    (each with a resource and key of its own); the floor only with ``floor`` (its guard
+    statement is PostgreSQL's)."""
+    from bench_jobs import (
+        floor_update,
+        lock_and_idempotency,
+        lock_and_idempotency_update,
+        lock_and_idempotency_update_unparked,
+        lock_only,
+        plain,
+        plain_update,
+    )
+
+    kinds: dict[str, Callable[[str], Callable[[int], Any]]] = {
+        "no-op: plain RQ": lambda run: lambda i: queue.enqueue(plain, i),
+        "no-op: @locked_job (lock)": lambda run: lambda i: lock_only.delay(i),
+        "no-op: @locked_job (lock + idempotency)": lambda run: (
+            lambda i: lock_and_idempotency.delay(i, run)
+        ),
+        "UPDATE: plain RQ": lambda run: lambda i: queue.enqueue(plain_update, i % ROWS),
+        OURS: lambda run: lambda i: lock_and_idempotency_update.delay(i % ROWS, run, i),
+        UNPARKED: lambda run: (
+            lambda i: lock_and_idempotency_update_unparked.delay(i % ROWS, run, i)
+        ),
+    }
+    if floor:
+        kinds[FLOOR] = lambda run: lambda i: queue.enqueue(floor_update, i % ROWS, run, i)
+    return kinds
+
+
 def drain(queue: Any, worker_class: Any, n: int, enqueue: Callable[[int], Any]) -> float:
     from rq.utils import now
 
@@ -139,37 +170,13 @@ def main() -> int:
     try:
         setup(url, db)
         logging.getLogger("rq").setLevel(logging.WARNING)
-        from bench_jobs import (
-            floor_update,
-            lock_and_idempotency,
-            lock_and_idempotency_update,
-            lock_and_idempotency_update_unparked,
-            lock_only,
-            plain,
-            plain_update,
-        )
         from django.db import connection
 
         from django_joblock.jobs.queues import get_queue
         from django_joblock.worker import JoblockSimpleWorker, JoblockWorker
 
         queue = get_queue("bench")
-        kinds: dict[str, Callable[[str], Callable[[int], Any]]] = {
-            "no-op: plain RQ": lambda run: lambda i: queue.enqueue(plain, i),
-            "no-op: @locked_job (lock)": lambda run: lambda i: lock_only.delay(i),
-            "no-op: @locked_job (lock + idempotency)": lambda run: (
-                lambda i: lock_and_idempotency.delay(i, run)
-            ),
-            "UPDATE: plain RQ": lambda run: lambda i: queue.enqueue(plain_update, i % ROWS),
-            "UPDATE: @locked_job (lock + idempotency)": lambda run: (
-                lambda i: lock_and_idempotency_update.delay(i % ROWS, run, i)
-            ),
-            UNPARKED: lambda run: (
-                lambda i: lock_and_idempotency_update_unparked.delay(i % ROWS, run, i)
-            ),
-        }
-        if connection.vendor == "postgresql":
-            kinds[FLOOR] = lambda run: lambda i: queue.enqueue(floor_update, i % ROWS, run, i)
+        kinds = job_kinds(queue, floor=connection.vendor == "postgresql")
         print(
             f"Python {sys.version.split()[0]}; database {connection.vendor}; {args.rounds} "
             "interleaved rounds; jobs/s is the median, ratios are medians of per-round ratios "

@@ -264,12 +264,11 @@ def jobs_flush_when_due() -> Iterator[None]:
     else the renewal thread or the worker, see :func:`flush_due`) instead of each job ending
     with one. Flushed when the block ends. A process forked meanwhile (a work horse) flushes
     at each job's end as before: its buffer is a new one."""
-    recorder = _recorder
-    recorder.jobs_wait = True
+    _recorder.jobs_wait = True
     try:
         yield
     finally:
-        recorder.jobs_wait = False
+        _recorder.jobs_wait = False
         flush_now()
 
 
