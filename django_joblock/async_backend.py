@@ -42,7 +42,7 @@ from .backend import (
     pipeline,
 )
 from .exceptions import JoblockConfigError
-from .redis_steps import Block, Progress, RunScript, Send, Step, Steps, T
+from .redis_steps import Block, RunScript, Send, Step, Steps, T
 
 # Sync connection classes and their asyncio twins; the first that matches is used.
 _CONNECTION_CLASSES = (
@@ -182,15 +182,22 @@ async def send(found: Any, calls: Sequence[Call]) -> list[Any]:
 async def drive(steps: Steps[T], found: Any, blocking: Any = None) -> T:
     """:func:`.redis_steps.drive` on the asyncio clients: the flow's calls are awaited, so a
     waiting acquire never blocks the loop, and a cancelled task is cancelled at its step."""
-    outcome = Progress()
+    reply: Any = None
+    error: BaseException | None = None
     while True:
-        step = outcome.advance(steps)
-        if step is None:
-            return outcome.result  # type: ignore[no-any-return]
         try:
-            outcome.replied(await _run(step, found, blocking))
+            if error is None:
+                step = steps.send(reply)
+            else:
+                step = steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            reply = await _run(step, found, blocking)
+            error = None
         except BaseException as exc:  # noqa: BLE001 - thrown into the flow, which decides
-            outcome.failed(exc)
+            reply = None
+            error = exc
 
 
 async def _run(step: Step, found: Any, blocking: Any) -> Any:

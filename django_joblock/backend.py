@@ -293,9 +293,19 @@ def unavailable(
     )
 
 
-def is_cluster(found: Any) -> bool:
+def is_cluster(found: object) -> bool:
     """True for a Redis Cluster client."""
-    return isinstance(found, redis.RedisCluster)
+    kind = type(found)
+    known = _cluster_classes.get(kind)
+    if known is None:
+        # Once per class: isinstance() of RedisCluster, an ABC, runs two Python-level checks,
+        # and every acquire and release asks.
+        known = issubclass(kind, redis.RedisCluster)
+        _cluster_classes[kind] = known
+    return known
+
+
+_cluster_classes: dict[type, bool] = {}
 
 
 def close(found: Any) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -183,9 +184,23 @@ def count(metric: str, family: str, func: str = "", n: int = 1) -> None:
         add({f"{metric}|{family}|{func}": n})
 
 
-def _observation(metric: str, labels: str, seconds: float) -> dict[str, int]:
-    bucket = f"{metric}:b{bucket_of(seconds)}{labels}"
-    return {bucket: 1, f"{metric}:sum_us{labels}": int(seconds * 1e6)}
+@functools.lru_cache(maxsize=4096)
+def _labelled(family: str, func: str, *names: str) -> tuple[str, ...]:
+    """The fields ``<name>|<family>|<func>`` of ``names``, built once per label pair (a lock's
+    acquire and release record several)."""
+    return tuple(f"{name}|{family}|{func}" for name in names)
+
+
+@functools.lru_cache(maxsize=4096)
+def _histogram_fields(metric: str, family: str, func: str) -> tuple[tuple[str, ...], str]:
+    """The bucket fields of histogram ``metric`` for one label pair, and its sum field."""
+    buckets = _labelled(family, func, *(f"{metric}:b{i}" for i in range(len(BOUNDS) + 1)))
+    return buckets, f"{metric}:sum_us|{family}|{func}"
+
+
+def _observation(metric: str, family: str, func: str, seconds: float) -> dict[str, int]:
+    buckets, total = _histogram_fields(metric, family, func)
+    return {buckets[bisect.bisect_left(BOUNDS, seconds)]: 1, total: int(seconds * 1e6)}
 
 
 def observe(metric: str, family: str, func: str, seconds: float) -> None:
@@ -193,16 +208,16 @@ def observe(metric: str, family: str, func: str, seconds: float) -> None:
     if metric not in HISTOGRAMS:
         raise ValueError(f"{metric!r} is not a histogram in django_joblock.metrics.METRICS")
     if enabled():
-        add(_observation(metric, f"|{family}|{func}", seconds))
+        add(_observation(metric, family, func, seconds))
 
 
 def record_acquire(family: str, func: str, waited: float, *, acquired: bool) -> None:
     """One ``acquire()`` call's counters and wait time (buffered)."""
     if enabled():
-        labels = f"|{family}|{func}"
-        outcome = "acquired" if acquired else "contended"
-        counts = {"acquire_attempts" + labels: 1, outcome + labels: 1}
-        add(counts | _observation("wait_seconds", labels, waited))
+        attempts, outcome = _labelled(
+            family, func, "acquire_attempts", "acquired" if acquired else "contended"
+        )
+        add({attempts: 1, outcome: 1, **_observation("wait_seconds", family, func, waited)})
 
 
 def pending() -> bool:

@@ -53,7 +53,8 @@ class AsyncLock(Lock):
         """:meth:`~.lock.Lock.acquire`, awaited: waiting in line awaits, never blocking the
         loop. Cancelled, it leaves the line (or gives back a lock it may have got) and
         re-raises ``CancelledError``. Raises as ``acquire`` does."""
-        with self._one_call():
+        self._start_call()
+        try:
             wait, args = self._prepare_acquire(wait)
             entry = self.index_entry()
             started = time.monotonic()
@@ -66,6 +67,8 @@ class AsyncLock(Lock):
             except REDIS_ERRORS as exc:
                 raise self._failed_attempt(exc) from exc
             return await async_backend.drive(self._taken(found, turn, started, wait), found)
+        finally:
+            self._calls.release()
 
     async def _try_once_cancellable(
         self, found: Any, args: list[Any], entry: index.Entry, started: float
@@ -106,12 +109,15 @@ class AsyncLock(Lock):
 
     async def arelease(self) -> bool:
         """:meth:`~.lock.Lock.release`, awaited."""
-        with self._one_call():
+        self._start_call()
+        try:
             if not self._releasable():
                 return False
             found = async_backend.client(self.cache)
             released, _ = await async_backend.drive(self._release_steps(found, []), found)
             return released
+        finally:
+            self._calls.release()
 
     async def arenew(self) -> bool:
         """:meth:`~.lock.Lock.renew`, awaited."""

@@ -91,6 +91,15 @@ def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[An
     return index_keys, [score, member(resource, owner, job_id, slot), family]
 
 
+def in_release(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[Any]]:
+    """The index key and member of ``entry`` that RELEASE removes (as extra KEYS and ARGV);
+    ``([], [])`` on Redis Cluster (:func:`remove_call` instead)."""
+    if is_cluster(found):
+        return [], []
+    resource, owner, _ttl, job_id, slot = entry
+    return [_index_key(prefix, keys.family(resource))], [member(resource, owner, job_id, slot)]
+
+
 def in_wait_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[Any]]:
     """:func:`in_script` for WAIT, which picks the slot: the members of slot 0 and the start of
     another slot's member (the script appends the slot's number). ``([], [])`` on Redis

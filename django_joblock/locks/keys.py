@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..exceptions import InvalidResource
 
@@ -96,7 +97,8 @@ def validate_limit(what: str, limit: object) -> int:
 @dataclass(frozen=True)
 class LockKeys:
     """The keys of one resource under one prefix; ``slot`` picks which lock hash ``lock`` is
-    (slot 0, the only one of a lock without a limit, is ``P:{resource}:lock``)."""
+    (slot 0, the only one of a lock without a limit, is ``P:{resource}:lock``). Each key is
+    built once per object (an acquire and its release name them several times)."""
 
     prefix: str
     resource: str
@@ -105,7 +107,7 @@ class LockKeys:
     def _key(self, name: str) -> str:
         return f"{self.prefix}:{{{self.resource}}}:{name}"
 
-    @property
+    @cached_property
     def lock(self) -> str:
         return self.slot_key(self.slot)
 
@@ -120,17 +122,19 @@ class LockKeys:
 
     def at(self, slot: int) -> LockKeys:
         """These keys with ``lock`` naming ``slot``'s hash."""
+        if slot == self.slot:
+            return self
         return LockKeys(self.prefix, self.resource, slot)
 
-    @property
+    @cached_property
     def fence(self) -> str:
         return self._key("fence")
 
-    @property
+    @cached_property
     def queue(self) -> str:
         return self._key("queue")
 
-    @property
+    @cached_property
     def tickets(self) -> str:
         return self._key("tickets")
 
@@ -143,6 +147,6 @@ class LockKeys:
         """The list the waiter holding ``ticket`` blocks on (pushed when handed the lock)."""
         return self._key(f"wake:{ticket}")
 
-    @property
+    @cached_property
     def family(self) -> str:
         return family(self.resource)

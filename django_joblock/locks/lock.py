@@ -109,14 +109,16 @@ class Lock(Holding):
             "cache": cache,
             "limit": limit,
         }
-        ttl = settings.LOCK_TTL if ttl is None else ttl
-        self.ttl: float = conf.TTL_RANGE.check(f"{what} ttl", ttl)
-        wait = settings.ACQUIRE_WAIT if wait is None else wait
-        self.wait: float = _check_wait(what, wait)
-        hold = settings.MAX_HOLD if max_hold is None else max_hold
-        self.max_hold: float | None = None
-        if hold is not None:
-            self.max_hold = conf.HOLD_RANGE.check(f"{what} max_hold", hold)
+        # The settings' defaults were validated when read (conf.get); arguments are checked.
+        self.ttl: float = settings.LOCK_TTL
+        if ttl is not None:
+            self.ttl = conf.TTL_RANGE.check(f"{what} ttl", ttl)
+        self.wait: float = settings.ACQUIRE_WAIT
+        if wait is not None:
+            self.wait = _check_wait(what, wait)
+        self.max_hold: float | None = settings.MAX_HOLD
+        if max_hold is not None:
+            self.max_hold = conf.HOLD_RANGE.check(f"{what} max_hold", max_hold)
         self.heartbeat: bool = bool(heartbeat)
         self.heartbeat_interval: float = settings.heartbeat_interval(self.ttl)
         self.on_lost: OnLost | None = on_lost
@@ -194,11 +196,14 @@ class Lock(Holding):
         failed call can be repeated: the object keeps its token and its place in line), and
         :class:`LockError` if this object already holds the lock or another thread is in this
         object's acquire or release."""
-        with self._one_call():
+        self._start_call()
+        try:
             return self._acquire(wait)
+        finally:
+            self._calls.release()
 
     def _acquire(self, wait: float | None) -> bool:
-        """The body of :meth:`acquire`, run under :meth:`_one_call`."""
+        """The body of :meth:`acquire`, run between :meth:`_start_call` and its end."""
         wait, args = self._prepare_acquire(wait)
         entry = self.index_entry()
         started = time.monotonic()
@@ -229,7 +234,8 @@ class Lock(Holding):
             self.token = secrets.token_hex(16)
             self._spent = False
         self.job_id, self.job_func, details = holder_details()
-        self._take_slot(0)
+        if self.slot:
+            self._take_slot(0)
         return wait, [self.token, self.ttl_ms, FENCE_COUNTER_TTL_MS, *details]
 
     def _take_slot(self, slot: int) -> None:
@@ -254,7 +260,8 @@ class Lock(Holding):
             metrics.record_acquire(self.family, self.job_func, waited, acquired=False)
             self._report_busy(turn, waited)
             return False
-        self._take_slot(turn.slot)
+        if turn.slot != self.slot:
+            self._take_slot(turn.slot)
         valid_for = yield from self._usable_for(found, turn, now)
         self._hold(turn, valid_for, waited)
         # Counted once the renewal thread knows the lock (``_hold``): it leaves a job's metrics
@@ -440,8 +447,11 @@ class Lock(Holding):
         another thread is in this object's acquire or release. In a forked child: False,
         without touching Redis (the lock is the parent's).
         """
-        with self._one_call():
+        self._start_call()
+        try:
             return self._release([])[0]
+        finally:
+            self._calls.release()
 
     @async_unsafe(_IN_LOOP)
     def release_with(self, calls: list[Call]) -> tuple[bool, list[Any] | None]:
@@ -451,11 +461,14 @@ class Lock(Holding):
         were not sent: the lock was not held here, or the round trip was cut off and the release
         was sent again without them (whether they ran is unknown; the caller sends them again).
         Raises as :meth:`release` does."""
-        with self._one_call():
+        self._start_call()
+        try:
             return self._release(calls)
+        finally:
+            self._calls.release()
 
     def _release(self, calls: list[Call]) -> tuple[bool, list[Any] | None]:
-        """The body of :meth:`release_with`, run under :meth:`_one_call`."""
+        """The body of :meth:`release_with`, run between :meth:`_start_call` and its end."""
         if not self._releasable():
             return False, None
         try:
@@ -484,9 +497,8 @@ class Lock(Holding):
         valid = self.state is not LockState.LOST
         held_for = sent - (self.acquired_at or sent)
         metrics.observe("hold_seconds", self.family, self.job_func, held_for)
-        index_keys, index_args = index.in_script(found, self.keys.prefix, self.index_entry())
-        unindex = (index_keys[:1], index_args[1:2])
-        also = [] if index_keys else [self._unindex()]  # Redis Cluster: not in RELEASE
+        unindex = index.in_release(found, self.keys.prefix, self.index_entry())
+        also = [] if unindex[0] else [self._unindex()]  # Redis Cluster: not in RELEASE
         pending = metrics.take_for_flush(force=bool(self.job_id) and metrics.flush_at_job_end())
         flush = [metrics.flush_call(pending)] if pending else []
         riders: list[Any] | None = None

@@ -86,7 +86,10 @@ class Renewer:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self._cond = threading.Condition()
+        # The registry's guard; the thread sleeps on a condition of it (Condition's own
+        # ``with`` costs a Python call on each acquire and release).
+        self._guard = threading.Lock()
+        self._cond = threading.Condition(self._guard)
         self._entries: dict[int, Entry] = {}
         self._heap: list[tuple[float, int, Entry]] = []
         self._seq = itertools.count()
@@ -106,10 +109,10 @@ class Renewer:
         entry = Entry(
             ref, id(held), held.key, held.cache, interval, due, timeout, job=bool(held.job_id)
         )
-        with self._cond:
+        with self._guard:
             self._entries[id(held)] = entry
             when = self._schedule(entry, held)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="joblock-renewer", daemon=True
                 )
@@ -119,7 +122,7 @@ class Renewer:
 
     def remove(self, held: Holding) -> None:
         """Stop keeping ``held``."""
-        with self._cond:
+        with self._guard:
             entry = self._entries.get(id(held))
             if entry is not None and entry.ref() is held:
                 del self._entries[entry.lock_id]
@@ -131,16 +134,16 @@ class Renewer:
 
     def held_locks(self) -> list[Holding]:
         """The locks this process holds (acquired, not yet released, lost or dropped)."""
-        with self._cond:
+        with self._guard:
             found = [entry.ref() for entry in self._entries.values()]
         return [held for held in found if held is not None]
 
     def stats(self) -> RenewalStats:
-        with self._cond:
+        with self._guard:
             return replace(self._stats)
 
     def _schedule(self, entry: Entry, held: Holding) -> float:
-        """Push ``entry`` at its next moment (caller holds the condition)."""
+        """Push ``entry`` at its next moment (caller holds the guard)."""
         when = min(self._give_up_at(entry, held), entry.renew_due)
         heapq.heappush(self._heap, (when, next(self._seq), entry))
         return when
@@ -153,24 +156,31 @@ class Renewer:
         return held.valid_until
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not self._step():
-                    return
-            except Exception:  # noqa: BLE001 - never die silently: log, back off, go on
-                logger.exception("django_joblock renewal thread error; continuing")
-                time.sleep(0.05)
+        try:
+            while True:
+                try:
+                    if not self._step():
+                        return
+                except Exception:  # noqa: BLE001 - never die silently: log, back off, go on
+                    logger.exception("django_joblock renewal thread error; continuing")
+                    time.sleep(0.05)
+        finally:
+            # Whatever ends this thread, the next add() starts another (add() looks at
+            # ``_thread`` only: Thread.is_alive() would cost three calls per acquire).
+            with self._guard:
+                if self._thread is threading.current_thread():
+                    self._thread = None
 
     def _step(self) -> bool:
-        with self._cond:
-            # Taken under the condition: a job's lock is added here before its acquire is
+        with self._guard:
+            # Taken under the guard: a job's lock is added here before its acquire is
             # counted, so a running job's metrics stay for its release, unless it runs long.
             job_held = any(entry.job for entry in self._entries.values())
             interval = JOB_FLUSH_INTERVAL if job_held else metrics.FLUSH_INTERVAL
             taken = metrics.take_for_flush(force=False, interval=interval)
         if taken:
-            metrics.flush(self._flush_client, taken)  # outside the condition
-        with self._cond:
+            metrics.flush(self._flush_client, taken)  # outside the guard
+        with self._guard:
             if self.pid != os.getpid():
                 return False
             now = time.monotonic()
@@ -194,7 +204,7 @@ class Renewer:
                 try:
                     self._send(alias, chunk)
                 finally:
-                    with self._cond:
+                    with self._guard:
                         for entry, held in chunk:
                             entry.in_flight = False
                             if self._entries.get(entry.lock_id) is entry:
@@ -202,7 +212,7 @@ class Renewer:
         return True
 
     def _gather(self, now: float) -> tuple[list[_Lost], dict[str, list[_Work]], list[str]]:
-        """Pop what is due (caller holds the condition): (lost, work per alias, dropped keys).
+        """Pop what is due (caller holds the guard): (lost, work per alias, dropped keys).
         Everything due within a quarter interval of the first due lock joins one batch: early
         renewal is harmless (it replaces the TTL) and turns many deadlines into few pipelines."""
         lost: list[_Lost] = []
@@ -241,7 +251,7 @@ class Renewer:
         return lost, work, dropped
 
     def _sleep(self, now: float) -> None:
-        """Wait for the next due entry (caller holds the condition), stale heap items dropped
+        """Wait for the next due entry (caller holds the guard), stale heap items dropped
         first. With nothing held it still wakes every ``IDLE_POLL`` s for a while, so that
         registering a lock need not ``notify``: no thread switch on the acquire's path."""
         heap = self._heap
@@ -260,7 +270,7 @@ class Renewer:
 
     def _flush_client(self) -> Any:
         """The metrics flush's (when one is due): it waits no longer than any renewal may."""
-        with self._cond:
+        with self._guard:
             timeout = min((entry.timeout for entry in self._entries.values()), default=None)
         return renewal_client(timeout=timeout)
 
@@ -295,7 +305,7 @@ class Renewer:
             replies = [exc] * len(items)
         lost: list[_Lost] = []
         renewed: dict[tuple[str, str], int] = defaultdict(int)
-        with self._cond:
+        with self._guard:
             self._stats.round_trips += 1
             for (entry, held), reply in zip(items, replies, strict=False):
                 if self._entries.get(entry.lock_id) is not entry:

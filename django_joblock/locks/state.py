@@ -8,14 +8,13 @@ lock is neither held nor lost."""
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import metrics
@@ -60,9 +59,9 @@ class Holding:
     max_hold: float | None
     token: str
 
-    @contextlib.contextmanager
-    def _one_call(self) -> Iterator[None]:
-        """Refuse a second thread's acquire/release while one runs: two acquires of one object
+    def _start_call(self) -> None:
+        """Begin an acquire or release (the caller ends it with ``self._calls.release()`` in a
+        ``finally``). Refuses a second thread's while one runs: two acquires of one object
         would both send its token, and both be told they hold the lock."""
         if not self._calls.acquire(blocking=False):
             raise self._error(
@@ -70,16 +69,12 @@ class Holding:
                 "Another thread is acquiring or releasing this Lock object: a Lock is one "
                 "holding, give each thread a Lock of its own",
             )
-        try:
-            yield
-        finally:
-            self._calls.release()
 
     def _reset_view(self) -> None:
         # The owner's thread and the renewal thread can both find the lock lost at once: each
         # check-and-set runs under this guard, so a loss is marked (and announced) once.
         self._transition = threading.Lock()
-        self._calls = threading.Lock()  # one acquire() or release() at a time (_one_call)
+        self._calls = threading.Lock()  # one acquire() or release() at a time (_start_call)
         self.fence: int | None = None
         self.state = LockState.UNLOCKED
         self.lost_reason = ""

@@ -259,7 +259,7 @@ def release_steps(
 
     ``expected`` is the ticket the holder believes first ("" if none known); ``also`` are
     commands sent with the first try as :func:`~django_joblock.backend.send`'s ``extra``,
-    ``unindex`` the index key and member RELEASE removes (:func:`.index.in_script`). Returns
+    ``unindex`` the index key and member RELEASE removes (:func:`.index.in_release`). Returns
     the outcome and the replies of ``also``. One round trip when nobody waits or ``expected``
     is right (on Redis Cluster, one more for ``also``); one more each time the line changed."""
     also_replies: list[Any] = []
