@@ -42,7 +42,7 @@ from .backend import (
     pipeline,
 )
 from .exceptions import JoblockConfigError
-from .redis_steps import Block, RunScript, Send, Step, Steps, T
+from .redis_steps import RunScript, Send, Steps, T
 
 # Sync connection classes and their asyncio twins; the first that matches is used.
 _CONNECTION_CLASSES = (
@@ -193,17 +193,13 @@ async def drive(steps: Steps[T], found: Any, blocking: Any = None) -> T:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         try:
-            reply = await _run(step, found, blocking)
+            if isinstance(step, Send):
+                reply = await send(found, [*step.calls, *step.extra])
+            elif isinstance(step, RunScript):
+                reply = await run_script(found, step.script, step.keys, step.args)
+            else:
+                reply = await blocking.blpop([step.key], timeout=step.timeout)
             error = None
         except BaseException as exc:  # noqa: BLE001 - thrown into the flow, which decides
             reply = None
             error = exc
-
-
-async def _run(step: Step, found: Any, blocking: Any) -> Any:
-    if isinstance(step, Send):
-        return await send(found, [*step.calls, *step.extra])
-    if isinstance(step, RunScript):
-        return await run_script(found, step.script, step.keys, step.args)
-    assert isinstance(step, Block)
-    return await blocking.blpop([step.key], timeout=step.timeout)
