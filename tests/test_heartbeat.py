@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from typing import Any
@@ -65,6 +66,32 @@ def test_server_side_expiry_is_detected_within_one_interval(rconn):
     assert recorder.at - fault_at <= held.heartbeat_interval + 0.5
     assert recorder.reason == "expired"
     assert held.lost and held.state is LockState.LOST and not held.held
+
+
+def test_a_callback_calling_sys_exit_does_not_stop_the_renewal_of_other_locks(rconn, caplog):
+    """``on_lost`` runs in the renewal thread when the thread finds the loss; a ``sys.exit()``
+    there raised ``SystemExit``, which ended the thread silently: every other lock of the
+    process went unrenewed (and expired) until the process's next acquire."""
+    called = threading.Event()
+
+    def leave(held, reason):  # type: ignore[no-untyped-def]
+        called.set()
+        sys.exit(1)
+
+    kept = lock("report:kept", ttl=HEARTBEAT_TTL)
+    assert kept.acquire()
+    doomed = lock("report:doomed", ttl=1.5, on_lost=leave)
+    assert doomed.acquire()
+    expire_now(rconn, doomed.key)
+    # The fault happened: the thread found the loss and the callback raised SystemExit there.
+    assert called.wait(doomed.heartbeat_interval + 2.0), "the loss was not noticed"
+    assert wait_for(lambda: "renewal thread error" in caplog.text, 5.0), "the error was not logged"
+    end = time.monotonic() + 3 * kept.ttl
+    while time.monotonic() < end:
+        assert rconn.hget(kept.key, "token") == kept.token.encode(), "kept lock not renewed"
+        time.sleep(0.1)
+    assert kept.held
+    assert kept.release()
 
 
 def test_replaced_token_is_detected_and_signalled(rconn):

@@ -161,11 +161,14 @@ class Renewer:
                 try:
                     if not self._step():
                         return
-                except Exception:  # noqa: BLE001 - never die silently: log, back off, go on
+                except BaseException:  # noqa: BLE001 - never die silently: log, back off, go on
+                    # BaseException too: an ``on_lost`` callback or ``lock_lost`` receiver
+                    # that calls sys.exit() raises SystemExit here, which would end the thread
+                    # without a word and leave every other lock of the process unrenewed.
                     logger.exception("django_joblock renewal thread error; continuing")
                     time.sleep(0.05)
         finally:
-            # Whatever ends this thread, the next add() starts another (add() looks at
+            # Should it end all the same, the next add() starts another (add() looks at
             # ``_thread`` only: Thread.is_alive() would cost three calls per acquire).
             with self._guard:
                 if self._thread is threading.current_thread():
