@@ -91,7 +91,9 @@ async def blocking_client(alias: str) -> AsyncIterator[Any]:
 def _client(alias: str, role: str, timeout: float) -> Any:
     """The cached asyncio client of ``alias`` for ``role`` in the running loop."""
     loop = asyncio.get_running_loop()
-    per_loop = _clients.setdefault(loop, {})
+    per_loop = _clients.get(loop)
+    if per_loop is None:  # (setdefault would build a dict for every call)
+        per_loop = _clients.setdefault(loop, {})
     found = per_loop.get((alias, role))
     if found is None:
         found = _made(alias, timeout, grow=role == "blocking")
