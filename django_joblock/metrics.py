@@ -200,7 +200,7 @@ def _histogram_fields(metric: str, family: str, func: str) -> tuple[tuple[str, .
 
 def _observation(metric: str, family: str, func: str, seconds: float) -> dict[str, int]:
     buckets, total = _histogram_fields(metric, family, func)
-    return {buckets[bisect.bisect_left(BOUNDS, seconds)]: 1, total: int(seconds * 1e6)}
+    return {buckets[bucket_of(seconds)]: 1, total: int(seconds * 1e6)}
 
 
 def observe(metric: str, family: str, func: str, seconds: float) -> None:

@@ -368,7 +368,8 @@ class Lock(Holding):
         else:
             renew_within = valid_for / 3
         renewer().add(self, renew_within=renew_within)
-        lock_acquired.send(sender=Lock, lock=self, waited=waited)
+        if lock_acquired.receivers:  # what send() looks at first: no call when nobody listens
+            lock_acquired.send(sender=Lock, lock=self, waited=waited)
         log_lock(logging.DEBUG, "acquired", self, "lock acquired")
 
     def _count_failed_attempt(self) -> None:
@@ -533,7 +534,8 @@ class Lock(Holding):
         if not released and self.mark_lost(code.reason):
             self.announce_lost(code.reason)
         self.mark_released()
-        lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
+        if lock_released.receivers:  # (as in _hold)
+            lock_released.send(sender=Lock, lock=self, released=released, held_for=held_for)
         if released:
             log_lock(logging.DEBUG, "released", self, "lock released", reason="ok")
         else:
