@@ -192,8 +192,7 @@ class Renewer:
                 self._sleep(now)
                 return True
             self._wake_at = -math.inf
-        for held, reason in lost:
-            held.announce_lost(reason)
+        _announce(lost)
         del lost
         for key in dropped:
             message = (
@@ -335,8 +334,7 @@ class Renewer:
             self._stats.renewed += sum(renewed.values())
         for (family, func), count in renewed.items():
             metrics.count("renewed", family, func, count)
-        for held, reason in lost:
-            held.announce_lost(reason)
+        _announce(lost)
         if lost:
             self._unindex(alias, [held for held, _ in lost], timeout)
 
@@ -355,6 +353,18 @@ class Renewer:
             send(renewal_client(alias, timeout), calls)
         except REDIS_ERRORS as exc:
             logger.warning("lost locks' index entries not removed (%s); they expire", exc)
+
+
+def _announce(lost: list[_Lost]) -> None:
+    """Announce each lock the thread found lost (:meth:`Holding.announce_lost` logs what a
+    callback or receiver raises). A ``sys.exit()`` in ``on_lost`` raises ``SystemExit``, which
+    it lets through: logged here too, so that the other locks lost in the same batch are
+    announced, and their index entries removed, all the same."""
+    for held, reason in lost:
+        try:
+            held.announce_lost(reason)
+        except BaseException:  # noqa: BLE001 - the thread serves every lock: log, go on
+            logger.exception("announcing the loss of %s raised; the renewals go on", held.key)
 
 
 _renewer: Renewer | None = None
