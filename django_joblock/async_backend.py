@@ -42,7 +42,7 @@ from .backend import (
     pipeline,
 )
 from .exceptions import JoblockConfigError
-from .redis_steps import RunScript, Send, Steps, T
+from .redis_steps import RunScript, Send, Steps, T, advance
 
 # Sync connection classes and their asyncio twins; the first that matches is used.
 _CONNECTION_CLASSES = (
@@ -188,10 +188,7 @@ async def drive(steps: Steps[T], found: Any, blocking: Any = None) -> T:
     error: BaseException | None = None
     while True:
         try:
-            if error is None:
-                step = steps.send(reply)
-            else:
-                step = steps.throw(error)
+            step = advance(steps, reply, error)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         try:
