@@ -36,9 +36,9 @@ from django.db import router
 from . import backend, conf
 from .backend import REDIS_ERRORS, close, connection, dedicated, server_infos
 from .exceptions import JoblockConfigError, LockBackendUnavailable
-from .jobs.decorator import job_timeout, registered_jobs, timeout_findings
+from .jobs.decorator import registered_jobs
 from .jobs.queues import get_queue
-from .jobs.spec import OnConflict
+from .jobs.spec import OnConflict, job_timeout, timeout_findings
 from .monitor import cleanup
 from .monitor.active import has_scheduler, requeueing_queues
 

@@ -29,7 +29,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import JobStatus
 from rq.results import Result
 
-from .decorator import enqueue_call
+from .enqueue import enqueue_call
 
 # rq 3's statuses of a job that has not run yet (RATE_LIMITED: parked by admission), which
 # django-tasks-rq 0.12's map lacks: a parked task's get_result() raised KeyError.
