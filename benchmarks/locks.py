@@ -4,8 +4,9 @@
                                [--hot-procs P] [--hot-cycles N] [--hot-hold S] [--hot-rounds R]
 
 Every contender does the same thing: build a lock object for one resource, acquire it without
-waiting, release it. The ``limit=3`` row is a lock with three holders' slots (its acquire looks
-at every slot in the line's script and indexes its holding in a round trip of its own).
+waiting, release it. The ``limit=3`` row is a lock with three holders' slots (its acquire is
+the line's script, which looks at every slot and indexes the holding it takes: two round trips
+per cycle, as for one slot).
 Contenders run in interleaved rounds (A B C ... A B C ...) so that machine
 noise hits them alike; cycles/s is the median over rounds, latency percentiles are over every
 cycle. Ratios are against the raw floor (``SET NX PX`` + ``EVALSHA`` compare-and-delete) and
