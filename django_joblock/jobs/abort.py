@@ -4,7 +4,13 @@ renewal thread sends ``SIGUSR2`` (unused by RQ) to the main thread, whose handle
 previous handler is restored after each job, a late signal drained first (never the default action:
 exit). An ``async def`` job's body, awaited in another thread (:mod:`.async_body`), has its task
 cancelled instead. Outside the main thread the lock is only flagged; fences still refuse
-writes."""
+writes.
+
+Once the job's transaction passed its last ``ensure_held()`` and commits (:func:`commit_begins`),
+a loss no longer interrupts it: raised inside ``COMMIT``, :class:`LockLost` would abandon a
+commit the database completes (psycopg gives up waiting for it) or come right after it (SQLite),
+and the job would be reported failed, and retried, with its effect kept. The loss is still
+noticed and reported as any loss is; the run's outcome is its commit's."""
 
 from __future__ import annotations
 
@@ -33,9 +39,10 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def loss_error() -> LockLost | None:
-    """The :class:`LockLost` that aborts the armed job, once its lock was lost; else None."""
+    """The :class:`LockLost` that aborts the armed job, once its lock was lost and unless its
+    commit has begun; else None."""
     armed = _armed
-    if armed is None or armed.lock is None or not armed.reason:
+    if armed is None or armed.lock is None or not armed.reason or armed.committing:
         return None
     held = armed.lock
     message = f"Job aborted: its lock was lost ({armed.reason})"
@@ -57,6 +64,18 @@ def stop_cancelling() -> None:
             _armed.task = None
 
 
+def commit_begins() -> None:
+    """The armed job's transaction passed its last ``ensure_held()`` and commits now: from here
+    on a loss of its lock does not interrupt the job (see the module docs). Call it as the last
+    statement inside the transaction's block; without an armed job (none is armed outside the
+    main thread) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # the armed job, if any, is the main thread's, not this thread's
+    with _guard:
+        if _armed is not None:
+            _armed.committing = True
+
+
 class Abort:
     """Arms the abort around the job body; :meth:`lost` is the lock's ``on_lost`` hook."""
 
@@ -65,6 +84,7 @@ class Abort:
         self.lock: Lock | None = None
         self.reason = ""
         self.sent = False
+        self.committing = False  # the job's commit has begun: no interrupt (commit_begins)
         self.active = threading.current_thread() is threading.main_thread()
         self._main_ident = threading.main_thread().ident
         self._outer: Abort | None = None
@@ -87,10 +107,12 @@ class Abort:
         # Noticed by the job's own thread (ensure_held), it raises LockLost: no signal mid-rollback.
         ident = self._main_ident
         with _guard:
-            if _armed is self and self.task is not None:  # an async body: cancel its task
+            if _armed is not self or self.committing:
+                pass  # disarmed, or committing: the loss is reported, the run not interrupted
+            elif self.task is not None:  # an async body: cancel its task
                 loop, task = self.task
                 loop.call_soon_threadsafe(task.cancel)
-            elif _armed is self and self.active and ident not in (None, threading.get_ident()):
+            elif self.active and ident not in (None, threading.get_ident()):
                 self.sent = True
                 signal.pthread_kill(ident, ABORT_SIGNAL)
         if self.then is not None:

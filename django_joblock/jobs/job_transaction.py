@@ -29,6 +29,7 @@ from django.db.backends.signals import connection_created
 
 from ..idempotency import resource_guard
 from ..locks.lock import Lock
+from .abort import commit_begins
 
 
 @contextlib.contextmanager
@@ -44,6 +45,7 @@ def job_transaction(using: str, held: Lock | None, *, wait: float) -> Iterator[N
                 yield
             if held is not None:
                 held.ensure_held()  # never commit the effect of a job that lost its lock
+                commit_begins()  # a loss from here on is reported, not raised inside COMMIT
         return
     with contextlib.ExitStack() as stack:
         opened = _BeginWhenOpened(connection, using, stack)
@@ -55,6 +57,7 @@ def job_transaction(using: str, held: Lock | None, *, wait: float) -> Iterator[N
             connection_created.disconnect(opened)
         if held is not None and opened.began:
             held.ensure_held()  # as above; the transaction commits when the stack closes
+            commit_begins()
 
 
 class _BeginWhenOpened:

@@ -36,7 +36,7 @@ from ..idempotency.store import record_model
 from ..locks import notes
 from ..locks.lock import Lock, reset_current_lock, set_current_lock
 from . import async_body
-from .abort import Abort
+from .abort import Abort, commit_begins
 from .job_transaction import job_transaction
 from .outcomes import JobOutcome, Run, finish
 from .requeue import Ending, conflict, requeue
@@ -186,6 +186,7 @@ def _one_commit(state: Run, claim_spec: Idempotent, call: Callable[[], Any], hel
             result = call()
             held.ensure_held()  # never commit the effect of a job that lost its lock
             record_result(claim, result)
+            commit_begins()  # a loss from here on is reported, not raised inside COMMIT
         return JobOutcome.RAN, result, {}
     except (IdempotencyInProgress, LockLost):
         raise  # after a loss the key is someone else's too: leave its record alone
