@@ -102,3 +102,21 @@ def test_a_failed_enqueue_at_the_commit_loses_no_other_job(rconn, caplog):
     assert queue.get_job_ids() == [first.id, other.id], "the valid jobs are enqueued"
     failed = [r for r in caplog.records if "not enqueued at the commit" in r.getMessage()]
     assert len(failed) == 1 and "IdempotencyKeyMismatch" in failed[0].getMessage()
+
+
+def test_the_job_gets_its_arguments_as_they_were_at_the_call(rconn):
+    """Review bug: a job sent at the commit kept the caller's own dict, and RQ serialized it only
+    then. A caller that changed the dict before the commit had its job run on another account
+    (and idempotency key) than the ones its resource, admission and job meta were planned with.
+    An argument the serializer refuses now fails in the caller, as at once."""
+    queue = get_queue("default")
+    with transaction.atomic():
+        kwargs = {"name": "f", "credit_id": "C-7", "amount": 1}
+        handle = jobs.credit.enqueue_call(kwargs=kwargs)
+        kwargs["name"] = "g"  # reused before the commit
+        with pytest.raises(Exception, match="pickle"):
+            jobs.credit.enqueue_call(kwargs={"name": "h", "credit_id": "C-8", "amount": lambda: 1})
+    job = queue.fetch_job(handle.id)
+    assert job is not None and job.kwargs["name"] == "f", job.kwargs
+    assert job.meta["joblock"]["resource"] == "account:f"
+    assert queue.get_job_ids() == [handle.id], "the refused call enqueued nothing"

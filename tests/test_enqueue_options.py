@@ -195,3 +195,17 @@ def test_rq_options_of_the_wrong_type_are_named_at_decoration_and_at_enqueue(
     assert get_queue("default").count == 0, "nothing enqueued"
     job = sent.enqueue_call((1,), retry=Retry(max=2), meta={"a": 1}, result_ttl=-1)
     assert job.retries_left == 2 and job.meta["a"] == 1
+
+
+def test_meta_none_is_rqs_not_set_at_decoration_and_at_enqueue(scratch_registry, rconn):
+    """Review bug: ``meta=None`` passed the option check (None is RQ's "not set") and then every
+    enqueue raised ``TypeError: 'NoneType' object is not a mapping``."""
+
+    def sent(n: int) -> int:
+        return n
+
+    decorated = locked_job("default", lock="x:{n}", meta=None)(sent)
+    job = decorated.delay(1)
+    assert job.meta["joblock"]["resource"] == "x:1"
+    job = decorated.enqueue_call((2,), meta=None)
+    assert job.meta["joblock"]["resource"] == "x:2" and set(job.meta) == {"joblock"}

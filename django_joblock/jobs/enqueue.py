@@ -101,6 +101,13 @@ def enqueue_call(
     _add_joblock_state(options, spec, queue, resource, key)
     if "job_timeout" in per_call:  # the system check saw only the decoration's options
         _warn_about_timeout(spec, per_call["job_timeout"], queue)
+    at_commit = spec.on_commit and transaction.get_connection().in_atomic_block
+    if at_commit:
+        # Sent at the commit with the arguments as they are now, as RQ's enqueue (which
+        # serializes them at once) would: the caller may change its dict before the commit, and
+        # the resource, key and admission were planned with these. An argument the queue's
+        # serializer refuses fails here, in the caller.
+        args, kwargs = queue.serializer.loads(queue.serializer.dumps((args, kwargs)))
 
     def put() -> Any:
         # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
@@ -112,7 +119,7 @@ def enqueue_call(
         return job
 
     send = _deduplicated(put, spec, queue, key, arguments, per_call, options)
-    if spec.on_commit and transaction.get_connection().in_atomic_block:
+    if at_commit:
         return _send_at_commit(send, spec, queue, options)
     return send()
 
@@ -133,7 +140,7 @@ def _add_joblock_state(
         state["admission"] = plan.value
         if spec.concurrency > 1:
             state["limit"] = spec.concurrency  # for the worker that finds a horse dead
-    options["meta"] = {**options.get("meta", {}), "joblock": state}
+    options["meta"] = {**(options.get("meta") or {}), "joblock": state}  # None: RQ's "not set"
 
 
 def _warn_about_timeout(spec: JobSpec[Any, Any], value: Any, queue: Any) -> None:
