@@ -13,7 +13,7 @@ from rq.job import JOB_ID_PATTERN, JobStatus
 from django_joblock import IdempotencyKeyMismatch, lock, locked_job, metrics
 from django_joblock.jobs import admission
 from django_joblock.jobs.decorator import registry
-from django_joblock.jobs.dedupe import job_id_for
+from django_joblock.jobs.dedupe import LIVE, job_id_for
 from django_joblock.jobs.queues import get_queue
 from tests import admission_jobs
 from tests.harness import wait_for
@@ -165,3 +165,35 @@ def test_a_duplicate_with_other_arguments_is_refused_not_swallowed(rconn):
 
 def test_dedupe_job_in_the_registry_is_checked_like_the_others():
     assert registry[admission_jobs.send_once.spec.name].dedupe is True
+
+
+def test_a_canceled_job_enqueued_again_leaves_the_canceled_registry(rconn):
+    """Review bug: only a failed or finished job's old registry entry was dropped; a canceled
+    one stayed listed as canceled while it ran again (an operator's clean-up would act on it)."""
+    queue = get_queue("default")
+    first = admission_jobs.send_once.delay(20, "canceled")
+    first.cancel()
+    assert first.id in queue.canceled_job_registry, "negative control: RQ lists it as canceled"
+    again = admission_jobs.send_once.delay(20, "canceled")
+    assert again.id == first.id and again.get_status(refresh=True) in LIVE
+    assert first.id not in queue.canceled_job_registry
+
+
+@pytest.mark.slow
+def test_a_stopped_job_enqueued_again_leaves_the_failed_registry(workers, rconn):
+    """As above for a job stopped by RQ's stop command, which RQ keeps in its failed registry."""
+    from rq.command import send_stop_job_command
+
+    queue = get_queue("default")
+    workers.start()
+    first = admission_jobs.send_once.delay(21, "stopped")  # waits for test:go:stopped
+    assert wait_for(lambda: rconn.lrange("test:sent", 0, -1) == [b"stopped"], 30), workers.logs()
+    send_stop_job_command(rconn, first.id)
+    assert wait_status(first, {JobStatus.STOPPED}, 30) is JobStatus.STOPPED, workers.logs()
+    assert first.id in queue.failed_job_registry, "negative control: RQ lists it as failed"
+    rconn.set("test:go:stopped", 1)
+    again = admission_jobs.send_once.delay(21, "stopped")
+    assert again.id == first.id
+    assert first.id not in queue.failed_job_registry, "listed as failed while it runs again"
+    assert wait_status(again, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert first.id not in queue.failed_job_registry

@@ -101,10 +101,12 @@ def enqueue_once(
 def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
     """Job ``job_id`` ended and runs again under its id: drop its old registry entry, and
     ``PERSIST`` it, as RQ's enqueue keeps the expiry its end gave it (``result_ttl``...)."""
-    if status == JobStatus.FAILED:
+    if status in (JobStatus.FAILED, JobStatus.STOPPED):  # RQ keeps a stopped job as failed
         queue.failed_job_registry.remove(job_id)
     elif status == JobStatus.FINISHED:
         queue.finished_job_registry.remove(job_id)
+    elif status == JobStatus.CANCELED:
+        queue.canceled_job_registry.remove(job_id)
     old = queue.job_class(id=job_id, connection=queue.connection)
     pipe = queue.connection.pipeline(transaction=False)
     for key in (old.key, old.dependents_key, old.dependencies_key):
