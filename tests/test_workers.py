@@ -21,6 +21,7 @@ from rq.results import Result
 
 from django_joblock import IdempotencyRecord, lock, metrics
 from django_joblock.backoff import ceiling
+from django_joblock.jobs.queues import get_queue
 from django_joblock.jobs.requeue import delay_for
 from django_joblock.monitor import alerts
 from django_joblock.monitor.health import record_deliveries
@@ -369,3 +370,11 @@ def test_joblock_doctor_refuses_bad_targets():
     out = StringIO()
     call_command("joblock_doctor", "--resource", "order:1", stdout=out)
     assert "resource 'order:1': free now" in out.getvalue()
+
+
+def test_joblock_doctor_names_a_job_whose_arguments_no_longer_fit(rconn):
+    """Review bug: ``--job`` on a job enqueued before its function's signature changed (here:
+    enqueued with RQ's own API, past ``.delay()``'s check) crashed with a TypeError traceback."""
+    odd = get_queue("default").enqueue(jobs.credit.spec.name, "a", "C-1", 1, 2, 3)
+    with pytest.raises(CommandError, match=rf"job {odd.id}'s arguments do not fit .*credit"):
+        call_command("joblock_doctor", "--job", odd.id)

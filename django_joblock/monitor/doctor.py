@@ -95,7 +95,9 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
 
 def _from_job(job_id: str) -> tuple[str, str, str]:
     """The (scope, key, resource) of RQ job ``job_id``: from the job, or once RQ has expired
-    it (after its ``result_ttl``), from the idempotency record its run left."""
+    it (after its ``result_ttl``), or when its arguments no longer fit the function (enqueued
+    before a change of its signature), from the idempotency record its run left."""
+    missing = f"no RQ job {job_id} on any known queue (RQ keeps a finished job for its result_ttl)"
     for queue in known_queues().values():
         try:
             job = Job.fetch(job_id, connection=queue.connection)
@@ -104,16 +106,17 @@ def _from_job(job_id: str) -> tuple[str, str, str]:
         spec = registry.get(job.func_name or "")
         if spec is None:
             raise NotFound(f"job {job_id} runs {job.func_name}, which is not a @locked_job")
-        arguments = spec.bind(tuple(job.args), dict(job.kwargs))
-        return spec.scope, spec.key(arguments) or "", spec.resource(arguments) or ""
+        try:
+            arguments = spec.bind(tuple(job.args), dict(job.kwargs))
+            return spec.scope, spec.key(arguments) or "", spec.resource(arguments) or ""
+        except (TypeError, ValueError) as exc:  # bind() and the templates name what failed
+            missing = f"job {job_id}'s arguments do not fit {spec.name} ({exc})"
+            break
     # A full scan of the records, for one diagnosis: no index serves rq_job_id alone.
     recorded = IdempotencyRecord.objects.filter(rq_job_id=job_id).order_by("-pk").first()
     if recorded is not None:
         return recorded.scope, recorded.key, recorded.lock_resource
-    raise NotFound(
-        f"no RQ job {job_id} on any known queue (RQ keeps a finished job for its result_ttl), "
-        "and no idempotency record of it: look it up with --resource"
-    )
+    raise NotFound(f"{missing}, and no idempotency record of it: look it up with --resource")
 
 
 def _scope_of(key: str) -> str:
