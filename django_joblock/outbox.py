@@ -25,7 +25,7 @@ from django.utils.module_loading import import_string
 
 from .backoff import ceiling
 from .choices import OutboxStatus
-from .idempotency.inputs import storable_json
+from .idempotency.inputs import storable_json, storable_text
 from .locks.info import job_context
 from .logs import logger
 
@@ -70,10 +70,10 @@ def send_after_commit(
     from .models import OutboxMessage
 
     path = _handler_path(handler)
-    if not isinstance(key, str) or not key or len(key) > _KEY_MAX or "\x00" in key:
+    if not isinstance(key, str) or not key or len(key) > _KEY_MAX or not storable_text(key):
         raise ValueError(
             f"send_after_commit: key must be a non-empty str of at most {_KEY_MAX} characters "
-            f"without NUL, got {key!r}"
+            f"without NUL or lone surrogates, got {key!r}"
         )
     try:
         storable_json(payload)

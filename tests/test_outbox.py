@@ -108,6 +108,10 @@ def test_bad_input_is_refused_with_the_reason(provider):
         send_after_commit(jobs.mail_handler, {"amount": float("nan")}, key="mail:nan")
     with pytest.raises(ValueError, match="without NUL"):
         send_after_commit(jobs.mail_handler, {}, key="mail:\x00")
+    with pytest.raises(ValueError, match="lone surrogate"):  # a raw DataError before (review)
+        send_after_commit(jobs.mail_handler, {"to": "a\udc00"}, key="mail:surrogate")
+    with pytest.raises(ValueError, match="without NUL or lone surrogates"):
+        send_after_commit(jobs.mail_handler, {}, key="mail:\udc00")
     send_after_commit(jobs.mail_handler, {"order": 5, "amount": Decimal("9.50")}, key="mail:5")
     assert provider.calls[-1].body == {"order": 5, "amount": "9.50"}, "Django's JSON encoder"
     with pytest.raises(ValueError, match=r"recorded for tests\.jobs\.mail_handler"):

@@ -96,7 +96,11 @@ def test_decimal_datetime_uuid_results_are_stored_and_replayed_as_strings(rconn)
     assert record.status == "succeeded" and record.result == expected
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, object(), "a\x00b", ["x", {"y": "\x00"}]])
+# "\udc00": a lone surrogate (a str that is not UTF-8, e.g. from surrogateescape), which
+# PostgreSQL refuses: a raw DataError from succeed() before (review).
+@pytest.mark.parametrize(
+    "bad", [math.nan, math.inf, object(), "a\x00b", ["x", {"y": "\x00"}], "a\udc00", {"\ud800": 1}]
+)
 def test_results_the_database_cannot_store_fail_clearly(bad):
     with pytest.raises(IdempotencyError, match="cannot be stored as JSON"):
         with idempotent(f"bad:{bad!r}") as claim:
@@ -107,7 +111,12 @@ def test_results_the_database_cannot_store_fail_clearly(bad):
 # -- item 6: keys and scopes are validated at enqueue ---------------------------------------
 @pytest.mark.parametrize(
     ("key", "message"),
-    [("k" * 256, "1 to 255 characters"), ("a\x00b", "NUL"), ("", "1 to 255 characters")],
+    [
+        ("k" * 256, "1 to 255 characters"),
+        ("a\x00b", "NUL"),
+        ("", "1 to 255 characters"),
+        ("a\udc00", "lone surrogate"),  # a UnicodeEncodeError in the worker before (review)
+    ],
 )
 def test_bad_idempotency_key_fails_at_delay_not_in_the_worker(scratch_registry, key, message):
     @locked_job("default", idempotency_key="{key}")

@@ -48,9 +48,25 @@ def _validate(value: object, what: str, name: str, low: int, high: int) -> str:
         shown = value if len(value) <= 80 else value[:77] + "..."
         size = f"{low} to {high}" if low else f"at most {high}"
         raise ValueError(f"{prefix} must be {size} characters, got {len(value)}: {shown!r}.")
-    if "\x00" in value:
-        raise ValueError(f"{prefix} {value!r} contains a NUL character.")
+    if not storable_text(value):
+        raise ValueError(
+            f"{prefix} {value!r} contains a NUL character or a lone surrogate, which "
+            "PostgreSQL cannot store."
+        )
     return value
+
+
+def storable_text(value: str) -> bool:
+    """Whether a text column of any backend can store ``value``: no NUL and no lone surrogate
+    (a ``str`` that is not UTF-8, such as a file name decoded with ``surrogateescape``), which
+    PostgreSQL refuses."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def error_for(kind: type[_Error], key: str, scope: str, why: str) -> _Error:
@@ -63,20 +79,34 @@ def check_result(result: Any, *, key: str, scope: str) -> None:
     try:
         storable_json(result)
     except (TypeError, ValueError) as exc:
-        why = f"has a result that cannot be stored as JSON (no NaN, infinity or NUL): {exc}"
+        why = (
+            "has a result that cannot be stored as JSON (no NaN, infinity, NUL or lone "
+            f"surrogate): {exc}"
+        )
         raise error_for(IdempotencyError, key, scope, why) from exc
 
 
 # A JSON-escaped NUL: \u0000 not itself escaped (preceded by an even run of backslashes).
 _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# A JSON-escaped lone surrogate (json.dumps escapes every non-ASCII character): a high one not
+# followed by a low one, or a low one not preceded by a high one; not itself escaped, as above.
+_LONE_SURROGATE = re.compile(
+    r"(?<!\\)(?:\\\\)*(?:\\ud[89ab][0-9a-f]{2}(?!\\ud[c-f][0-9a-f]{2})"
+    r"|(?<!\\ud[89ab][0-9a-f]{2})\\ud[c-f][0-9a-f]{2})"
+)
 
 
 def storable_json(value: Any) -> str:
     """``value`` as JSON (Django's encoder) that a ``JSONField`` stores on any backend: no NaN,
-    infinity or NUL (PostgreSQL cannot hold one); else ``ValueError`` (``TypeError``: not JSON)."""
+    infinity, NUL or lone surrogate (PostgreSQL cannot hold one); else ``ValueError``
+    (``TypeError``: not JSON)."""
     encoded = json.dumps(value, cls=DjangoJSONEncoder, allow_nan=False)
     if _NUL.search(encoded):
         raise ValueError("a string in it contains NUL (\\x00), which PostgreSQL cannot store")
+    if _LONE_SURROGATE.search(encoded):
+        raise ValueError(
+            "a string in it has a lone surrogate (not UTF-8), which PostgreSQL cannot store"
+        )
     return encoded
 
 
