@@ -119,6 +119,34 @@ def test_replaced_token_is_detected_and_signalled(rconn):
     assert rconn.hget(held.key, "token") == b"someone-else", "release must not delete theirs"
 
 
+def test_an_async_locks_loss_is_signalled_with_sender_lock_as_its_other_signals(rconn):
+    """Review bug: ``lock_lost`` was sent with ``sender=AsyncLock`` for an async holder, so a
+    receiver connected with ``sender=Lock`` (signals.py: "sent with sender=Lock") heard its
+    acquire and release but never its loss."""
+    from django_joblock import Lock, alock
+    from django_joblock.signals import lock_acquired
+
+    heard: list[str] = []
+
+    def on_acquired(sender, lock, **kwargs):  # type: ignore[no-untyped-def]
+        heard.append("acquired")
+
+    def on_lost(sender, lock, reason, **kwargs):  # type: ignore[no-untyped-def]
+        heard.append("lost")
+
+    lock_acquired.connect(on_acquired, sender=Lock)
+    lock_lost.connect(on_lost, sender=Lock)
+    try:
+        held = alock("report:async", ttl=1.5)
+        assert held.acquire()  # the sync half: no running loop here
+        rconn.hset(held.key, "token", "someone-else")
+        assert wait_for(lambda: "lost" in heard, held.heartbeat_interval + 1.0), heard
+    finally:
+        lock_acquired.disconnect(on_acquired, sender=Lock)
+        lock_lost.disconnect(on_lost, sender=Lock)
+    assert heard == ["acquired", "lost"]
+
+
 def test_black_holed_redis_is_declared_lost_before_another_holder_can_enter(proxy, rconn):
     recorder = LostRecorder()
     held = lock("report:4", ttl=2.0, cache="proxied", on_lost=recorder)

@@ -613,6 +613,9 @@ class Lock(Holding):
         return locked
 
 
+Lock.signal_sender = Lock  # an AsyncLock's signals are sent with sender=Lock too
+
+
 def current_lock() -> Lock | None:
     """The :class:`Lock` the running code holds: the one entered last by a ``with`` block or a
     decorated call in this context (thread, RQ job, asyncio task), or the lock of the

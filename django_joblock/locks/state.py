@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from .. import metrics
 from ..exceptions import LockError
@@ -58,6 +58,9 @@ class Holding:
     ttl: float
     max_hold: float | None
     token: str
+    # The sender of the lock signals (signals.py: ``sender=Lock``, for an AsyncLock's too); set
+    # by lock.py, which this module cannot import.
+    signal_sender: ClassVar[type]
 
     def _start_call(self) -> None:
         """Begin an acquire or release (the caller ends it with ``self._calls.release()`` in a
@@ -127,7 +130,7 @@ class Holding:
         logged, never raised: the renewal thread calls this and must keep renewing other locks."""
         log_lock(logging.WARNING, "lost", self, f"lock lost: {reason}", reason=reason)
         try:
-            lock_lost.send(sender=type(self), lock=self, reason=reason)
+            lock_lost.send(sender=self.signal_sender, lock=self, reason=reason)
         except Exception:  # noqa: BLE001 - a receiver's bug must not stop other renewals
             logger.exception("lock_lost receiver failed for %s", self.key)
         if self.on_lost is not None:
