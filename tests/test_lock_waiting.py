@@ -503,3 +503,21 @@ def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(settings, rconn)
     finally:
         thread.join(30)
     assert got == [True] and waiter.release()
+
+
+def test_a_lock_taken_after_a_wait_longer_than_its_ttl_is_indexed_as_live(rconn):
+    """Review bug: WAIT wrote the holding's active-lock index entry with the score computed
+    when the wait began (start + TTL). After a wait longer than the TTL the entry read as a
+    holding already ended, and the dashboard and ``joblock_locks`` did not show the lock until
+    its first renewal (never, without a heartbeat)."""
+    from django_joblock.locks import index
+
+    first = lock("indexed:1", ttl=2, heartbeat=False)
+    assert first.acquire()  # never released: its TTL frees the resource for the waiter's WAIT
+    waiter = lock("indexed:1", ttl=1, wait=10, heartbeat=False)
+    started = time.monotonic()
+    assert waiter.acquire()
+    assert time.monotonic() - started > waiter.ttl, "negative control: it waited past its TTL"
+    live = [m.owner for m in index.members(["indexed"], 10)]
+    assert live == [waiter.owner], "the holding is listed while it is held"
+    assert waiter.release()

@@ -111,6 +111,15 @@ def in_wait_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], li
     return index_keys, [score, first, f"{resource}#{owner}#{job_id}#", family]
 
 
+def scored_now(wait_args: list[Any], ttl_ms: int) -> list[Any]:
+    """:func:`in_wait_script`'s ARGV with the score made afresh, for a WAIT sent now: a wait can
+    outlast the TTL, and a holding WAIT takes expires ``ttl_ms`` after that WAIT, not after the
+    wait began (an entry scored in the past reads as a holding that already ended)."""
+    if not wait_args:
+        return wait_args  # Redis Cluster: no index in WAIT
+    return [int(time.time() * 1000) + ttl_ms, *wait_args[1:]]
+
+
 def remove_call(
     prefix: str, resource: str, owner: str, job_id: str = "", slot: int = 0
 ) -> list[Any]:

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from .. import conf
 from ..backend import MAX_BLOCK, REDIS_ERRORS, blocking_client, is_cluster, text
 from ..redis_steps import Block, RunScript, Send, Steps, drive
+from . import index
 from .keys import LockKeys
 from .scripts import LEAVE, RELEASE, RENEW, WAIT, Outcome
 
@@ -154,7 +155,7 @@ class Waiter:
         self._indexes = bool(index_keys)
         self._wait_keys = [*lock_keys(keys), self.wake, *self._more_slots, *index_keys]
         self._wait_args = [*args, ticket, waiter_ttl_ms, self.hand_ttl_ms]
-        self._more_args = [len(self._more_slots), *index_args]
+        self._index_args = index_args
 
     def take_turn(self, deadline: float) -> Steps[Turn]:
         """Wait in line until this waiter takes the lock, is handed it, or the monotonic
@@ -167,7 +168,8 @@ class Waiter:
         while True:
             sent = time.monotonic()
             last = sent >= deadline
-            wait_args = [*self._wait_args, int(last), *self._more_args]
+            index_args = index.scored_now(self._index_args, self.ttl_ms)
+            wait_args = [*self._wait_args, int(last), len(self._more_slots), *index_args]
             fence, pttl_ms, place, *slot = yield RunScript(WAIT, self._wait_keys, wait_args)
             if fence > 0:
                 return Turn(int(fence), sent, None, text(place), int(slot[0]), self._indexes)
