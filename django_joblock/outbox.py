@@ -26,6 +26,7 @@ from django.utils.module_loading import import_string
 from .backoff import ceiling
 from .choices import OutboxStatus
 from .idempotency.inputs import storable_json, storable_text
+from .idempotency.store import cut_job_id
 from .locks.info import job_context
 from .logs import logger
 
@@ -86,7 +87,7 @@ def send_after_commit(
     defaults = {
         "handler": path,
         "payload": payload,
-        "rq_job_id": job_context()[0],
+        "rq_job_id": cut_job_id(OutboxMessage, job_context()[0]),
         "next_attempt_at": timezone.now(),
     }
     message, created = OutboxMessage.objects.using(database).get_or_create(

@@ -126,6 +126,24 @@ def test_bad_input_is_refused_with_the_reason(provider):
 
 
 @pytest.mark.slow
+def test_a_job_whose_rq_id_is_longer_than_the_columns_runs_and_records_it_cut(
+    provider, crew, rconn
+):
+    """Review bug: RQ takes job ids of any length; a longer one than the records' (128) and the
+    outbox's (64) ``rq_job_id`` columns failed every run on PostgreSQL (DataError)."""
+    from django_joblock import IdempotencyRecord
+
+    crew.start()
+    rconn.set("test:go:mail:9", 1)
+    long_id = "order-" + "x" * 130
+    job = jobs.mail_via_outbox.enqueue_call((9,), job_id=long_id)
+    assert wait_status(job, DONE, 40, crew) is JobStatus.FINISHED, crew.logs()
+    assert IdempotencyRecord.objects.get(key="mail:9").rq_job_id == long_id[:128]
+    assert OutboxMessage.objects.get(key="mail:9").rq_job_id == long_id[:64]
+    assert wait_for(lambda: [c.key for c in provider.calls] == ["mail:9"], 10), "delivered"
+
+
+@pytest.mark.slow
 def test_the_outbox_sends_once_when_the_job_is_killed_between_send_and_commit(
     provider, crew, rconn
 ):

@@ -230,7 +230,7 @@ class _Claimant:
             "status": RecordStatus.SUCCEEDED if self.finished else RecordStatus.RUNNING,
             "token": self.token,
             "error": "",
-            "rq_job_id": self.job_id,
+            "rq_job_id": store.cut_job_id(store.record_model(), self.job_id),
             "fence": self.fence,
             "lock_resource": self.resource,
             "lease_expires_at": None if self.finished else now + timedelta(seconds=self.spec.lease),

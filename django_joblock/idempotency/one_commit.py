@@ -18,7 +18,7 @@ from ..locks.lock import Lock
 from ..logs import logger
 from .claims import Claim, Idempotent, claim
 from .inputs import check_result, error_for
-from .store import expiry, in_progress_on_busy, insert, record_model, try_guard
+from .store import cut_job_id, expiry, in_progress_on_busy, insert, record_model, try_guard
 
 
 def claim_in_transaction(spec: Idempotent, held: Lock | None = None) -> Claim:
@@ -75,7 +75,7 @@ def record_failure(spec: Idempotent, error: str) -> None:
         "fingerprint": spec.fingerprint,
         "status": RecordStatus.FAILED,
         "error": error,
-        "rq_job_id": job_context()[0],
+        "rq_job_id": cut_job_id(model, job_context()[0]),
         "created_at": now,
         "updated_at": now,
         "finished_at": now,

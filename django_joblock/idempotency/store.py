@@ -55,6 +55,13 @@ def record_model() -> Any:
     return IdempotencyRecord
 
 
+def cut_job_id(model: Any, job_id: str) -> str:
+    """``job_id`` cut to the length of ``model``'s ``rq_job_id`` column. RQ allows ids of any
+    length; the column only tells the admin and the doctor which job wrote the row (the doctor
+    looks an id up cut the same way), and a longer id would fail the job's every write."""
+    return job_id[: model._meta.get_field("rq_job_id").max_length]
+
+
 def expiry(now: datetime) -> datetime:
     """When a record claimed or finished ``now`` may be purged."""
     return now + timedelta(seconds=conf.get().IDEMPOTENCY_TTL)

@@ -18,6 +18,7 @@ from .. import conf, metrics, outbox
 from ..backend import REDIS_ERRORS
 from ..choices import OutboxStatus
 from ..exceptions import LockBackendUnavailable
+from ..idempotency.store import cut_job_id
 from ..jobs import history
 from ..jobs.decorator import idempotency_scopes, registry
 from ..jobs.history import Delivery, summary
@@ -86,7 +87,7 @@ def diagnose(*, job_id: str = "", key: str = "", scope: str = "", resource: str 
     if found.resource:
         found.story.extend(_resource_story(found.resource))
     # The outbox messages the key's runs recorded (by RQ job id), or under the key itself.
-    by_key = Q(rq_job_id__in={run.job_id for run in runs}) | Q(key=key)
+    by_key = Q(rq_job_id__in={cut_job_id(OutboxMessage, run.job_id) for run in runs}) | Q(key=key)
     sent = list(OutboxMessage.objects.filter(by_key).order_by("pk")[:20]) if key else []
     found.story.extend(f"  outbox: {outbox.describe(message)}" for message in sent)
     found.steps = _steps(found, runs, sent)
@@ -113,7 +114,8 @@ def _from_job(job_id: str) -> tuple[str, str, str]:
             missing = f"job {job_id}'s arguments do not fit {spec.name} ({exc})"
             break
     # A full scan of the records, for one diagnosis: no index serves rq_job_id alone.
-    recorded = IdempotencyRecord.objects.filter(rq_job_id=job_id).order_by("-pk").first()
+    stored = cut_job_id(IdempotencyRecord, job_id)
+    recorded = IdempotencyRecord.objects.filter(rq_job_id=stored).order_by("-pk").first()
     if recorded is not None:
         return recorded.scope, recorded.key, recorded.lock_resource
     raise NotFound(f"{missing}, and no idempotency record of it: look it up with --resource")
