@@ -371,6 +371,28 @@ def test_a_handler_that_keeps_failing_raises_an_alert(provider):
     assert "outbox_failing" in out.getvalue()
 
 
+def test_the_dashboard_names_a_failing_message_only_to_who_may_see_messages(provider):
+    """Review bug: the ``outbox_failing`` alert on the "Job locks" page, which every staff user
+    may see, named the oldest message's key and last error, which the outbox admin refuses
+    them (keys and provider errors carry business data). The count stays for everyone."""
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from django_joblock.monitor.alerts import OUTBOX_ATTEMPTS
+
+    provider.fail_next = 100
+    send_after_commit(jobs.mail_handler, {"order": 11}, key="mail:jane.doe@example.com")
+    OutboxMessage.objects.update(attempts=OUTBOX_ATTEMPTS, last_error="card 4111-1111 refused")
+    staff = User.objects.create_user("staff", password="pw", is_staff=True)
+    plain = Client()
+    plain.force_login(staff)
+    page = plain.get("/admin/django_joblock/dashboard/").content.decode()
+    assert "1 outbox message(s) still undelivered" in page
+    assert "jane.doe@example.com" not in page and "4111" not in page
+    allowed = _admin_user("allowed").get("/admin/django_joblock/dashboard/").content.decode()
+    assert "jane.doe@example.com" in allowed and "4111" in allowed, "negative control"
+
+
 def test_a_message_that_keeps_failing_is_dead_lettered_and_the_admin_revives_it(provider):
     """Undelivered after outbox.MAX_ATTEMPTS deliveries, a message was retried every 300 s for
     ever. It is dead-lettered: kept, no longer retried, counted by the alert, and the admin's

@@ -239,8 +239,11 @@ class DashboardAdmin(ReadOnlyAdmin):
             return bad_request(problem)
         started = time.perf_counter()
         claims = request.user.has_perm("django_joblock.view_idempotencyrecord")
+        outbox = request.user.has_perm("django_joblock.view_outboxmessage")
         try:
-            data = dashboard.build(family, health, claims=claims, timeline_of=timeline)
+            data = dashboard.build(
+                family, health, claims=claims, outbox=outbox, timeline_of=timeline
+            )
         except REDIS_ERRORS as exc:
             error = f"Redis did not answer ({type(exc).__name__}: {exc}); nothing was changed."
             return self._unavailable(request, "Job locks: Redis does not answer", error)

@@ -44,9 +44,12 @@ class Alert:
     threshold: float
 
 
-def evaluate(now: float | None = None) -> list[Alert]:
+def evaluate(now: float | None = None, *, outbox_details: bool = True) -> list[Alert]:
     """Every alert firing now. Records an active-lock sample as a side effect: whoever evaluates
-    (the command, the dashboard, a Prometheus scrape) builds the history growth needs."""
+    (the command, the dashboard, a Prometheus scrape) builds the history growth needs.
+    ``outbox_details=False`` leaves the oldest failing outbox message's key, handler and error
+    out of ``outbox_failing`` (for viewers who may not see outbox messages: keys and provider
+    errors carry business data)."""
     now = time.time() if now is None else now
     limits = conf.get().ALERTS
     window = limits["WINDOW"]
@@ -99,13 +102,14 @@ def evaluate(now: float | None = None) -> list[Alert]:
         if not active.has_scheduler(queue):
             message = f"no RQ scheduler for queue {name!r}, whose jobs requeue on contention"
             fired.append(Alert("no_scheduler", "", message, 1, 0))
-    fired += _outbox_failing()
+    fired += _outbox_failing(outbox_details)
     return fired
 
 
-def _outbox_failing() -> list[Alert]:
+def _outbox_failing(details: bool) -> list[Alert]:
     """Outbox messages undelivered after :data:`OUTBOX_ATTEMPTS` failed deliveries, pending or
-    dead-lettered (a handler that always fails): the status index answers it."""
+    dead-lettered (a handler that always fails): the status index answers it. With
+    ``details``, the message names the oldest one, its handler and its last error."""
     from ..models import OutboxMessage
 
     failing = OutboxMessage.objects.filter(status__in=[OutboxStatus.PENDING, OutboxStatus.DEAD])
@@ -116,9 +120,10 @@ def _outbox_failing() -> list[Alert]:
     dead = failing.filter(status=OutboxStatus.DEAD).count()
     message = (
         f"{count} outbox message(s) still undelivered after {OUTBOX_ATTEMPTS}+ attempts "
-        f"({dead} dead-lettered: no more retries); "
-        f"oldest {first.key} via {first.handler}: {first.last_error[:200]}"
+        f"({dead} dead-lettered: no more retries)"
     )
+    if details:
+        message = f"{message}; oldest {first.key} via {first.handler}: {first.last_error[:200]}"
     return [Alert("outbox_failing", "", message, count, OUTBOX_ATTEMPTS)]
 
 

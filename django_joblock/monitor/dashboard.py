@@ -40,11 +40,13 @@ def build(
     health_filter: str | None = None,
     *,
     claims: bool = True,
+    outbox: bool = True,
     timeline_of: str | None = None,
 ) -> dict[str, Any]:
     """The page's context, for a ``family``, ``health_filter`` and ``timeline_of`` (a family or
     a resource; by default the busiest family) the caller validated; ``claims=False`` leaves out
-    stuck idempotency claims (for users who may not see them)."""
+    stuck idempotency claims, ``outbox=False`` the failing outbox message's key, handler and
+    error from its alert (for users who may not see them)."""
     started = time.perf_counter()
     hour = metrics.window(3600)
     counts = index.active_counts()
@@ -104,7 +106,7 @@ def build(
                 slots_used=used[held.resource],
             )
         )
-    fired = alerts.evaluate()
+    fired = alerts.evaluate(outbox_details=outbox)
     cards = [
         ("Active locks", active_total),
         ("Families (now or 1 h)", len(fams)),
