@@ -147,6 +147,25 @@ def test_an_async_locks_loss_is_signalled_with_sender_lock_as_its_other_signals(
     assert heard == ["acquired", "lost"]
 
 
+def test_a_black_holed_redis_does_not_hold_up_the_renewal_of_locks_on_another(proxy, rconn):
+    """Review bug: the renewal thread sent each alias's round trip in turn; while the round
+    trip of a black-holed Redis waited for its socket timeout (2 s here), a 1 s lock on a
+    healthy Redis went unrenewed, expired and was taken by another client."""
+    stalled = lock("stall:1", ttl=10, cache="proxied")
+    healthy = lock("healthy:1", ttl=1)
+    assert stalled.acquire() and healthy.acquire()
+    proxy.set("blackhole")
+    # Its first renewal is due after a third of its TTL, then waits out the socket timeout.
+    deadline = time.monotonic() + stalled.ttl
+    while stalled.state is not LockState.SUSPECT and time.monotonic() < deadline:
+        assert healthy.held and rconn.hget(healthy.key, "token") == healthy.token.encode()
+        time.sleep(0.05)
+    assert stalled.state is LockState.SUSPECT, "negative control: its renewal timed out"
+    assert healthy.held
+    proxy.set("forward")
+    assert healthy.release()
+
+
 def test_black_holed_redis_is_declared_lost_before_another_holder_can_enter(proxy, rconn):
     recorder = LostRecorder()
     held = lock("report:4", ttl=2.0, cache="proxied", on_lost=recorder)

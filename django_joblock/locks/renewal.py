@@ -14,7 +14,9 @@ It keeps every lock the process holds, however many:
 
 Its sockets time out after ``min(REDIS_TIMEOUT, TTL / 5)`` (per lock, rounded down to a power of
 two; a round trip takes its locks' shortest, and so does the metrics flush) without retries, so a
-black-holed server is noticed in time. A failure inside the thread is logged and the loop goes on.
+black-holed server is noticed in time. While the process holds locks on several cache aliases,
+each alias's round trips go from a sender thread of its own: a server that stopped answering
+holds up its own locks only. A failure inside the thread is logged and the loop goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -96,6 +99,7 @@ class Renewer:
         self._wake_at = math.inf
         self._idle_since: float | None = None
         self._thread: threading.Thread | None = None
+        self._senders: dict[str, ThreadPoolExecutor] = {}  # with locks on several aliases
         self._stats = RenewalStats()
 
     def add(self, held: Holding, *, renew_within: float = math.inf) -> None:
@@ -200,18 +204,50 @@ class Renewer:
                 "renewed, it expires within its TTL"
             )
             logger.warning(message, key, extra={"lock_key": key, "outcome": "dropped"})
-        for alias, items in work.items():
-            for start in range(0, len(items), BATCH):
-                chunk = items[start : start + BATCH]
-                try:
-                    self._send(alias, chunk)
-                finally:
-                    with self._guard:
-                        for entry, held in chunk:
-                            entry.in_flight = False
-                            if self._entries.get(entry.lock_id) is entry:
-                                self._schedule(entry, held)
+        self._dispatch(work)
         return True
+
+    def _dispatch(self, work: dict[str, list[_Work]]) -> None:
+        """Send each alias's renewals: in this thread while the process holds locks of one
+        alias only; else each alias's in a sender thread of its own, so that a Redis that
+        stopped answering holds up only its own locks' renewals (for its socket timeout),
+        never those of the locks on another Redis."""
+        with self._guard:
+            several = len({entry.alias for entry in self._entries.values()}) > 1
+        for alias, items in work.items():
+            chunks = [items[start : start + BATCH] for start in range(0, len(items), BATCH)]
+            if several:
+                self._sender(alias).submit(self._send_in_sender, alias, chunks)
+            else:
+                self._send_chunks(alias, chunks)
+
+    def _sender(self, alias: str) -> ThreadPoolExecutor:
+        """The sender thread of ``alias`` (made on first use; only this thread asks)."""
+        found = self._senders.get(alias)
+        if found is None:
+            found = ThreadPoolExecutor(max_workers=1, thread_name_prefix="joblock-renewer-send")
+            self._senders[alias] = found
+        return found
+
+    def _send_in_sender(self, alias: str, chunks: list[list[_Work]]) -> None:
+        try:
+            self._send_chunks(alias, chunks)
+        except BaseException:  # noqa: BLE001 - a future would keep it unseen: log it
+            logger.exception("django_joblock renewal of %s locks failed; continuing", alias)
+
+    def _send_chunks(self, alias: str, chunks: list[list[_Work]]) -> None:
+        """Renew ``chunks`` one round trip each, then schedule their locks' next moments."""
+        for chunk in chunks:
+            try:
+                self._send(alias, chunk)
+            finally:
+                with self._guard:
+                    for entry, held in chunk:
+                        entry.in_flight = False
+                        if self._entries.get(entry.lock_id) is not entry:
+                            continue
+                        if self._schedule(entry, held) < self._wake_at:
+                            self._cond.notify()  # (sent by a sender thread: the loop sleeps)
 
     def _gather(self, now: float) -> tuple[list[_Lost], dict[str, list[_Work]], list[str]]:
         """Pop what is due (caller holds the guard): (lost, work per alias, dropped keys).
