@@ -218,6 +218,80 @@ def test_a_cancelled_waiting_task_leaves_the_line_at_once(rconn):
     assert got is True, "nobody left in line: a newcomer gets the released lock at once"
 
 
+def test_a_waiting_task_cancelled_just_after_the_lock_was_handed_to_it_gives_it_back(rconn):
+    """The holder releases, handing the lock to a task waiting in line; that task is cancelled
+    k loop iterations later, for k = 0, 1, 2... until the acquire returned first. Wherever the
+    cancellation lands (in the line, or after the lock was handed over but before ``aacquire``
+    returned), the lock is not left under the cancelled task's token: a newcomer gets it."""
+
+    async def trial(k: int) -> tuple[bool, bool, bool]:
+        resource = f"handed:{k}"  # each trial its own: a lock left behind fails only its own
+        holder = alock(resource, ttl=30, heartbeat=False)
+        assert await holder.aacquire()
+        waiter = alock(resource, ttl=30, wait=10, heartbeat=False)
+        waiting = asyncio.create_task(waiter.aacquire())
+        while not rconn.zcard(holder.keys.queue):
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # blocked in BLPOP
+        await holder.arelease()  # hands the lock over to the waiter
+        for _ in range(k):
+            await asyncio.sleep(0)
+        waiting.cancel()
+        try:
+            returned = await waiting
+        except asyncio.CancelledError:
+            returned = False
+        else:
+            assert returned and await waiter.arelease()
+        left = rconn.hget(holder.keys.lock, "token") == waiter.token.encode()
+        newcomer = alock(resource, ttl=30, wait=0)
+        free = await newcomer.aacquire()
+        if free:
+            await newcomer.arelease()
+        return returned, left, free
+
+    async def scenario() -> dict[int, tuple[bool, bool, bool]]:
+        trials = {}
+        for k in range(200):
+            trials[k] = await trial(k)
+            if trials[k][0]:  # returned before the cancellation: later ones do the same
+                break
+        return trials
+
+    trials = run(scenario)
+    cancelled = [k for k, (returned, _, _) in trials.items() if not returned]
+    assert cancelled and len(cancelled) < len(trials), "negative control: the range spans both"
+    leaked = {k: (left, free) for k, (_, left, free) in trials.items() if left or not free}
+    assert not leaked, f"k: (left under the waiter's token, a newcomer got it): {leaked}"
+
+
+def test_a_one_try_task_cancelled_after_its_acquire_got_the_lock_gives_it_back(rconn, settings):
+    """With ``REPLICA_ACKS`` (no replica here), a one-try ``aacquire`` that got the lock then
+    waits for a replica: cancelled there, before it returned, it gives the lock back."""
+    settings.JOBLOCK = {**settings.JOBLOCK, "REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 5}
+
+    async def scenario() -> tuple[bool, bytes | None, bool]:
+        trying = alock("acked:1", ttl=30, heartbeat=False)
+        task = asyncio.create_task(trying.aacquire(wait=0))
+        while not any(c["cmd"] == "wait" and "b" in c["flags"] for c in rconn.client_list()):
+            await asyncio.sleep(0.005)
+        got = rconn.hget(trying.key, "token") == trying.token.encode()  # its ACQUIRE got it
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        left = rconn.hget(trying.key, "token")
+        settings.JOBLOCK = {**settings.JOBLOCK, "REPLICA_ACKS": 0}
+        newcomer = alock("acked:1", ttl=30, wait=0)
+        free = await newcomer.aacquire()
+        if free:
+            await newcomer.arelease()
+        return got, left, free
+
+    got, left, free = run(scenario)
+    assert got is True, "negative control: it had got the lock when cancelled"
+    assert left is None and free is True, "given back: a newcomer gets it at once"
+
+
 def test_a_sync_lock_and_an_async_lock_exclude_each_other(rconn):
     async def scenario() -> tuple[bool, bool]:
         async with alock("mixed:1", ttl=5):

@@ -10,7 +10,8 @@ a sync and an async holder of one resource exclude each other.
   it renews async holders too, off the loop.
 - **Cancellation is clean.** A task cancelled while waiting in line leaves the line at once
   (giving back a lock handed over meanwhile); cancelled in its one-try acquire, it gives
-  back the lock the acquire may have got. Either way the ``CancelledError`` propagates.
+  back the lock the acquire may have got; a lock got is given back too when the task is
+  cancelled before ``aacquire`` returned it. Either way the ``CancelledError`` propagates.
 - **A lost lock is noticed** as for sync holders (``held``, :meth:`~.lock.Lock.ensure_held`,
   ``on_lost``, which the renewal thread calls: to cancel the body, have it call
   ``loop.call_soon_threadsafe(task.cancel)``), and leaving ``async with`` raises
@@ -54,6 +55,8 @@ class AsyncLock(Lock):
         loop. Cancelled, it leaves the line (or gives back a lock it may have got) and
         re-raises ``CancelledError``. Raises as ``acquire`` does."""
         self._start_call()
+        # The turn taken, once known: a lock got is given back unless this returns it held.
+        turn: waiting.Turn | None = None
         try:
             wait, args = self._prepare_acquire(wait)
             entry = self.index_entry()
@@ -61,14 +64,31 @@ class AsyncLock(Lock):
             try:
                 found = async_backend.client(self.cache)
                 if wait > 0 or self.limit > 1:  # with a limit, a one-try is a wait's last call
-                    turn = await self._await_in_line(found, args, started + wait)
+                    async with async_backend.blocking_client(self.cache) as blocking:
+                        turn = await self._await_in_line(found, blocking, args, started + wait)
+                    if turn.reply > 0:
+                        self._take_slot(turn.slot)
+                        if not turn.indexed:  # handed over
+                            await async_backend.drive(self._add_to_index(self.index_entry()), found)
                 else:
                     turn = await self._try_once_cancellable(found, args, entry, started)
             except REDIS_ERRORS as exc:
                 raise self._failed_attempt(exc) from exc
             return await async_backend.drive(self._taken(found, turn, started, wait), found)
+        except BaseException:
+            # Got but not held (``_hold`` marks the token spent): nobody else would give it back.
+            if turn is not None and turn.reply > 0 and not self._spent:
+                await self._give_back_got(found, turn)
+            raise
         finally:
             self._calls.release()
+
+    async def _give_back_got(self, found: Any, turn: waiting.Turn) -> None:
+        """Give back the lock of ``turn``, got by an acquire that ends without holding it
+        (cancelled, say, before it returned), shielded from a second cancellation. Best
+        effort: a Redis error is ignored (the lock then expires after its TTL)."""
+        self._take_slot(turn.slot)  # the slot whose lock hash it is
+        await asyncio.shield(async_backend.drive(self._give_back(), found))
 
     async def _try_once_cancellable(
         self, found: Any, args: list[Any], entry: index.Entry, started: float
@@ -80,8 +100,11 @@ class AsyncLock(Lock):
             await asyncio.shield(async_backend.drive(self._give_back(), found))
             raise
 
-    async def _await_in_line(self, found: Any, args: list[Any], deadline: float) -> waiting.Turn:
-        """:meth:`~.lock.Lock._wait_in_line`, awaited. Redis errors are raised (the ticket
+    async def _await_in_line(
+        self, found: Any, blocking: Any, args: list[Any], deadline: float
+    ) -> waiting.Turn:
+        """:meth:`~.lock.Lock._wait_in_line`, awaited (``BLPOP`` on ``blocking``), up to the
+        turn taken: the caller indexes a lock handed over. Redis errors are raised (the ticket
         expires on its own, and a repeat keeps the place); anything else (a cancellation)
         leaves the line first, shielded from a second cancellation."""
         waiter = waiting.Waiter(
@@ -92,20 +115,14 @@ class AsyncLock(Lock):
             limit=self.limit,
             index_call=index.in_wait_script(found, self.keys.prefix, self.index_entry()),
         )
-        async with async_backend.blocking_client(self.cache) as blocking:
-            try:
-                turn = await async_backend.drive(waiter.take_turn(deadline), found, blocking)
-            except REDIS_ERRORS:
-                raise
-            except BaseException:
-                with contextlib.suppress(*REDIS_ERRORS):
-                    await asyncio.shield(async_backend.drive(waiter.leave(), found))
-                raise
-        if turn.reply > 0:
-            self._take_slot(turn.slot)
-            if not turn.indexed:  # handed over
-                await async_backend.drive(self._add_to_index(self.index_entry()), found)
-        return turn
+        try:
+            return await async_backend.drive(waiter.take_turn(deadline), found, blocking)
+        except REDIS_ERRORS:
+            raise
+        except BaseException:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await asyncio.shield(async_backend.drive(waiter.leave(), found))
+            raise
 
     async def arelease(self) -> bool:
         """:meth:`~.lock.Lock.release`, awaited."""
