@@ -78,7 +78,7 @@ def send_after_commit(
         )
     try:
         storable_json(payload)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ValueError(
             f"send_after_commit: payload for key {key!r} cannot be stored as JSON "
             f"(no NaN, infinity or NUL): {exc}"

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -96,14 +97,34 @@ def test_decimal_datetime_uuid_results_are_stored_and_replayed_as_strings(rconn)
     assert record.status == "succeeded" and record.result == expected
 
 
+def _nested(depth: int) -> list[Any]:
+    outer: list[Any] = []
+    inner = outer
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
 # "\udc00": a lone surrogate (a str that is not UTF-8, e.g. from surrogateescape), which
-# PostgreSQL refuses: a raw DataError from succeed() before (review).
+# PostgreSQL refuses: a raw DataError from succeed() before (review); _nested(5000): JSON's
+# encoder raised RecursionError out of succeed() (review).
 @pytest.mark.parametrize(
-    "bad", [math.nan, math.inf, object(), "a\x00b", ["x", {"y": "\x00"}], "a\udc00", {"\ud800": 1}]
+    "bad",
+    [
+        math.nan,
+        math.inf,
+        object(),
+        "a\x00b",
+        ["x", {"y": "\x00"}],
+        "a\udc00",
+        {"\ud800": 1},
+        _nested(5000),
+    ],
 )
 def test_results_the_database_cannot_store_fail_clearly(bad):
     with pytest.raises(IdempotencyError, match="cannot be stored as JSON"):
-        with idempotent(f"bad:{bad!r}") as claim:
+        with idempotent(f"bad:{type(bad).__name__}") as claim:  # (a deep list has no repr)
             claim.succeed({"value": bad})
     assert IdempotencyRecord.objects.get().status == "failed"
 

@@ -78,7 +78,7 @@ def check_result(result: Any, *, key: str, scope: str) -> None:
     """Raise :class:`IdempotencyError` unless :func:`storable_json` can store ``result``."""
     try:
         storable_json(result)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         why = (
             "has a result that cannot be stored as JSON (no NaN, infinity, NUL or lone "
             f"surrogate): {exc}"
