@@ -236,18 +236,20 @@ class Renewer:
             logger.exception("django_joblock renewal of %s locks failed; continuing", alias)
 
     def _send_chunks(self, alias: str, chunks: list[list[_Work]]) -> None:
-        """Renew ``chunks`` one round trip each, then schedule their locks' next moments."""
-        for chunk in chunks:
-            try:
+        """Renew ``chunks`` one round trip each, then schedule their locks' next moments: all
+        of them, even if a round trip raised (a lock left in flight would never be renewed
+        again, nor declared lost)."""
+        try:
+            for chunk in chunks:
                 self._send(alias, chunk)
-            finally:
-                with self._guard:
-                    for entry, held in chunk:
-                        entry.in_flight = False
-                        if self._entries.get(entry.lock_id) is not entry:
-                            continue
-                        if self._schedule(entry, held) < self._wake_at:
-                            self._cond.notify()  # (sent by a sender thread: the loop sleeps)
+        finally:
+            with self._guard:
+                for entry, held in (work for chunk in chunks for work in chunk):
+                    entry.in_flight = False
+                    if self._entries.get(entry.lock_id) is not entry:
+                        continue
+                    if self._schedule(entry, held) < self._wake_at:
+                        self._cond.notify()  # (sent by a sender thread: the loop sleeps)
 
     def _gather(self, now: float) -> tuple[list[_Lost], dict[str, list[_Work]], list[str]]:
         """Pop what is due (caller holds the guard): (lost, work per alias, dropped keys).
