@@ -216,10 +216,18 @@ class Renewer:
             several = len({entry.alias for entry in self._entries.values()}) > 1
         for alias, items in work.items():
             chunks = [items[start : start + BATCH] for start in range(0, len(items), BATCH)]
-            if several:
-                self._sender(alias).submit(self._send_in_sender, alias, chunks)
-            else:
-                self._send_chunks(alias, chunks)
+            if several and self._submitted(alias, chunks):
+                continue
+            self._send_chunks(alias, chunks)
+
+    def _submitted(self, alias: str, chunks: list[list[_Work]]) -> bool:
+        """Hand ``chunks`` to ``alias``'s sender thread; False once the interpreter is shutting
+        down (no new thread may start then: this thread sends them itself)."""
+        try:
+            self._sender(alias).submit(self._send_in_sender, alias, chunks)
+        except RuntimeError:
+            return False
+        return True
 
     def _sender(self, alias: str) -> ThreadPoolExecutor:
         """The sender thread of ``alias`` (made on first use; only this thread asks)."""
