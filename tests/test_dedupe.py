@@ -114,6 +114,24 @@ RESULT_TTL = 10
 
 
 @pytest.mark.slow
+def test_a_job_enqueued_again_keeps_nothing_of_its_last_calls_options(workers, rconn):
+    """Review finding: RQ's enqueue writes the new job's fields over the old hash and keeps the
+    others, so a ``retry=`` given to the call before made a later plain ``.delay()`` of the
+    same logical job retry on failure."""
+    from rq import Retry
+
+    workers.start()
+    rconn.set("test:go:retried", 1)
+    first = admission_jobs.send_once.enqueue_call((22, "retried"), retry=Retry(max=2))
+    assert wait_status(first, DONE, 30) is JobStatus.FINISHED, workers.logs()
+    assert rconn.hget(first.key, "retries_left") == b"2", "negative control: it had retries"
+    again = admission_jobs.send_once.delay(22, "retried")
+    assert again.id == first.id
+    again.refresh()
+    assert again.retries_left is None, "the new call gave no retry="
+
+
+@pytest.mark.slow
 def test_a_job_enqueued_again_does_not_keep_the_expiry_of_its_last_end(workers, rconn):
     """Found by a deployment test: the new job vanished while it waited, never ran."""
     rconn.set("test:go:short", 1)

@@ -99,8 +99,11 @@ def enqueue_once(
 
 
 def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
-    """Job ``job_id`` ended and runs again under its id: drop its old registry entry, and
-    ``PERSIST`` it, as RQ's enqueue keeps the expiry its end gave it (``result_ttl``...)."""
+    """Job ``job_id`` ended and runs again under its id: drop its old registry entry and its
+    hash, and ``PERSIST`` its dependency keys, as RQ's enqueue keeps the expiry its end gave
+    them (``result_ttl``...). RQ's enqueue writes the fields the new job has over the old hash
+    and keeps the others: a ``retry=`` of the earlier call would give the new job its retries,
+    an earlier failure its ``exc_info``. Its results (RQ's own key) stay."""
     if status in (JobStatus.FAILED, JobStatus.STOPPED):  # RQ keeps a stopped job as failed
         queue.failed_job_registry.remove(job_id)
     elif status == JobStatus.FINISHED:
@@ -109,6 +112,7 @@ def _forget_last_end(queue: Any, job_id: str, status: str) -> None:
         queue.canceled_job_registry.remove(job_id)
     old = queue.job_class(id=job_id, connection=queue.connection)
     pipe = queue.connection.pipeline(transaction=False)
-    for key in (old.key, old.dependents_key, old.dependencies_key):
+    pipe.delete(old.key)
+    for key in (old.dependents_key, old.dependencies_key):
         pipe.persist(key)
     pipe.execute()
