@@ -268,7 +268,10 @@ def test_a_waiting_task_cancelled_just_after_the_lock_was_handed_to_it_gives_it_
 def test_a_one_try_task_cancelled_after_its_acquire_got_the_lock_gives_it_back(rconn, settings):
     """With ``REPLICA_ACKS`` (no replica here), a one-try ``aacquire`` that got the lock then
     waits for a replica: cancelled there, before it returned, it gives the lock back."""
-    settings.JOBLOCK = {**settings.JOBLOCK, "REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 5}
+    # WAIT blocks for the 5 s ack timeout within a 10 s socket timeout: time to cancel it there
+    # on a busy machine (CI: a 2 s socket timeout ran out first).
+    acked = {"REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 5, "REDIS_TIMEOUT": 10}
+    settings.JOBLOCK = {**settings.JOBLOCK, **acked}
 
     async def scenario() -> tuple[bool, bytes | None, bool]:
         trying = alock("acked:1", ttl=30, heartbeat=False)
