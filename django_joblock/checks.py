@@ -21,6 +21,7 @@ W013  ``ALERTS`` ``BASELINE`` not longer than ``WINDOW`` (``contention_spike`` n
 W014  ``METRICS_RETENTION`` shorter than the alerts read back (``WINDOW`` + ``BASELINE``)
 W015  the records' database is SQLite without ``transaction_mode: IMMEDIATE``
 W016  (deploy) ``KEY_PREFIX`` on the locks' Redis belongs to another project
+W017  ``REPLICA_ACK_TIMEOUT`` not shorter than ``REDIS_TIMEOUT`` while ``REPLICA_ACKS`` is set
 
 Checks W002 and W006 use the job's decoration-time ``job_timeout`` (or its queue's default); a
 per-call ``.enqueue(job_timeout=)`` is checked at enqueue time and logged with the same id."""
@@ -57,7 +58,7 @@ def _settings_broken() -> bool:
 
 @register(Tags.compatibility, TAG)
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E001-E004, W001, W003, W005, W013, W014: the shape and consistency of ``JOBLOCK``."""
+    """E001-E004, W001, W003, W005, W013, W014, W017: the shape and consistency of ``JOBLOCK``."""
     return [_message(p.id, p.message) for p in conf.problems(getattr(settings, "JOBLOCK", None))]
 
 

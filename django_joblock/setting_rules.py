@@ -185,6 +185,9 @@ def between_keys(merged: dict[str, Any]) -> list[Problem]:
     window = merged["ALERTS"]["WINDOW"]
     baseline = merged["ALERTS"]["BASELINE"]
     needed = window + baseline + 60  # the spike also reads the bucket between the two
+    acks, ack_wait, socket = (
+        merged[k] for k in ("REPLICA_ACKS", "REPLICA_ACK_TIMEOUT", "REDIS_TIMEOUT")
+    )
     beat_is = f"JOBLOCK['HEARTBEAT_INTERVAL'] ({beat}s)"
     keep_is = f"JOBLOCK['IDEMPOTENCY_TTL'] ({keep}s) is shorter than"
     findings = [
@@ -224,6 +227,14 @@ def between_keys(merged: dict[str, Any]) -> list[Problem]:
             f"JOBLOCK['METRICS_RETENTION'] ({kept:g}s) is shorter than the alerts read back "
             f"(ALERTS WINDOW {window:g}s + BASELINE {baseline:g}s + 60 s = {needed:g}s): "
             "they would see less than their window.",
+        ),
+        (
+            "W017",
+            acks > 0 and ack_wait >= socket,
+            f"JOBLOCK['REPLICA_ACK_TIMEOUT'] ({ack_wait:g}s) is not shorter than REDIS_TIMEOUT "
+            f"({socket:g}s): an acquire's WAIT for REPLICA_ACKS outlasts the socket timeout, so "
+            "replicas that lag end it with a socket timeout (and a reconnect) instead of the "
+            "shortfall.",
         ),
     ]
     return [Problem(id_, message) for id_, bad, message in findings if bad]

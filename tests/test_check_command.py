@@ -100,11 +100,26 @@ def test_setting_errors_stop_manage_py_check(settings, joblock, check_id, text):
         ({"ALERTS": {"BASELINE": 600, "WINDOW": 600}}, "W013", "BASELINE'] (600s)"),
         ({"ALERTS": {"WINDOW": 86400}}, "W014", "= 90060s"),
         ({"METRICS_RETENTION": 600}, "W014", "METRICS_RETENTION'] (600s)"),
+        ({"REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 5}, "W017", "REDIS_TIMEOUT (2s)"),
+        (
+            {"REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 2, "REDIS_TIMEOUT": 2},
+            "W017",
+            "REPLICA_ACK_TIMEOUT'] (2s)",
+        ),
     ],
 )
 def test_setting_warnings_are_printed_not_raised(settings, joblock, check_id, text):
     settings.JOBLOCK = joblock
     assert_warning(check_id, text)
+
+
+def test_a_replica_ack_wait_within_the_socket_timeout_raises_no_warning(settings):
+    settings.JOBLOCK = {"REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 1, "REDIS_TIMEOUT": 2}
+    printed, error = check()
+    assert error is None and "W017" not in printed, printed
+    settings.JOBLOCK = {"REPLICA_ACK_TIMEOUT": 5}  # without REPLICA_ACKS nothing waits
+    printed, error = check()
+    assert error is None and "W017" not in printed, printed
 
 
 def test_alert_periods_that_fit_raise_no_warning(settings):
@@ -261,9 +276,11 @@ TAGGED_RUNS: list[tuple[object, Any, set[str]]] = [
             "REQUEUE_MAX_WAIT": 3600,
             "ALERTS": {"BASELINE": 600, "WINDOW": 900},  # W013; W014 (> METRICS_RETENTION)
             "METRICS_RETENTION": 900,
+            "REPLICA_ACKS": 1,  # W017 (with REPLICA_ACK_TIMEOUT >= REDIS_TIMEOUT)
+            "REPLICA_ACK_TIMEOUT": 5,
         },
         _warning_jobs,  # W002, W004, W006, W012; W011 from the server's eviction policy
-        {"W001", "W002", "W003", "W004", "W005", "W006", "W011", "W012", "W013", "W014"},
+        {"W001", "W002", "W003", "W004", "W005", "W006", "W011", "W012", "W013", "W014", "W017"},
     ),
 ]
 
