@@ -58,7 +58,7 @@ def fenced_update(queryset: models.QuerySet[_M], fence: int, **values: Any) -> i
     _refuse_shared_fence(fence)
     _refuse_what_update_refuses(queryset)
     table = _fence_table(queryset, values)
-    fenced = queryset.filter(Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence))
+    fenced = queryset.filter(_not_newer_than(fence))
     if table is queryset.model._meta.concrete_model and fenced.query.count_active_tables() == 1:
         # One table, no join: Django writes every condition of the queryset, the fence
         # included, in the UPDATE's own WHERE, where PostgreSQL re-checks them all on the row a
@@ -106,9 +106,14 @@ def _update_by_key(
     return (
         table._meta.base_manager.using(database)
         .filter(pk__in=keys)
-        .filter(Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence))
+        .filter(_not_newer_than(fence))
         .update(lock_fence=fence, **values)
     )
+
+
+def _not_newer_than(fence: int) -> Q:
+    """The rows ``fence`` may write: never written under a fence, or under one not above it."""
+    return Q(lock_fence__isnull=True) | Q(lock_fence__lte=fence)
 
 
 def _refuse_what_update_refuses(queryset: models.QuerySet[Any]) -> None:
