@@ -504,3 +504,34 @@ def test_an_async_waiter_whose_redis_goes_away_raises_and_can_wait_again(server,
         return await waiter.arelease(), await holder.arelease()
 
     assert run(release_both) == (True, False)
+
+
+def test_an_aacquire_whose_lock_acquired_receiver_raises_gives_the_lock_back(rconn):
+    """Review bug: a ``lock_acquired`` receiver's exception came out of ``aacquire()`` with the
+    lock held and renewed (the give-back covered only a lock not yet recorded as held): the
+    ``async with`` block was never entered, so nothing released it until the TTL."""
+    from django_joblock import Lock
+    from django_joblock.locks.renewal import renewer
+    from django_joblock.signals import lock_acquired
+
+    def broken(sender, lock, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("receiver bug")
+
+    async def scenario() -> bool:
+        with pytest.raises(RuntimeError, match="receiver bug"):
+            async with alock("receiver:2", ttl=30):
+                pytest.fail("the block must not run")
+        lock_acquired.disconnect(broken, sender=Lock)
+        newcomer = alock("receiver:2", ttl=30, wait=0)
+        free = await newcomer.aacquire()
+        if free:
+            await newcomer.arelease()
+        return free
+
+    lock_acquired.connect(broken, sender=Lock)
+    try:
+        free = run(scenario)
+    finally:
+        lock_acquired.disconnect(broken, sender=Lock)
+    assert free is True, "given back: a newcomer gets it at once"
+    assert all(held.resource != "receiver:2" for held in renewer().held_locks())

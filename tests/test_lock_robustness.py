@@ -597,3 +597,118 @@ def test_owned_checks_with_the_server_without_extending(rconn):
     rconn.hset(held.key, "token", "someone-else")
     assert held.owned() is False
     assert held.lost and held.lost_reason == "taken by another owner"
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises in the main thread, as ``KeyboardInterrupt`` would."""
+
+
+def _interrupted_during(rconn: Any, command: str, acquire: Any) -> None:
+    """Run ``acquire()`` in this (main) thread and interrupt it with a signal once a client is
+    blocked in ``command`` on the server: :class:`_Interrupted` must come out of it."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    def watch() -> None:
+        if wait_for(lambda: any(c["cmd"] == command for c in rconn.client_list()), 10):
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    main = threading.get_ident()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        watcher.start()
+        with pytest.raises(_Interrupted):
+            acquire()
+    finally:
+        watcher.join()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_an_acquire_interrupted_after_it_got_the_lock_gives_it_back(settings, rconn):
+    """Review bug (the sync twin of a cancelled ``aacquire``): with ``REPLICA_ACKS`` (no replica
+    here) a one-try acquire that got the lock waits for a replica's ack; a ``KeyboardInterrupt``
+    there left the lock held, by nobody, until its TTL."""
+    acked = {"REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 5, "REDIS_TIMEOUT": 10}
+    settings.JOBLOCK = {**settings.JOBLOCK, **acked}
+    trying = lock("interrupted:1", ttl=30, heartbeat=False)
+    got: list[bool] = []
+
+    def acquire() -> None:
+        # The ACQUIRE ran before the WAIT the interrupt comes in: record what it had got.
+        threading.Thread(
+            target=lambda: got.append(
+                wait_for(lambda: rconn.hget(trying.key, "token") == trying.token.encode(), 10)
+            ),
+            daemon=True,
+        ).start()
+        trying.acquire(wait=0)
+
+    _interrupted_during(rconn, "wait", acquire)
+    assert got == [True], "negative control: it had got the lock when interrupted"
+    assert rconn.hget(trying.key, "token") is None, "given back"
+    assert not trying.held and not trying.lost
+    settings.JOBLOCK = {**settings.JOBLOCK, "REPLICA_ACKS": 0}
+    newcomer = lock("interrupted:1", ttl=30, wait=0)
+    assert newcomer.acquire(), "a newcomer gets it at once"
+    newcomer.release()
+    assert trying.acquire(wait=0), "the interrupted object can acquire again"
+    trying.release()
+
+
+def test_an_acquire_whose_lock_acquired_receiver_raises_gives_the_lock_back(rconn):
+    """Review bug: a ``lock_acquired`` receiver's exception came out of ``acquire()`` (as Django's
+    ``Signal.send`` raises it) with the lock held and renewed: a ``with`` block was never
+    entered, so nothing released it; the resource stayed busy until the TTL."""
+    from django_joblock import Lock
+    from django_joblock.signals import lock_acquired
+
+    def broken(sender, lock, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("receiver bug")
+
+    lock_acquired.connect(broken, sender=Lock)
+    try:
+        with pytest.raises(RuntimeError, match="receiver bug"), lock("receiver:1", ttl=30):
+            pytest.fail("the block must not run")
+    finally:
+        lock_acquired.disconnect(broken, sender=Lock)
+    assert rconn.exists("joblock:{receiver:1}:lock") == 0, "given back at once"
+    with lock("receiver:1", ttl=30, wait=0) as newcomer:
+        assert newcomer.held
+    assert all(held.resource != "receiver:1" for held in renewer().held_locks())
+
+
+@pytest.mark.slow  # the proxy
+def test_a_one_try_acquire_interrupted_before_its_reply_gives_the_lock_back(proxy, rconn):
+    """The same, earlier: interrupted while the ACQUIRE's reply was on its way (the server had
+    run it), the acquire gives back the lock it may have got. A Redis error there does not:
+    the same object's repeat recognises its token (test_an_acquire_whose_reply_was_lost...)."""
+    load_scripts(rconn)
+    trying = lock("interrupted:2", ttl=30, cache="proxied")
+    proxy.set("delay", 0.5)  # each way: the lock is granted ~0.5 s before the reply comes
+    got: list[bool] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    def watch() -> None:
+        granted = wait_for(lambda: rconn.hget(trying.key, "token") == trying.token.encode(), 10)
+        got.append(granted)
+        if granted:
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    main = threading.get_ident()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        watcher.start()
+        with pytest.raises(_Interrupted):
+            trying.acquire(wait=0)
+    finally:
+        watcher.join()
+        signal.signal(signal.SIGUSR1, previous)
+        proxy.set("forward")
+    assert got == [True], "negative control: the server had granted it when interrupted"
+    assert rconn.hget(trying.key, "token") is None, "given back"
+    assert lock("interrupted:2", ttl=30, wait=0).acquire(), "a newcomer gets it at once"

@@ -75,19 +75,22 @@ class AsyncLock(Lock):
             except REDIS_ERRORS as exc:
                 raise self._failed_attempt(exc) from exc
             return await async_backend.drive(self._taken(found, turn, started, wait), found)
+        except LockBackendUnavailable:
+            raise  # a failed attempt (kept for a repeat), or a lock _taken gave back itself
         except BaseException:
-            # Got but not held (``_hold`` marks the token spent): nobody else would give it back.
-            if turn is not None and turn.reply > 0 and not self._spent:
+            # Got, but this does not return it held (cancelled, or a lock_acquired receiver
+            # raised): nobody else would give it back.
+            if turn is not None and turn.reply > 0:
                 await self._give_back_got(found, turn)
             raise
         finally:
             self._calls.release()
 
     async def _give_back_got(self, found: Any, turn: waiting.Turn) -> None:
-        """Give back the lock of ``turn``, got by an acquire that ends without holding it
-        (cancelled, say, before it returned), shielded from a second cancellation. Best
-        effort: a Redis error is ignored (the lock then expires after its TTL)."""
-        self._take_slot(turn.slot)  # the slot whose lock hash it is
+        """Give back the lock of ``turn``, got by an acquire that ends raising, shielded from a
+        second cancellation. Best effort: a Redis error is ignored (the lock then expires
+        after its TTL)."""
+        self._forget_got(turn)
         await asyncio.shield(async_backend.drive(self._give_back(), found))
 
     async def _try_once_cancellable(

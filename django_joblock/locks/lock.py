@@ -203,19 +203,55 @@ class Lock(Holding):
             self._calls.release()
 
     def _acquire(self, wait: float | None) -> bool:
-        """The body of :meth:`acquire`, run between :meth:`_start_call` and its end."""
+        """The body of :meth:`acquire`, run between :meth:`_start_call` and its end.
+
+        It returns with the lock held, or the lock is not held by this object: an acquire that
+        got the lock but ends raising (``KeyboardInterrupt`` in a round trip after it was got,
+        or a ``lock_acquired`` receiver's exception) gives it back first."""
         wait, args = self._prepare_acquire(wait)
         entry = self.index_entry()
         started = time.monotonic()
+        turn: waiting.Turn | None = None  # once known: a lock got is given back on an error
         try:
-            found = client(self.cache)  # on Redis Cluster, made by asking a node
-            if wait > 0 or self.limit > 1:  # with a limit, a one-try is a wait's last call
-                turn = self._wait_in_line(found, args, started + wait)
-            else:
-                turn = drive(self._try_once(found, args, entry, started), found)
-        except REDIS_ERRORS as exc:
-            raise self._failed_attempt(exc) from exc
-        return drive(self._taken(found, turn, started, wait), found)
+            try:
+                found = client(self.cache)  # on Redis Cluster, made by asking a node
+                if wait > 0 or self.limit > 1:  # with a limit, a one-try is a wait's last call
+                    turn = self._wait_in_line(found, args, started + wait)
+                    if turn.reply > 0 and not turn.indexed:  # handed over, or Redis Cluster
+                        drive(self._add_to_index(self.index_entry()), found)
+                else:
+                    turn = self._try_once_interruptible(found, args, entry, started)
+            except REDIS_ERRORS as exc:
+                raise self._failed_attempt(exc) from exc
+            return drive(self._taken(found, turn, started, wait), found)
+        except LockBackendUnavailable:
+            raise  # a failed attempt (kept for a repeat), or a lock _taken gave back itself
+        except BaseException:
+            if turn is not None and turn.reply > 0:
+                self._forget_got(turn)
+                drive(self._give_back(), found)
+            raise
+
+    def _try_once_interruptible(
+        self, found: Any, args: list[Any], entry: index.Entry, started: float
+    ) -> waiting.Turn:
+        """One ACQUIRE. Interrupted meanwhile (not by a Redis error: a repeat of the acquire
+        recovers from that), the lock it may have got is given back first."""
+        try:
+            return drive(self._try_once(found, args, entry, started), found)
+        except REDIS_ERRORS:
+            raise
+        except BaseException:
+            drive(self._give_back(), found)
+            raise
+
+    def _forget_got(self, turn: waiting.Turn) -> None:
+        """Before giving back the lock of ``turn``, got by an acquire that ends raising: not
+        renewed, and released if it was already recorded as held; ``key`` names its slot."""
+        renewer().remove(self)
+        if self.state in _HOLDING:
+            self.mark_released()
+        self._take_slot(turn.slot)
 
     def _prepare_acquire(self, wait: float | None) -> tuple[float, list[Any]]:
         """Check that an acquire may start and with what ``wait``; returns that wait (s) and
@@ -296,10 +332,10 @@ class Lock(Holding):
 
     def _wait_in_line(self, found: Any, args: list[Any], deadline: float) -> waiting.Turn:
         """Wait in line for the lock until the monotonic ``deadline`` (s); a lock got is indexed
-        by WAIT itself, or in a round trip of its own when handed over (or on Redis Cluster).
-        A lock handed over with less than its TTL left is renewed before returning when
-        there is no heartbeat (else the heartbeat renews it within ``Turn.valid_for``). Redis
-        errors are raised; an interruption leaves the line (:func:`.waiting.wait_in_line`)."""
+        by WAIT itself, or by the caller when handed over (or on Redis Cluster). A lock handed
+        over with less than its TTL left is renewed before returning when there is no
+        heartbeat (else the heartbeat renews it within ``Turn.valid_for``). Redis errors are
+        raised; an interruption leaves the line (:func:`.waiting.wait_in_line`)."""
         confirm = not self.heartbeat
         turn = waiting.wait_in_line(
             found,
@@ -314,8 +350,6 @@ class Lock(Holding):
         )
         if turn.reply > 0:
             self._take_slot(turn.slot)
-            if not turn.indexed:  # handed over, or Redis Cluster
-                drive(self._add_to_index(self.index_entry()), found)
         return turn
 
     def _add_to_index(self, entry: index.Entry) -> Steps[None]:
