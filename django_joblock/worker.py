@@ -155,7 +155,7 @@ class _Loop:
         """:func:`~django_joblock.jobs.liveness.sweep` on this worker's Redis unless another
         worker swept within the interval, then :meth:`settle_forgotten`; failures are logged."""
         try:
-            if liveness.claim_turn():
+            if liveness.claim_turn(self.connection):
                 liveness.sweep(self.connection)
             self.settle_forgotten()
         except REDIS_ERRORS as exc:

@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -29,7 +30,7 @@ from rq.scheduler import RQScheduler
 from django_joblock import lock, lock_info
 from django_joblock.jobs import admission
 from django_joblock.worker import JoblockWorker
-from tests import admission_jobs
+from tests import admission_jobs, harness
 from tests.harness import free_port, persistent, wait_for
 from tests.workers import DONE, Workers, exited, intervals, pid_of, wait_status
 
@@ -147,6 +148,44 @@ def test_the_next_parked_job_starts_within_the_ttl_after(fault, crews, rconn):
     assert "holder" not in intervals(rconn), "the holder never finished its body"
     # Never dropped: failed by its worker, or "started" until RQ's maintenance gives it up.
     assert scene.holder.get_status(refresh=True) in (JobStatus.FAILED, JobStatus.STARTED)
+
+
+@pytest.mark.slow
+@slots
+def test_workers_of_another_queue_server_sweeping_never_delay_this_servers_sweep(crews, rconn):
+    """Review bug: the sweep's turn (one ``SET NX PX`` per interval) was one for every worker
+    sharing the locks' Redis. A worker whose queues live on another Redis (here: another
+    database) frees only its own server's slots, yet took the turn: with its workers idle and
+    sweeping, this server's idle worker rarely got one, and the job parked behind a dead holder
+    waited for RQ's own clean-up (>= 60 s) instead of the holder's TTL + 5 s."""
+    scene = Scene(crews(True), rconn, ours=True, resource=37)
+    main = harness.redis_url().rsplit("/", 1)[0]
+    other_server = redis.Redis.from_url(f"{main}/3")  # another queue namespace, same locks
+    sweeping = JoblockWorker([Queue("default", connection=other_server)], connection=other_server)
+    sweeps = 0
+    done = threading.Event()
+
+    def sweep_all_the_time() -> None:  # as many idle workers of that server would
+        nonlocal sweeps
+        while not done.is_set():
+            sweeping.sweep()
+            sweeps += 1
+            time.sleep(0.01)
+
+    hog = threading.Thread(target=sweep_all_the_time, daemon=True)
+    hog.start()
+    try:
+        fault_at = time.time()
+        _kill_worker(scene)
+        waited = scene.started_after(fault_at, WATCH)
+    finally:
+        done.set()
+        hog.join()
+    assert sweeps > 100, "negative control: the other server's worker kept sweeping"
+    assert waited is not None and waited <= BOUND, (
+        f"the parked job started {waited} s after the fault (bound {BOUND} s)\n" + scene.crew.logs()
+    )
+    assert wait_status(scene.parked, DONE, 10) is JobStatus.FINISHED
 
 
 @pytest.mark.slow

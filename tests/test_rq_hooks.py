@@ -111,8 +111,8 @@ def test_rqs_sigterm_handler_calls_handle_warm_shutdown_request_and_nothing_star
     queue = Queue("default", connection=rconn)
     running = JoblockSimpleWorker([queue], connection=rconn)
     running.heartbeat()  # its first heartbeat sweeps
-    assert rconn.exists("joblock:sweep"), "negative control: an idle worker sweeps"
-    rconn.delete("joblock:sweep")
+    assert not liveness.claim_turn(rconn), "negative control: an idle worker sweeps (its turn)"
+    time.sleep(liveness.INTERVAL)  # the turn expires
     worker = JoblockSimpleWorker([queue], connection=rconn)
     worker.register_birth()
     try:
@@ -120,7 +120,7 @@ def test_rqs_sigterm_handler_calls_handle_warm_shutdown_request_and_nothing_star
         worker.request_stop(signal.SIGTERM, None)
         assert worker.stop_requested
         worker.heartbeat()
-        assert not rconn.exists("joblock:sweep"), "no sweep once asked to stop"
+        assert liveness.claim_turn(rconn), "no sweep once asked to stop: the turn is free"
         worker.run_maintenance_tasks()
         assert worker.last_cleaned_at is None, "no maintenance once asked to stop"
     finally:

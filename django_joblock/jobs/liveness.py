@@ -10,14 +10,16 @@ maintenance lock, scheduler or started registry are in. The dead job stays RQ's 
 stopped horse that wakes up finds its lock lost and aborts (the fence refuses its writes).
 
 The workers of :mod:`django_joblock.worker` sweep every :data:`INTERVAL` seconds while idle, one at
-a time (``<prefix>:sweep``, ``SET NX PX`` for one interval: a dead sweeper delays the next sweep
-by one interval at most). An entry of a job not on the sweeping worker's Redis is left to that
-job's workers, and forgotten after :data:`FORGET_AFTER` seconds (its job was deleted). A sweep
-costs three round trips when nothing expired. A lock whose job's horse exited holding it is
-released at once by the worker that watched the horse (:func:`release_ended`)."""
+a time per queue Redis (``<prefix>:sweep:<queue Redis>``, ``SET NX PX`` for one interval: a dead
+sweeper delays the next sweep by one interval at most). An entry of a job not on the sweeping
+worker's Redis is left to that job's workers, and forgotten after :data:`FORGET_AFTER` seconds
+(its job was deleted). A sweep costs three round trips when nothing expired. A lock whose job's
+horse exited holding it is released at once by the worker that watched the horse
+(:func:`release_ended`)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -31,15 +33,20 @@ from ..locks.keys import LockKeys, owner_hash
 from ..locks.scripts import Outcome
 from ..logs import logger
 from .admission import supported
+from .queues import server_of
 
 INTERVAL = 1.0  # seconds between two sweeps (of any worker)
 LIMIT = 100  # expired entries looked at per family and sweep
 FORGET_AFTER = 600.0  # seconds after its expiry an entry of a job found nowhere is dropped
 
 
-def claim_turn() -> bool:
-    """Take the next sweep (one ``SET NX PX``): False if another process swept within INTERVAL."""
-    turn = f"{conf.get().KEY_PREFIX}:sweep"
+def claim_turn(queue_connection: Any) -> bool:
+    """Take the next sweep for the queues on ``queue_connection``'s Redis (one ``SET NX PX`` on
+    the locks' Redis): False if another worker of those queues swept within INTERVAL. Each queue
+    Redis (server and database) has its own turn: a sweep frees the slots of its own queues'
+    jobs only, so a worker of other queues taking the turn would leave these parked."""
+    server = hashlib.sha256(repr(server_of(queue_connection)).encode()).hexdigest()[:16]
+    turn = f"{conf.get().KEY_PREFIX}:sweep:{server}"
     return bool(client().set(turn, 1, nx=True, px=int(INTERVAL * 1000)))
 
 
