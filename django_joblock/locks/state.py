@@ -37,6 +37,10 @@ class LockState(enum.Enum):
     RELEASED = "released"
 
 
+# The states in which this process holds the lock: valid, or valid while renewals fail.
+HOLDING = (LockState.HELD, LockState.SUSPECT)
+
+
 def drift(ttl: float) -> float:
     """Safety margin (s) for clock drift between us and Redis: 1 % of the TTL + 2 ms."""
     return ttl * 0.01 + 0.002
