@@ -1,4 +1,5 @@
-"""The Prometheus metrics view: staff login, or ``Authorization: Bearer <METRICS_TOKEN>``."""
+"""The Prometheus metrics view: an active staff user's login, or
+``Authorization: Bearer <METRICS_TOKEN>``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from .backend import REDIS_ERRORS, no_answer
 
 
 def _authorized(request: HttpRequest) -> bool:
+    """An active staff user (as the admin requires: a backend may log inactive users in), or
+    the bearer token."""
     user = getattr(request, "user", None)
-    if user is not None and user.is_authenticated and user.is_staff:
+    if user is not None and user.is_authenticated and user.is_active and user.is_staff:
         return True
     token = conf.get().METRICS_TOKEN
     scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")

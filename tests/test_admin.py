@@ -274,6 +274,48 @@ def test_reap_releases_dead_holders_and_leaves_live_ones(rconn):
     live.release()
 
 
+@pytest.mark.slow
+def test_reap_of_a_holder_with_a_long_job_id_keeps_its_evidence_short(crew, rconn):
+    """The evidence of a dead holder names its RQ job id, which has no length limit: past
+    MAX_REASON characters the reap raised ValueError (a traceback) and stopped, reaping
+    neither that lock nor the next. Now the audited reason is the evidence cut to fit."""
+    from tests import jobs
+    from tests.harness import dead_holder
+    from tests.workers import pid_of
+
+    dead_holder("order:dead", rconn)
+    crew.start(simple=True)
+    long_id = "j" * 2100
+    job = jobs.hold_steadily.enqueue(resource_id=7, label="long", seconds=600, job_id=long_id)
+    pid_of(rconn, "long")
+    assert wait_for(lambda: rconn.zcard("joblock:active:res") == 1, 5), "never indexed"
+    os.kill(crew.procs[0].pid, signal.SIGKILL)  # the simple worker ran the job itself
+    crew.procs[0].wait(10)
+    rconn.delete(job.key)  # RQ expired the job: its id is the evidence
+    out = StringIO()
+    call_command("joblock_reap", stdout=out)
+    assert "2 lock(s) with a dead holder." in out.getvalue(), out.getvalue()
+    assert not rconn.exists("joblock:{res:7}:lock"), "the holder with the long job id"
+    assert not rconn.exists("joblock:{order:dead}:lock"), "and the next one"
+    audit = LockAudit.objects.get(resource="res:7")
+    assert audit.released and len(audit.reason) == 2000 and audit.reason.endswith("…")
+    assert audit.reason.startswith(f"holder dead: RQ job {'j' * 100}")
+
+
+def test_the_dashboard_draws_its_charts_with_use_tz_off(rconn, settings):
+    """With USE_TZ = False, timezone.now() is naive: the time axis's title passed it to
+    localtime(), so any minute chart with data made the dashboard a 500. Its labels are in
+    TIME_ZONE, and the axis says so."""
+    settings.USE_TZ = False
+    settings.TIME_ZONE = "Asia/Jakarta"
+    metrics.count("requeued", "order", "tests.jobs.some_job", n=3)
+    metrics.flush_now()
+    response = user("viewer").get(DASHBOARD)
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "Requeues for contention per minute" in page and "time (WIB)" in page
+
+
 def test_a_reason_with_nul_is_refused_before_anything_is_released(rconn):
     """A NUL in the reason used to release the lock, then fail the audit insert (PostgreSQL
     text cannot hold NUL): a release without its audit row. Now refused first, both ways."""

@@ -133,6 +133,8 @@ def test_commands_name_a_redis_that_does_not_answer(settings, argv):
     [
         (["joblock_locks", "--limit", "99999999999999999999"], "--limit must be 1 to"),
         (["joblock_outbox", "--limit", "99999999999999999999"], "--limit must be at most"),
+        # a database error (a LIMIT past 64 bits) before
+        (["joblock_purge", "--batch-size", "99999999999999999999"], "--batch-size must be 1 to"),
         (["joblock_doctor", "--job", "<script>"], "--job '<script>'"),
         # argparse took a value equal to the old "" default for no value at all
         (["joblock_doctor", "--job", ""], "--job is empty"),

@@ -204,6 +204,21 @@ def test_metrics_view_requires_staff_or_token(client, admin_client, settings):
         assert client.get(url, HTTP_AUTHORIZATION=header).status_code == 401, header
 
 
+def test_metrics_view_refuses_a_deactivated_staff_user(client, settings):
+    """Under a backend that logs inactive users in (AllowAllUsersModelBackend, remote-user
+    setups), a deactivated staff account got the metrics while the admin refused it."""
+    from django.contrib.auth.models import User
+
+    settings.AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.AllowAllUsersModelBackend"]
+    account = User.objects.create_user("left", password="pw", is_staff=True, is_active=False)
+    client.force_login(account)
+    assert client.get("/admin/django_joblock/dashboard/").status_code == 302, "admin refuses"
+    assert client.get("/joblock/metrics/").status_code == 401
+    account.is_active = True
+    account.save()
+    assert client.get("/joblock/metrics/").status_code == 200, "negative control"
+
+
 def test_log_records_carry_extras_and_never_the_token(caplog, rconn):
     caplog.set_level(logging.DEBUG, logger="django_joblock")
     held = lock("order:55", ttl=3.0)

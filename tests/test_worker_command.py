@@ -35,6 +35,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
         (["--worker-class", "rq.SimpleWorker", "--simple"], "exclude each other"),
         (["--max-idle-time", "0"], "--max-idle-time must be >= 1"),
         (["--worker-ttl", "-5"], "--worker-ttl must be >= 1"),
+        # Redis refused the worker key's EXPIRE: a ResponseError traceback before
+        (["--worker-ttl", "99999999999999999999"], "--worker-ttl must be <= 1000000000"),
     ],
 )
 def test_bad_worker_options_are_named(args, message):

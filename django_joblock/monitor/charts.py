@@ -5,6 +5,7 @@ Numbers are SVG user units; the template only places them."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -86,7 +87,9 @@ def _local(at: float) -> datetime:
 
 
 def _time_title(x: float, y: float) -> Tick:
-    zone = timezone.localtime(timezone.now(), timezone.get_current_timezone()).tzname() or ""
+    """The time axis's title, naming the zone of its labels (the current time zone, as
+    :func:`_local` uses; with ``USE_TZ = False`` too, where ``timezone.now()`` is naive)."""
+    zone = _local(time.time()).tzname() or ""
     return Tick(x, y, f"time ({zone})")
 
 

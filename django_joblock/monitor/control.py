@@ -194,6 +194,16 @@ def _release(redis: Any, keys: LockKeys, found: LockHash, note: notes.OperatorRe
     return False
 
 
+def _reap_reason(evidence: str) -> str:
+    """The reason a reap records: ``holder dead:`` and the evidence, cut to
+    :data:`MAX_REASON` characters (the evidence names RQ job ids and worker names, which have
+    no length limit; a long one must not stop the reap of this lock or of the next)."""
+    reason = f"holder dead: {evidence}".replace("\x00", "")
+    if len(reason) > MAX_REASON:
+        reason = reason[: MAX_REASON - 1] + "…"
+    return reason
+
+
 def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[str, str]]:
     """Release the locks whose holder is dead (see :mod:`health`), unless renewed since: each
     dead holder's own slot of a lock with a limit, never its live neighbours'. Returns
@@ -204,7 +214,7 @@ def reap(*, dry_run: bool = False, actor: str = "joblock_reap") -> list[tuple[st
     release = functools.partial(force_release, actor=actor, action=AuditAction.REAP)
     done = []
     for row, health in zip(rows, holder_health(rows), strict=True):
-        why = f"holder dead: {health.why}"
+        why = _reap_reason(health.why)
         if health.state is Health.DEAD and dry_run:
             done.append((row.label, f"would release ({why})"))
         elif health.state is Health.DEAD:

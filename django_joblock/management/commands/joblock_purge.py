@@ -23,6 +23,8 @@ from django_joblock.choices import OutboxStatus
 from django_joblock.models import IdempotencyRecord, OutboxMessage
 from django_joblock.monitor import cleanup
 
+MAX_BATCH = 1_000_000  # records per statement (a SQL LIMIT: 64 bits at most)
+
 
 class Command(BaseCommand):
     help = "Delete expired idempotency records and old delivered outbox messages, in batches."
@@ -53,8 +55,8 @@ class Command(BaseCommand):
         if options["force"]:
             raise CommandError("--force only goes with --redis.")
         batch = options["batch_size"]
-        if batch < 1:
-            raise CommandError(f"--batch-size must be >= 1, got {batch}.")
+        if not 1 <= batch <= MAX_BATCH:
+            raise CommandError(f"--batch-size must be 1 to {MAX_BATCH}, got {batch}.")
         now = timezone.now()
         database = options["database"]
         live_claim = Q(status=IdempotencyRecord.Status.RUNNING, lease_expires_at__gt=now)

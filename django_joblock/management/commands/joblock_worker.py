@@ -24,6 +24,9 @@ from django_joblock.jobs.queues import get_queue, server_of
 from django_joblock.worker import JoblockSimpleWorker, JoblockWorker, default_job_class
 
 POSITIVE = ("max_jobs", "maintenance_interval", "worker_ttl", "max_idle_time")
+# The largest value of those (seconds, or jobs): past about 9e15 s Redis refuses the worker
+# key's EXPIRE, a traceback at the worker's start instead of a message naming the option.
+MAX_OPTION = 1_000_000_000
 
 
 class Command(BaseCommand):
@@ -68,9 +71,12 @@ class Command(BaseCommand):
             where = ", ".join(f"{n} -> {s}" for n, s in servers.items())
             raise CommandError(f"Queues on different Redis connections need a worker each: {where}")
         for option in POSITIVE:
-            if options[option] is not None and options[option] < 1:
-                name = option.replace("_", "-")
-                raise CommandError(f"--{name} must be >= 1, got {options[option]}.")
+            value = options[option]
+            name = option.replace("_", "-")
+            if value is not None and value < 1:
+                raise CommandError(f"--{name} must be >= 1, got {value}.")
+            if value is not None and value > MAX_OPTION:
+                raise CommandError(f"--{name} must be <= {MAX_OPTION}, got {value}.")
         worker_class = self._worker_class(options["worker_class"], simple=options["simple"])
         given = ("maintenance_interval", "worker_ttl", "job_class", "serializer")
         extra = {key: options[key] for key in given if options[key] is not None}
