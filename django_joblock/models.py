@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal
+from typing import Any
+
 from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
 from .choices import AuditAction, OutboxStatus, RecordStatus
 from .fenced import FencedModel as FencedModel  # its home before; kept for imports of it
+
+# In JSON text: a string (skipped whole), or a float Python writes with a positive exponent.
+_STRING_OR_BIG_FLOAT = re.compile(r'"(?:[^"\\]|\\.)*"|-?\d+(?:\.\d+)?e\+\d+')
+
+
+class ResultEncoder(DjangoJSONEncoder):
+    """Django's encoder (``Decimal``, ``datetime``, ``UUID``... as strings) for the stored
+    results and payloads, writing a float of 1e16 or more in full with a fraction (``1e+20`` as
+    ``100000000000000000000.0``), so that it reads back as the same float on every backend.
+
+    PostgreSQL's ``jsonb`` keeps a number as ``numeric`` and gives it back without an exponent:
+    ``1e+20`` came back as the int ``100000000000000000000``, and ``1.5e+300`` as an int not
+    equal to the float (SQLite keeps the text, and gave back the float). Written with a
+    fraction, ``jsonb`` keeps the ``.0`` and JSON reads a float. Every such float is a whole
+    number (its shortest form has at most 17 digits), so nothing else changes."""
+
+    def iterencode(self, o: Any, _one_shot: bool = False) -> Any:
+        """The chunks of Django's encoder, big floats written in full (a chunk of the standard
+        encoder never splits a string or a number)."""
+        for chunk in super().iterencode(o, _one_shot):
+            yield _STRING_OR_BIG_FLOAT.sub(_in_full, chunk) if "e+" in chunk else chunk
+
+
+def _in_full(match: re.Match[str]) -> str:
+    token = match.group()
+    if token.startswith('"'):
+        return token
+    return f"{Decimal(token):f}.0"
 
 
 class IdempotencyRecord(models.Model):
@@ -26,8 +58,9 @@ class IdempotencyRecord(models.Model):
         "refused.",
     )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING)
-    # The encoder claims check results with: Decimal, datetime, UUID... replay as strings.
-    result = models.JSONField(null=True, blank=True, encoder=DjangoJSONEncoder)
+    # Django's encoder, which claims check results with: Decimal, datetime, UUID... replay as
+    # strings; a big float replays as a float on PostgreSQL too (ResultEncoder).
+    result = models.JSONField(null=True, blank=True, encoder=ResultEncoder)
     error = models.TextField(blank=True, default="")
     token = models.CharField(
         max_length=64,
@@ -117,7 +150,7 @@ class OutboxMessage(models.Model):
 
     key = models.CharField(max_length=255, unique=True)
     handler = models.CharField(max_length=255, help_text="Dotted path of the delivery function.")
-    payload = models.JSONField(encoder=DjangoJSONEncoder)
+    payload = models.JSONField(encoder=ResultEncoder)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True, default="")

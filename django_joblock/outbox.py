@@ -25,7 +25,7 @@ from django.utils.module_loading import import_string
 
 from .backoff import ceiling
 from .choices import OutboxStatus
-from .idempotency.inputs import storable_json, storable_text
+from .idempotency.inputs import storable_error, storable_json, storable_text
 from .idempotency.store import cut_job_id
 from .locks.info import job_context
 from .logs import logger
@@ -153,7 +153,7 @@ def deliver(pk: int, *, using: str | None = None, dead: bool = False) -> bool:
                 import_string(message.handler)(message.payload, idempotency_key=message.key)
         except Exception as exc:  # noqa: BLE001 - any failure is recorded and retried
             delay = ceiling(message.attempts - 1, base=1.0, factor=2.0, max_delay=RETRY_MAX)
-            message.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+            message.last_error = storable_error(f"{type(exc).__name__}: {exc}", 2000)
             message.next_attempt_at = timezone.now() + timedelta(seconds=delay)
             gone = message.attempts >= MAX_ATTEMPTS
             message.status = OutboxStatus.DEAD if gone else OutboxStatus.PENDING

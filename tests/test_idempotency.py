@@ -9,7 +9,14 @@ from io import StringIO
 
 import pytest
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InternalError,
+    connection,
+    transaction,
+)
+from django.db.transaction import TransactionManagementError
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -333,3 +340,62 @@ def test_an_async_block_that_raises_records_the_failure_and_a_retry_runs_again()
             return claim.done
 
     assert asyncio.run(retry()) is False, "a failure is not replayed: the retry runs"
+
+
+# An exception's text is whatever its raiser chose (a provider's body, a file name decoded with
+# surrogateescape): writing it raw raised DataError (PostgreSQL, NUL) or UnicodeEncodeError (a
+# lone surrogate, every backend) from the block's end, replacing the block's own exception and
+# leaving the record "running" until its lease ran out (review).
+@pytest.mark.parametrize(
+    ("text", "stored"), [("a\x00b", "a\\x00b"), ("file \udcff.txt", "file \\udcff.txt")]
+)
+def test_a_failure_whose_text_the_database_cannot_store_is_recorded_escaped(text, stored):
+    with pytest.raises(RuntimeError) as raised:
+        with idempotent("text:1"):
+            raise RuntimeError(text)
+    assert raised.value.args == (text,), "the block's own exception comes out"
+    record = IdempotencyRecord.objects.get(key="text:1")
+    assert (record.status, record.error) == ("failed", f"RuntimeError: {stored}")
+    with idempotent("text:1") as claim:
+        assert not claim.done and claim.attempts == 2, "a retry runs at once"
+
+
+def _duplicate_account() -> None:
+    Account.objects.create(name="taken")
+
+
+def _bad_raw_sql() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT * FROM no_such_table")
+
+
+# Django runs no query in a transaction an error broke until its atomic block ends (an
+# IntegrityError under ATOMIC_REQUESTS), nor does PostgreSQL after raw SQL failed: recording
+# the failure there raised TransactionManagementError (or InternalError) from the block's end,
+# in place of the block's own exception (review). The enclosing transaction rolls back, the
+# claim with it.
+@pytest.mark.parametrize("breaks", [_duplicate_account, _bad_raw_sql])
+def test_the_blocks_exception_comes_out_of_a_transaction_it_broke(breaks):
+    Account.objects.create(name="taken")
+    with pytest.raises(DatabaseError) as raised, transaction.atomic():
+        with idempotent("broken:1"):
+            breaks()
+    assert not isinstance(raised.value, (TransactionManagementError, InternalError))
+    assert breaks is _bad_raw_sql or isinstance(raised.value, IntegrityError)
+    assert not IdempotencyRecord.objects.filter(key="broken:1").exists(), "rolled back"
+    with idempotent("broken:1") as claim:
+        assert not claim.done and claim.attempts == 1, "the next claim runs"
+
+
+# PostgreSQL's jsonb keeps a number as numeric and writes it back without an exponent: a float
+# of 1e16 or more was replayed as an int (1e+20 as 100000000000000000000), and 1.5e+300 as an
+# int that is not even equal to the float, where SQLite replayed the float (review).
+@pytest.mark.parametrize("big", [1e16, -1e20, 1.5e300, 1.7976931348623157e308])
+def test_a_big_float_result_replays_as_the_same_float_on_every_backend(big):
+    result = {"amount": big, "parts": [big, 2**70, "1e+20"]}
+    with idempotent("float:1") as claim:
+        claim.succeed(result)
+    with idempotent("float:1") as claim:
+        assert claim.done and claim.result == result
+        assert type(claim.result["amount"]) is float and type(claim.result["parts"][1]) is int
+    assert IdempotencyRecord.objects.get(key="float:1").result == result

@@ -16,7 +16,7 @@ from rq.job import JobStatus
 
 from django_joblock import IdempotencyRecord, lock_info
 from django_joblock.idempotency.claims import idempotent
-from django_joblock.idempotency.one_commit import claim_in_transaction
+from django_joblock.idempotency.one_commit import claim_in_transaction, record_failure
 from django_joblock.idempotency.store import insert_or_read
 from tests import admission_jobs
 from tests.harness import expire_now, wait_for
@@ -292,6 +292,19 @@ def test_claim_in_transaction_refuses_to_run_outside_one():
 
     with pytest.raises(IdempotencyError, match=r"inside transaction\.atomic"):
         claim_in_transaction(idempotent("k"))
+
+
+# A job's error text is whatever it raised: written raw, a NUL was a DataError on PostgreSQL
+# (logged, no failed record) and a lone surrogate a UnicodeEncodeError out of record_failure()
+# on every backend (review).
+@pytest.mark.parametrize(
+    ("error", "stored"),
+    [("RuntimeError: a\x00b", "RuntimeError: a\\x00b"), ("OSError: \udcff", "OSError: \\udcff")],
+)
+def test_a_failure_whose_text_the_database_cannot_store_is_recorded_escaped(error, stored):
+    record_failure(idempotent("odd:1", scope="tests"), error)
+    record = IdempotencyRecord.objects.get(scope="tests", key="odd:1")
+    assert (record.status, record.error) == ("failed", stored)
 
 
 def _values(key: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import connections, router, transaction
+from django.db import DatabaseError, connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -37,9 +37,17 @@ from ..exceptions import (
 )
 from ..locks.info import job_context
 from ..locks.lock import Lock, current_lock
+from ..logs import logger
 from ..signals import duplicate_blocked
 from . import inputs, store
-from .inputs import check_result, fingerprint_of, key_family, validate_key, validate_scope
+from .inputs import (
+    check_result,
+    fingerprint_of,
+    key_family,
+    storable_error,
+    validate_key,
+    validate_scope,
+)
 from .resource_guard import refused
 
 __all__ = ["Claim", "Idempotent", "claim", "fingerprint_of", "idempotent"]
@@ -91,14 +99,33 @@ class Claim:
         mine = store.record_model().objects.using(self.using)
         mine = mine.filter(pk=self.record_id, token=self.token, status=RecordStatus.RUNNING)
         ended = {"finished_at": now, "updated_at": now, "lease_expires_at": None}
-        return int(mine.update(status=status, error=error[:10_000], **ended, **fields))
+        error = storable_error(error, 10_000)
+        return int(mine.update(status=status, error=error, **ended, **fields))
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the block's exception ``exc`` (status ``failed``, its text), never replacing
+        it: the caller sees ``exc`` whatever happens here.
+
+        Inside a transaction that ``exc`` broke (Django runs no query until its ``atomic`` block
+        ends: an ``IntegrityError`` under ``ATOMIC_REQUESTS``), nothing is written; that
+        transaction rolls back, and the claim made in it with it. A write that fails (the
+        transaction aborted by raw SQL on PostgreSQL, the database gone) is logged; the record
+        keeps its lease, which then decides when a retry may run."""
+        connection = connections[self.using]
+        if connection.in_atomic_block and connection.needs_rollback:
+            return
+        try:
+            self._finish(RecordStatus.FAILED, f"{type(exc).__name__}: {exc}")
+        except DatabaseError:
+            message = "could not record the failure of idempotency key %r (scope %r)"
+            logger.warning(message, self.key, self.scope, exc_info=True)
 
     def end(self, exc: BaseException | None) -> None:
         """Leave the block: a success recorded, or committing with an enclosing one, stays."""
         if self.done:
             return
         if exc is not None:
-            self._finish(RecordStatus.FAILED, f"{type(exc).__name__}: {exc}")
+            self._fail(exc)
         elif self._committed or (self._succeed_called and connections[self.using].in_atomic_block):
             return
         elif self._succeed_called:
@@ -161,11 +188,12 @@ def idempotent(
     """An :class:`Idempotent` block for ``key``: ``with idempotent("refund:R-1") as claim:``
     runs the block once per key (a replay returns the stored result in ``claim``).
 
-    ``key``: the effect's idempotency key (at most 200 characters). ``scope``: a namespace for
+    ``key``: the effect's idempotency key (at most 255 characters). ``scope``: a namespace for
     keys (a job's dotted name, for ``@locked_job``). ``fingerprint``: a value describing the
     arguments; another one for the same key raises :class:`IdempotencyKeyMismatch`. ``lease``
     (s, default ``JOBLOCK["IDEMPOTENCY_LEASE"]``): how long a running claim keeps others out
-    before it is presumed dead. ``using``: the database alias (default ``"default"``).
+    before it is presumed dead. ``using``: the database alias (default: the database router's
+    choice for the record).
     Raises ``ValueError`` for a bad key, scope or lease."""
     return Idempotent(key, scope=scope, fingerprint=fingerprint, lease=lease, using=using)
 

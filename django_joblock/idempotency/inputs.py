@@ -69,6 +69,19 @@ def storable_text(value: str) -> bool:
     return True
 
 
+def storable_error(error: str, limit: int) -> str:
+    """``error`` (an exception's text) as a text column of any backend stores it, cut to
+    ``limit`` characters: a NUL written as ``\\x00`` and a lone surrogate as ``\\udcff``.
+
+    An exception's message is anything its raiser chose (a provider's response body, a file
+    name decoded with ``surrogateescape``); PostgreSQL refuses NUL and lone surrogates fail to
+    encode on every backend, and the failure must still be recorded, never replaced by that
+    error."""
+    error = error.replace("\x00", "\\x00")
+    error = error.encode("utf-8", "backslashreplace").decode("utf-8")
+    return error[:limit]
+
+
 def error_for(kind: type[_Error], key: str, scope: str, why: str) -> _Error:
     """``kind`` with a message naming ``key`` and ``scope``, then ``why``."""
     return kind(f"Idempotency key {key!r} (scope {scope!r}) {why}", key=key, scope=scope)

@@ -17,7 +17,7 @@ from ..locks.info import job_context
 from ..locks.lock import Lock
 from ..logs import logger
 from .claims import Claim, Idempotent, claim
-from .inputs import check_result, error_for
+from .inputs import check_result, error_for, storable_error
 from .store import cut_job_id, expiry, in_progress_on_busy, insert, record_model, try_guard
 
 
@@ -68,7 +68,7 @@ def record_failure(spec: Idempotent, error: str) -> None:
     best effort, in a short transaction, never over another run's record, never waiting."""
     model = record_model()
     now = timezone.now()
-    error = error[:10_000]
+    error = storable_error(error, 10_000)
     values: dict[str, Any] = {
         "scope": spec.scope,
         "key": spec.key,
