@@ -316,6 +316,25 @@ def test_the_dashboard_draws_its_charts_with_use_tz_off(rconn, settings):
     assert "Requeues for contention per minute" in page and "time (WIB)" in page
 
 
+def test_a_force_release_on_a_second_admin_site_returns_to_that_sites_dashboard(rconn, settings):
+    """Review bug: after a force release the page went back to the default admin site's
+    dashboard (``/admin/...``), not to the site it was made on (an operators' ``/ops/`` site,
+    whose users may have no access to the other)."""
+    settings.ROOT_URLCONF = "tests.urls_two_sites"
+    held = held_lock()
+    operator = user("operator", can_release=True)
+    page = operator.get("/ops/django_joblock/dashboard/")
+    assert (
+        page.status_code == 200
+        and "/ops/django_joblock/dashboard/release/" in page.content.decode()
+    )
+    data = {"resource": "order:1", "owner": held.owner, "reason": "stuck"}
+    response = csrf_post(operator, "/ops/django_joblock/dashboard/release/", data)
+    assert not rconn.exists(held.key), "negative control: released"
+    assert response.status_code == 302
+    assert response["Location"] == "/ops/django_joblock/dashboard/"
+
+
 def test_a_reason_with_nul_is_refused_before_anything_is_released(rconn):
     """A NUL in the reason used to release the lock, then fail the audit insert (PostgreSQL
     text cannot hold NUL): a release without its audit row. Now refused first, both ways."""

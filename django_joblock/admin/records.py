@@ -302,7 +302,8 @@ class DashboardAdmin(ReadOnlyAdmin):
             messages.success(request, f"Released {named}: {reason}")
         else:
             messages.error(request, f"Not released: {result.outcome}")
-        return redirect(DASHBOARD)
+        # Back to this admin site's dashboard (a project may have several sites).
+        return redirect(reverse(DASHBOARD, current_app=self.admin_site.name))
 
     def _release_confirmation(
         self, request: HttpRequest, resource: str, owner: str, slot: int, errors: list[str]
