@@ -13,6 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 DAY = 86400.0
+SHOWN = 80  # characters of a refused value that its message shows
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN` characters: a refused value
+    may be anything, a megabyte string or an int too long for Python to write (over 4300
+    digits: ``repr`` raises ``ValueError``), which is named by its size."""
+    if isinstance(value, int) and value.bit_length() > 1024:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    if len(text) > SHOWN:
+        return text[: SHOWN - 1] + "…"
+    return text
 
 
 def number(value: float) -> str:
@@ -52,13 +65,14 @@ class Range(Rule):
     def problem(self, value: object) -> str:
         kind = f"number of {self.unit}" if self.unit else "number"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be a {kind}, got {value!r}"
+            return f"must be a {kind}, got {shown(value)}"
         # Only floats can be NaN or infinite (math.isfinite would overflow on a huge int).
         if isinstance(value, float) and not math.isfinite(value):
-            return f"must be a finite {kind}, got {value!r}"
+            return f"must be a finite {kind}, got {shown(value)}"
         if value < self.low or (self.open_low and value == self.low) or value > self.high:
             low = f"{'>' if self.open_low else '>='} {self.low:g}"
-            return f"must be {low} and <= {self.high:g} {self.unit}".rstrip() + f", got {value!r}"
+            bounds = f"{low} and <= {self.high:g} {self.unit}".rstrip()
+            return f"must be {bounds}, got {shown(value)}"
         return ""
 
     def check(self, what: str, value: object) -> float:
@@ -84,9 +98,9 @@ class Text(Rule):
 
     def problem(self, value: object) -> str:
         if not isinstance(value, str) or not value:
-            return f"must be a non-empty string, got {value!r}"
+            return f"must be a non-empty string, got {shown(value)}"
         if self.pattern and not re.fullmatch(self.pattern, value):
-            return f"{value!r} may only use {self.shape}"
+            return f"{shown(value)} may only use {self.shape}"
         return ""
 
 
@@ -103,10 +117,10 @@ class Count(Rule):
 
     def problem(self, value: object) -> str:
         if isinstance(value, bool) or not isinstance(value, int):
-            return f"must be a whole number, got {value!r}"
+            return f"must be a whole number, got {shown(value)}"
         if not self.low <= value <= self.high:
             bounds = f">= {self.low} and <= {self.high} {self.unit}".rstrip()
-            return f"must be {bounds}, got {value!r}"
+            return f"must be {bounds}, got {shown(value)}"
         return ""
 
     def clean(self, value: Any) -> Any:
@@ -118,12 +132,12 @@ class Choice(Rule):
     values: tuple[str, ...]
 
     def problem(self, value: object) -> str:
-        return "" if value in self.values else f"must be one of {self.values}, got {value!r}"
+        return "" if value in self.values else f"must be one of {self.values}, got {shown(value)}"
 
 
 class Flag(Rule):
     def problem(self, value: object) -> str:
-        return "" if isinstance(value, bool) else f"must be True or False, got {value!r}"
+        return "" if isinstance(value, bool) else f"must be True or False, got {shown(value)}"
 
 
 @dataclass(frozen=True)
@@ -160,7 +174,7 @@ class Mapping(Rule):
         return {name: sub.default for name, sub in self.keys.items()}
 
     def problem(self, value: object) -> str:
-        return "" if isinstance(value, dict) else f"must be a dict, got {value!r}"
+        return "" if isinstance(value, dict) else f"must be a dict, got {shown(value)}"
 
     def clean(self, value: Any) -> Any:
         return {**self.defaults(), **{k: float(v) for k, v in value.items()}}

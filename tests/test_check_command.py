@@ -79,11 +79,19 @@ def assert_warning(check_id: str, text: str, *, deploy: bool = False) -> None:
         ({"REDIS_CLIENT": "tests.nowhere.make"}, "E007", "cannot be imported"),
         ({"REDIS_CLIENT": "tests.settings.REDIS_URL"}, "E007", "is not callable"),
         ({"REDIS_CLIENT": "builtins.dict"}, "E007", "not a redis-py client"),
+        # Review bug: the message wrote the value in full, and Python refuses to write an int
+        # of more than 4300 digits: check crashed with ValueError instead of E003.
+        ({"LOCK_TTL": 10**5000}, "E003", "got an int of 16610 bits"),
+        ({"MAX_HOLD": -(10**5000)}, "E003", "MAX_HOLD"),
+        ({"WAITER_TTL": 10**5000}, "E003", "WAITER_TTL"),
+        # ... and a megabyte value in full: the message shows its start.
+        ({"KEY_PREFIX": "x" * 1_000_000}, "E003", "'xxxx"),
     ],
 )
 def test_setting_errors_stop_manage_py_check(settings, joblock, check_id, text):
     settings.JOBLOCK = joblock
     assert_error(check_id, text)
+    assert len(check()[1] or "") < 2000, "the message shows a long value cut short"
 
 
 @pytest.mark.parametrize(

@@ -258,6 +258,15 @@ def test_wait_forever_waits_until_the_lock_is_free_and_can_be_interrupted(rconn)
     assert holder.release()
 
 
+@pytest.mark.parametrize("argument", ["ttl", "wait", "max_hold"])
+def test_a_number_too_long_to_write_is_refused_by_its_size(argument, rconn):
+    """Review bug: the message wrote the refused value in full, and Python refuses to write an
+    int of over 4300 digits: the ValueError said that instead of naming the argument."""
+    with pytest.raises(ValueError, match=f"{argument} .*got an int of 16610 bits"):
+        lock("numbers:1", **{argument: 10**5000})
+    assert rconn.dbsize() == 0
+
+
 @pytest.mark.parametrize("value", [v for v in BAD_NUMBERS if v != math.inf])
 def test_acquire_wait_must_be_finite(value, rconn):
     held = lock("numbers:2", ttl=5)
