@@ -133,6 +133,7 @@ def proxy(_proxy: harness.Proxy) -> Iterator[harness.Proxy]:
     _proxy.set("forward")
     yield _proxy
     _proxy.set("forward")
+    _proxy.hold_matching = None
 
 
 def _reset_connections() -> None:

@@ -97,7 +97,8 @@ def child_env(
 
 
 class Proxy:
-    """A TCP proxy in front of Redis: ``forward``, ``delay`` (seconds per chunk) or ``blackhole``.
+    """A TCP proxy in front of Redis: ``forward``, ``delay`` (seconds per chunk) or ``blackhole``;
+    and, whatever the mode, the chunks that contain ``hold_matching`` held until it is cleared.
 
     In ``blackhole`` mode bytes are held in both directions and no connection is closed: to
     the client it looks like a server that stopped answering, until the mode changes back and
@@ -109,6 +110,10 @@ class Proxy:
         self.upstream_port = upstream_port
         self.mode = "forward"
         self.delay = 0.0
+        # While set, a chunk a client sends that contains these bytes (a script's sha, say) is
+        # held, on that connection alone, until it is cleared; ``held`` counts such chunks.
+        self.hold_matching: bytes | None = None
+        self.held = 0
         self._sock = socket.create_server(("127.0.0.1", listen_port), reuse_port=False)
         self._closed = False
         self._conns: list[socket.socket] = []
@@ -146,6 +151,10 @@ class Proxy:
                 # Hold the bytes, as a network partition does (TCP retransmits them once it
                 # heals): the peer sees silence, then everything arrives late. Nothing is lost.
                 time.sleep(0.01)
+            if self.hold_matching is not None and self.hold_matching in data:
+                self.held += 1
+                while self.hold_matching is not None and not self._closed:
+                    time.sleep(0.01)
             if self.mode == "delay" and self.delay:
                 time.sleep(self.delay)
             try:

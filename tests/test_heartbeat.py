@@ -379,3 +379,27 @@ def test_a_loss_is_counted_by_the_time_the_lock_is_marked_lost(rconn):
     held.announce_lost("taken by another owner")  # then this, which must not count again
     assert "lost|counted|" not in metrics.take_for_flush(force=True)
     held.release()
+
+
+def test_a_renewal_that_reaches_redis_after_the_release_leaves_no_index_entry(proxy, rconn):
+    """Review bug: the renewal thread refreshed a holding's active-lock index entry with a plain
+    ``ZADD`` beside its RENEW. A renewal under way when its holder released (or one that timed
+    out on the client and reached Redis later) put the entry back after the release removed it:
+    an active lock that was not there, counted on the dashboard for up to a TTL, and for a job
+    an expired entry the liveness sweep took for a dead holder (its admission slot "freed")."""
+    from django_joblock.locks import index
+    from django_joblock.locks.scripts import RENEW
+
+    held = lock("ghost:1", ttl=1.5, cache="proxied")
+    entry_key = "joblock:active:ghost"
+    member = index.member(held.resource, held.owner)
+    proxy.hold_matching = RENEW.sha.encode()  # the renewal's round trip waits in the proxy
+    assert held.acquire()
+    assert rconn.zscore(entry_key, member) is not None, "negative control: indexed"
+    assert wait_for(lambda: proxy.held >= 1, held.ttl), "the first renewal was sent"
+    assert held.release(), "released before the renewal reached Redis"
+    assert rconn.zscore(entry_key, member) is None, "the release removed the entry"
+    proxy.hold_matching = None  # the renewal reaches Redis now
+    time.sleep(0.5)  # it ran (RENEW found the lock gone)
+    assert rconn.zscore(entry_key, member) is None, "no entry put back for a released lock"
+    assert not rconn.exists(held.key)

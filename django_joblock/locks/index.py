@@ -5,7 +5,8 @@
   limit) per holding, scored by its expiry (Unix ms). The ACQUIRE script
   writes it and RELEASE removes it (on Redis Cluster, and after a wait in line, a round trip
   of its own follows them, best effort: another node's outage never fails a lock); every
-  renewal refreshes its score. An entry whose score passed proves that its holding ended without a
+  renewal refreshes its score, in the RENEW script when it renewed (on Redis Cluster, in a
+  round trip of its own). An entry whose score passed proves that its holding ended without a
   release: readers skip it, and only the liveness sweep (:mod:`django_joblock.jobs.liveness`)
   removes it, after freeing the job's admission slot. Readers drop unexpired entries of
   lock-only holdings whose lock hash is gone or someone else's.
@@ -79,9 +80,10 @@ def add_calls(prefix: str, entries: Iterable[Entry]) -> list[list[Any]]:
 
 
 def in_script(found: Any, prefix: str, entry: Entry) -> tuple[list[str], list[Any]]:
-    """The entry as extra KEYS and ARGV of ACQUIRE, which then writes it (one command: cheaper
-    than a pipeline); its first KEYS and ARGV[2] let RELEASE remove it. ``([], [])`` on Redis
-    Cluster (the index is in other slots): :func:`add_calls` and :func:`remove_call` instead."""
+    """The entry as extra KEYS and ARGV of ACQUIRE or RENEW, which then write it (one command:
+    cheaper than a pipeline; RENEW only if it renewed); its first KEYS and ARGV[2] let RELEASE
+    remove it. ``([], [])`` on Redis Cluster (the index is in other slots): :func:`add_calls`
+    and :func:`remove_call` instead."""
     if is_cluster(found):
         return [], []
     resource, owner, ttl, job_id, slot = entry

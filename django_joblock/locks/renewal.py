@@ -334,18 +334,17 @@ class Renewer:
         return ""
 
     def _send(self, alias: str, items: list[_Work]) -> None:
-        """One round trip: the renewals, earliest deadline first, then the index refresh (on
-        Redis Cluster, its own round trip after: :func:`~django_joblock.backend.send`). Never
-        retried here: a failure makes the locks SUSPECT, and they are retried soon."""
+        """One round trip: the renewals, earliest deadline first, each refreshing its index
+        entry (on Redis Cluster the refresh follows in a round trip of its own:
+        :func:`_renewals`). Never retried here: a failure makes the locks SUSPECT, and they are
+        retried soon."""
         items.sort(key=lambda item: item[1].valid_until)
-        calls: list[Any] = [(RENEW, [held.key], [held.token, held.ttl_ms]) for _, held in items]
-        entries = [held.index_entry() for _, held in items]
-        refresh = index.add_calls(conf.get().KEY_PREFIX, entries)
         timeout = min(entry.timeout for entry, _ in items)
         wait = replicas.replica_wait(timeout / 2)  # REPLICA_ACKS: right after the renewals
         sent = time.monotonic()
         try:
             found = renewal_client(alias, timeout)
+            calls, refresh = _renewals(found, items)
             replies = send(found, [*calls, wait] if wait else calls, refresh)
             if wait:
                 replicas.check_acked(wait, replies[len(calls)])
@@ -399,6 +398,25 @@ class Renewer:
             send(renewal_client(alias, timeout), calls)
         except REDIS_ERRORS as exc:
             logger.warning("lost locks' index entries not removed (%s); they expire", exc)
+
+
+def _renewals(found: Any, items: list[_Work]) -> tuple[list[Any], list[Any]]:
+    """The RENEW calls of ``items`` on client ``found``, and the index refresh to send after
+    them. On one server each RENEW writes its holding's index entry itself, and only if it
+    renewed: a renewal that reaches Redis after the holder's release (under way meanwhile, or
+    timed out on this side) never puts the released holding's entry back. On Redis Cluster the
+    index lives on other nodes: a ``ZADD`` per family follows, and a late one may put an entry
+    back, which then expires by its score."""
+    prefix = conf.get().KEY_PREFIX
+    calls: list[Any] = []
+    apart: list[index.Entry] = []  # Redis Cluster: indexed by the refresh
+    for _, held in items:
+        entry = held.index_entry()
+        index_keys, index_args = index.in_script(found, prefix, entry)
+        calls.append((RENEW, [held.key, *index_keys], [held.token, held.ttl_ms, *index_args]))
+        if not index_keys:
+            apart.append(entry)
+    return calls, index.add_calls(prefix, apart)
 
 
 def _announce(lost: list[_Lost]) -> None:

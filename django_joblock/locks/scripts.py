@@ -289,10 +289,13 @@ return 0
 RENEW = Script(
     """
 -- Renew a lock we own: *replace* its TTL (never add to it).
--- KEYS[1] lock hash
--- ARGV[1] owner token, ARGV[2] ttl in ms (integer, 1..MAX)
--- Returns 1 renewed, 0 gone (expired/released), -1 held by another owner; an error, nothing
--- written, for a bad ttl.
+-- KEYS[1] lock hash; optional (one server, not Cluster): KEYS[2] active-lock index of the
+-- family, KEYS[3] families set
+-- ARGV[1] owner token, ARGV[2] ttl in ms (integer, 1..MAX); with KEYS[2]: ARGV[3] index score
+-- (expiry, Unix ms), ARGV[4] index member, ARGV[5] family
+-- Returns 1 renewed (and its index entry written, given KEYS[2]: only then, so that a renewal
+-- arriving after the release never puts a released holding's entry back), 0 gone
+-- (expired/released), -1 held by another owner; an error, nothing written, for a bad ttl.
 """
     + _CHECK_TTL
     + _NOW_MS
@@ -302,6 +305,10 @@ if owner == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ttl_ms)
   redis.call('HSET', KEYS[1], 'renewed_ms', now_ms(redis.call('TIME')), 'ttl_ms', ttl_ms)
   redis.call('HINCRBY', KEYS[1], 'renewals', 1)
+  if KEYS[2] then
+    redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4])
+    redis.call('SADD', KEYS[3], ARGV[5])
+  end
   return 1
 end
 if owner then return -1 end
