@@ -215,3 +215,29 @@ def test_a_stopped_job_enqueued_again_leaves_the_failed_registry(workers, rconn)
     assert first.id not in queue.failed_job_registry, "listed as failed while it runs again"
     assert wait_status(again, DONE, 30) is JobStatus.FINISHED, workers.logs()
     assert first.id not in queue.failed_job_registry
+
+
+@pytest.mark.parametrize("argument", [{1: "a", "x": 1}, {10: "a", 2: "b"}, {True: 1, "k": 2}])
+def test_the_same_call_on_a_json_queue_returns_the_live_job(scratch_registry, rconn, argument):
+    """Review bug: ``.delay()`` fingerprinted its arguments as given and the live job's as RQ's
+    ``JSONSerializer`` gives them back (a dict's int keys as str, which sort otherwise), so the
+    same call made twice raised :class:`IdempotencyKeyMismatch`, in the caller or logged at the
+    commit. Both are now compared as the queue's serializer delivers them."""
+    from django.db import transaction
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    json_queue = Queue("default", connection=rconn, serializer=JSONSerializer)
+
+    @locked_job(json_queue, idempotency_key="json:{k}", dedupe=True)
+    def json_job(k: int, m: dict) -> int:
+        return k
+
+    first = json_job.delay(1, argument)
+    assert json_job.delay(1, argument).id == first.id
+    with pytest.raises(IdempotencyKeyMismatch):
+        json_job.delay(1, {"other": 1})
+    with transaction.atomic():  # at the commit, the same comparison
+        json_job.delay(2, argument)
+        json_job.delay(2, argument)
+    assert json_queue.count == 2 and _blocked() == 2

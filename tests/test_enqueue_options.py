@@ -209,3 +209,19 @@ def test_meta_none_is_rqs_not_set_at_decoration_and_at_enqueue(scratch_registry,
     assert job.meta["joblock"]["resource"] == "x:1"
     job = decorated.enqueue_call((2,), meta=None)
     assert job.meta["joblock"]["resource"] == "x:2" and set(job.meta) == {"joblock"}
+
+
+def test_args_none_beside_kwargs_is_rqs_no_positional_arguments(scratch_registry, rconn):
+    """Review bug: RQ's ``enqueue(f, args=None, kwargs={...})`` takes ``None`` as no positional
+    arguments (as ``kwargs=None``); ``.enqueue(args=None, kwargs={...})`` raised
+    ``TypeError: 'NoneType' object is not iterable`` instead."""
+
+    @locked_job("default", lock="thing:{name}")
+    def lock_only(name: str = "x", count: str = "1") -> str:
+        return count
+
+    plain = get_queue("default").enqueue("os.getpid", args=None, kwargs={})
+    assert plain.args == (), "negative control: what RQ does"
+    job = lock_only.enqueue(args=None, kwargs={"name": "n"}, job_timeout=30)
+    assert (job.args, job.kwargs, job.timeout) == ((), {"name": "n"}, 30)
+    assert job.meta["joblock"]["resource"] == "thing:n"

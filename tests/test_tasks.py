@@ -504,3 +504,33 @@ def test_a_task_rq_marks_scheduled_before_registering_it_is_read_once_registered
     job.delete()
     with pytest.raises(TaskResultDoesNotExist):
         task_jobs.with_context_rq.get_result(task.id)
+
+
+def test_a_task_on_a_queue_of_another_redis_database_has_its_result(rconn, settings):
+    """Review bug: ``get_result()`` (and ``TaskResult.refresh()``) looked for the RQ job on
+    django-rq's ``"default"`` connection only, so a task enqueued on a queue of another Redis
+    database raised ``TaskResultDoesNotExist`` at once. It is looked for on each queue's."""
+    from django_tasks.exceptions import TaskResultDoesNotExist
+
+    from tests import harness
+
+    other_db = harness.redis_url().rsplit("/", 1)[0] + "/3"
+    settings.RQ_QUEUES = {**settings.RQ_QUEUES, "other": {"URL": other_db}}
+    settings.TASKS = {
+        **settings.TASKS,
+        "rq": {**settings.TASKS["rq"], "QUEUES": ["default", "other"]},
+    }
+    task = task_jobs.with_context_rq.using(queue_name="other")
+    try:
+        result = task.enqueue(2, 6)
+        assert get_queue("other").get_job_ids() == [result.id]
+        assert not rconn.exists(f"rq:job:{result.id}"), "not on the default queue's database"
+        found = task.get_result(result.id)
+        assert found.id == result.id and found.status == READY
+        assert found.task.queue_name == "other"
+        result.refresh()
+        assert result.status == READY
+        with pytest.raises(TaskResultDoesNotExist):
+            task.get_result("no-such-result")
+    finally:
+        get_queue("other").connection.flushdb()

@@ -49,7 +49,7 @@ def split_enqueue_arguments(
             raise TypeError(
                 f"{spec.name}.enqueue(): positional arguments cannot be used with args= / kwargs="
             )
-        job_args = tuple(kwargs.pop("args", ()))
+        job_args = tuple(kwargs.pop("args", None) or ())  # None: RQ's "none", as for kwargs=
         job_kwargs = dict(kwargs.pop("kwargs", None) or {})
         return job_args, job_kwargs, options | kwargs  # what is left: RQ options, checked
     if _old_positional_spelling(spec, args, kwargs):
@@ -107,7 +107,7 @@ def enqueue_call(
         # serializes them at once) would: the caller may change its dict before the commit, and
         # the resource, key and admission were planned with these. An argument the queue's
         # serializer refuses fails here, in the caller.
-        args, kwargs = queue.serializer.loads(queue.serializer.dumps((args, kwargs)))
+        args, kwargs = _as_delivered(queue, args, kwargs)
 
     def put() -> Any:
         # args=/kwargs= keep RQ from taking a job argument named like an RQ option for one.
@@ -118,10 +118,21 @@ def enqueue_call(
             metrics.flush_now()  # an enqueuing web process may never flush otherwise
         return job
 
-    send = _deduplicated(put, spec, queue, key, arguments, per_call, options)
+    send = _deduplicated(put, spec, queue, key, (args, kwargs), per_call, options)
     if at_commit:
         return _send_at_commit(send, spec, queue, options)
     return send()
+
+
+def _as_delivered(
+    queue: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The job's arguments as its worker, and a fetch of the job, will see them: through the
+    queue's serializer, and back. RQ's ``JSONSerializer`` gives a tuple back as a list and a
+    dict's int keys as str (``{10: "a"}`` is ``{"10": "a"}``); a value the serializer refuses
+    raises here, in the caller."""
+    sent_args, sent_kwargs = queue.serializer.loads(queue.serializer.dumps((args, kwargs)))
+    return tuple(sent_args), dict(sent_kwargs)
 
 
 def _add_joblock_state(
@@ -156,14 +167,18 @@ def _deduplicated(
     spec: JobSpec[Any, Any],
     queue: Any,
     key: str | None,
-    arguments: dict[str, Any],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
     per_call: dict[str, Any],
     options: dict[str, Any],
 ) -> Callable[[], Any]:
     """``put`` itself, unless the job has ``dedupe=True``: then the RQ job id derived from the
     idempotency key goes in ``options`` now (``ValueError`` if ``per_call`` has a ``job_id``),
     and the returned call enqueues with ``put`` only if no job of that id is live, else returns
-    the live one, made by the same call (other arguments: :class:`IdempotencyKeyMismatch`)."""
+    the live one, made by the same call (other arguments: :class:`IdempotencyKeyMismatch`).
+
+    "The same call" compares the live job's arguments, as its queue's serializer gives them
+    back, with this ``call``'s arguments (args, kwargs) as that serializer will give them back:
+    like with like, whatever the serializer changes (RQ's ``JSONSerializer``: int keys to str)."""
     if not spec.dedupe:
         return put
     assert key is not None
@@ -173,7 +188,7 @@ def _deduplicated(
         )
     job_id = job_id_for(spec.scope, key)
     options["job_id"] = job_id
-    fingerprint = fingerprint_of(arguments)
+    fingerprint = fingerprint_of(spec.bind(*_as_delivered(queue, *call)))
 
     def is_same(live: Any) -> bool:
         return fingerprint_of(spec.bind(tuple(live.args), dict(live.kwargs))) == fingerprint

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-import django_rq
 import django_tasks_rq
 from django.utils.functional import cached_property
 from django_tasks.base import TASK_MAX_PRIORITY, TaskResult, TaskResultStatus
@@ -30,6 +29,7 @@ from rq.job import JobStatus
 from rq.results import Result
 
 from .enqueue import enqueue_call
+from .queues import configured_names, get_queue, server_of
 
 # rq 3's statuses of a job that has not run yet (RATE_LIMITED: parked by admission), which
 # django-tasks-rq 0.12's map lacks: a parked task's get_result() raised KeyError.
@@ -95,14 +95,17 @@ class RQBackend(django_tasks_rq.RQBackend):
         none while RQ moves the job in or out of it: rq writes a retried job's ``scheduled``
         status before its pipeline adds the job to the registry, and its scheduler moves due
         jobs out. Such a read is repeated for up to :data:`SCHEDULE_SETTLE` s; a job RQ no
-        longer has is :class:`ResultDoesNotExist` at once."""
-        connection = django_rq.get_connection()
+        longer has is :class:`ResultDoesNotExist` at once.
+
+        The job is looked for on the connection of each of the backend's queues (django-rq's
+        ``"default"`` first, each Redis server and database once): a task enqueued on a queue
+        of another Redis database is found there (django-tasks-rq looks on ``"default"``'s
+        connection only)."""
         deadline = time.monotonic() + SCHEDULE_SETTLE
         while True:
-            try:
-                job = cast(Job, Job.fetch(result_id, connection=connection))
-            except NoSuchJobError:
-                raise ResultDoesNotExist(result_id) from None
+            job = self._fetch(result_id)
+            if job is None:
+                raise ResultDoesNotExist(result_id)
             try:
                 return job.task_result
             except NoSuchJobError:
@@ -110,6 +113,28 @@ class RQBackend(django_tasks_rq.RQBackend):
                     message = f"{result_id}: scheduled for {SCHEDULE_SETTLE} s without a time"
                     raise ResultDoesNotExist(message) from None
             time.sleep(0.01)
+
+    def _fetch(self, result_id: str) -> Job | None:
+        """The RQ job ``result_id`` from the first connection that has it, or None."""
+        for connection in self._connections():
+            try:
+                return cast(Job, Job.fetch(result_id, connection=connection))
+            except NoSuchJobError:
+                continue
+        return None
+
+    def _connections(self) -> list[Any]:
+        """The Redis connections of django-rq's ``"default"`` queue and of the backend's
+        queues, in that order, one per Redis server and database (a name ``RQ_QUEUES`` lacks,
+        which django-tasks-rq's check reports, has none)."""
+        known = configured_names()
+        found: dict[tuple[Any, ...], Any] = {}
+        for name in ["default", *sorted(self.queues)]:
+            if name not in known:
+                continue
+            connection = get_queue(name).connection
+            found.setdefault(server_of(connection), connection)
+        return list(found.values())
 
 
 WRONG_JOB_CLASS = (
