@@ -6,7 +6,10 @@ server, database, password and TLS, the same socket timeouts as :func:`~.backend
 (``JOBLOCK["REDIS_TIMEOUT"]``, no retries) and :data:`~.backend.POOL_SIZE` connections that
 callers wait for; waiting acquires block on connections of their own. A ``redis.asyncio``
 connection belongs to the event loop that opened it, so each running loop gets its own
-clients, dropped with the loop. One Redis server only: on Sentinel or Cluster the asyncio
+clients. A closed loop's clients are dropped when another loop makes its own (their
+connections then close as garbage), so a process that runs loop after loop (``asyncio.run()``
+again and again, asgiref's ``async_to_sync``, which an ``async def`` job's body runs in) keeps
+the connections of its open loops only. One Redis server only: on Sentinel or Cluster the asyncio
 locks raise :class:`~.exceptions.JoblockConfigError` (use the sync locks in a thread).
 
 :func:`drive` runs a lock's flow (:mod:`.redis_steps`) on these clients: the flows are the
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -56,9 +58,11 @@ _NOT_INHERITED = frozenset(
     {"parser_class", "retry", "retry_on_error", "retry_on_timeout", "redis_connect_func"}
 )
 
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], Any]] = (
-    weakref.WeakKeyDictionary()
-)
+
+# Each event loop's clients by (alias, role), for the loops that made clients and are not known
+# to be closed. (Not a weak dictionary: the clients' connections refer to their loop, so a weak
+# key would never die.)
+_clients: dict[asyncio.AbstractEventLoop, dict[tuple[str, str], Any]] = {}
 _waiters: dict[int, int] = {}  # blocking client id -> waiting acquires using it now
 
 
@@ -92,13 +96,25 @@ def _client(alias: str, role: str, timeout: float) -> Any:
     """The cached asyncio client of ``alias`` for ``role`` in the running loop."""
     loop = asyncio.get_running_loop()
     per_loop = _clients.get(loop)
-    if per_loop is None:  # (setdefault would build a dict for every call)
-        per_loop = _clients.setdefault(loop, {})
+    if per_loop is None:
+        per_loop = _new_loop(loop)
     found = per_loop.get((alias, role))
     if found is None:
         found = _made(alias, timeout, grow=role == "blocking")
         per_loop[(alias, role)] = found
     return found
+
+
+def _new_loop(loop: asyncio.AbstractEventLoop) -> dict[tuple[str, str], Any]:
+    """The (empty) client cache of ``loop``, which has none yet. The caches of loops closed
+    meanwhile are dropped first: a closed loop can run nothing, so its connections cannot be
+    closed by awaiting; dropped, they close as garbage (a closed loop is never reused)."""
+    for other in list(_clients):  # a copy: loops in other threads add theirs meanwhile
+        if other.is_closed():
+            _clients.pop(other, None)
+    per_loop: dict[tuple[str, str], Any] = {}
+    _clients[loop] = per_loop
+    return per_loop
 
 
 def _made(alias: str, timeout: float, *, grow: bool) -> Any:

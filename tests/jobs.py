@@ -339,3 +339,11 @@ def add_to_locked_row(name: str, amount: int) -> int:
     account.balance += amount
     account.save(update_fields=["balance"])
     return account.balance
+
+
+@locked_job("default", lock="account:{name}", ttl=2, job_timeout=1)
+async def aovertime(name: str, tag: str) -> None:
+    """Awaits past its 1 s ``job_timeout``, then marks ``test:after:<tag>``: it must never get
+    there (the timeout ends the job, and its body with it)."""
+    await asyncio.sleep(3)
+    _redis().set(f"test:after:{tag}", os.getpid())

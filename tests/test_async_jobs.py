@@ -4,7 +4,9 @@ heartbeat, claim, transaction, record), inline and on real RQ workers of both cl
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -75,3 +77,47 @@ def test_an_async_job_enqueued_from_async_code_runs_on_real_workers_once(setting
     assert outcomes == ["ran", "replayed"]
     assert Account.objects.get(name="a").balance == 10
     assert int(rconn.get("test:effects:C-4")) == 1
+
+
+class Interrupted(Exception):
+    """What RQ's job timeout raises in the job's thread (from a SIGALRM handler)."""
+
+
+def test_an_async_job_whose_thread_is_interrupted_does_not_run_on_without_its_lock(rconn):
+    """Review bug: RQ's job timeout (SIGALRM in the job's thread) interrupted the thread's
+    wait for the body, the flow rolled back and released the lock, and the body ran on in its
+    loop's thread: past its sleep, writing its effects outside the lock."""
+    Account.objects.create(name="a", balance=5)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(Interrupted):
+            jobs.acredit("a", "C-5", 10, seconds=1.5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not rconn.keys("joblock:*:lock"), "released"
+    time.sleep(2)  # past the body's sleep
+    assert rconn.get("test:after:C-5") is None, "the body ended with its job"
+    assert Account.objects.get(name="a").balance == 5
+
+
+@pytest.mark.slow
+def test_an_async_job_past_its_timeout_on_a_simple_worker_ends_with_its_body(settings, rconn):
+    """The same on a real SimpleWorker (the job runs in the worker process, which lives on):
+    the job fails with its timeout and its body never gets past its sleep."""
+    crew = Workers(settings.JOBLOCK)
+    try:
+        crew.start(simple=True)
+        job = jobs.aovertime.delay("a", "T-1")
+        status = wait_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 60)
+        assert status is JobStatus.FAILED, crew.logs()
+        time.sleep(3.5)  # past the body's sleep, the worker still running
+        after = rconn.get("test:after:T-1")
+    finally:
+        crew.stop()
+    assert after is None, "the body ended with its job"

@@ -535,3 +535,26 @@ def test_an_aacquire_whose_lock_acquired_receiver_raises_gives_the_lock_back(rco
         lock_acquired.disconnect(broken, sender=Lock)
     assert free is True, "given back: a newcomer gets it at once"
     assert all(held.resource != "receiver:2" for held in renewer().held_locks())
+
+
+def test_loop_after_loop_keeps_no_connections_of_closed_loops(rconn):
+    """Review bug: each event loop's clients were cached in a weak dictionary whose values (the
+    connections) refer to the loop, so no loop was ever dropped: every ``asyncio.run()`` (and
+    every ``async def`` job's ``async_to_sync`` loop) left its loop and a Redis connection
+    open for the life of the process."""
+    import gc
+
+    def connected() -> int:
+        gc.collect()
+        return int(rconn.info("clients")["connected_clients"])
+
+    async def scenario(number: int) -> None:
+        async with alock(f"loops:{number}", ttl=5):
+            pass
+
+    run(lambda: scenario(0))  # the sync clients of the test, made once
+    before = connected()
+    for number in range(1, 21):
+        run(lambda: scenario(number))  # noqa: B023 - called at once
+    grown = connected() - before
+    assert grown <= 1, f"{grown} connections of closed loops left open"

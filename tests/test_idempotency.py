@@ -399,3 +399,47 @@ def test_a_big_float_result_replays_as_the_same_float_on_every_backend(big):
         assert claim.done and claim.result == result
         assert type(claim.result["amount"]) is float and type(claim.result["parts"][1]) is int
     assert IdempotencyRecord.objects.get(key="float:1").result == result
+
+
+def test_an_async_claim_cancelled_while_it_waits_for_the_database_is_not_left_running():
+    """Review bug: ``async with idempotent(...)`` cancelled (``asyncio.timeout``, a client
+    gone) while its claim waited for the database let the claim go on in its thread: the
+    record was inserted ``running`` with a live lease that nothing ended, and every retry got
+    IdempotencyInProgress for the whole lease (300 s)."""
+    import asyncio
+
+    class Rollback(Exception):
+        pass
+
+    entered = threading.Event()
+
+    def other_claimer() -> None:  # holds the key's insert open, uncommitted, then rolls back
+        try:
+            with transaction.atomic(), idempotent("acancel:1", lease=600):
+                entered.set()
+                time.sleep(1.0)
+                raise Rollback
+        except Rollback:
+            pass
+        finally:
+            connection.close()
+
+    blocker = threading.Thread(target=other_claimer)
+    blocker.start()
+    assert entered.wait(10)
+
+    async def cancelled_claim() -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3), idempotent("acancel:1", lease=600):
+                pytest.fail("the block must not run")
+
+    try:
+        asyncio.run(cancelled_claim())
+    finally:
+        blocker.join()
+
+    async def retry() -> str:
+        async with idempotent("acancel:1", lease=600) as claim:
+            return "replayed" if claim.done else "ran"
+
+    assert asyncio.run(retry()) == "ran", "a retry runs at once"

@@ -17,6 +17,7 @@ and replays: docs/idempotency.md. Needs SQLite >= 3.35 (``RETURNING``)."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -53,6 +54,10 @@ from .resource_guard import refused
 __all__ = ["Claim", "Idempotent", "claim", "fingerprint_of", "idempotent"]
 
 _TAKEOVER_TRIES = 5
+
+# The tasks ending claims whose ``async with`` was cancelled (see Idempotent.__aenter__): held
+# here until done, as the event loop keeps only weak references to its tasks.
+_ending: set[asyncio.Task[None]] = set()
 
 
 @dataclass
@@ -169,8 +174,31 @@ class Idempotent:
     async def __aenter__(self) -> Claim:
         """``async with idempotent(key) as claim:``: the claim's queries run as Django's async
         ORM runs its own (``sync_to_async``, thread-sensitive), so the block's
-        ``await claim.asucceed(...)`` and the end of the block use the same connection."""
-        return await sync_to_async(self.__enter__)()
+        ``await claim.asucceed(...)`` and the end of the block use the same connection.
+
+        Cancelled meanwhile, it re-raises ``CancelledError``; the claim, which goes on in its
+        thread, is then ended as the block's failure would be (a retry runs at once), never
+        left running until its lease runs out."""
+        claiming = asyncio.ensure_future(sync_to_async(self.__enter__)())
+        try:
+            return await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            ending = asyncio.ensure_future(self._end_when_claimed(claiming))
+            _ending.add(ending)
+            ending.add_done_callback(_ending.discard)
+            await asyncio.shield(ending)  # cancelled again, the ending still goes on
+            raise
+
+    async def _end_when_claimed(self, claiming: asyncio.Future[Claim]) -> None:
+        """Wait for ``claiming`` (a claim whose ``async with`` was cancelled), then end the
+        claim it made as a block cancelled at its start: recorded failed (a replay or a claim
+        that raised needs nothing)."""
+        try:
+            await claiming
+        except Exception:  # noqa: BLE001 - no claim was made: nothing to end
+            return
+        cancelled = asyncio.CancelledError("cancelled while claiming the key")
+        await sync_to_async(self.__exit__)(type(cancelled), cancelled, None)
 
     async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         await sync_to_async(self.__exit__)(exc_type, exc, tb)
