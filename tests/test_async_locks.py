@@ -558,3 +558,49 @@ def test_loop_after_loop_keeps_no_connections_of_closed_loops(rconn):
         run(lambda: scenario(number))  # noqa: B023 - called at once
     grown = connected() - before
     assert grown <= 1, f"{grown} connections of closed loops left open"
+
+
+@pytest.mark.slow  # the proxy
+def test_an_arelease_cancelled_before_its_reply_leaves_the_lock_not_held(proxy, rconn):
+    """Review bug: an ``arelease()`` cancelled (``asyncio.timeout``) while its reply was on its
+    way, the lock already handed to the waiter, left the object HELD, its renewal stopped:
+    ``held`` said it still held the waiter's lock, and a second release reported a loss."""
+    harness.load_scripts(rconn)
+    losses: list[str] = []
+
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        holder = alock(
+            "cancelled:3",
+            ttl=30,
+            heartbeat=False,
+            cache="proxied",
+            on_lost=lambda held, why: losses.append(why),
+        )
+        assert await holder.aacquire()
+        waiter = alock("cancelled:3", ttl=30, wait=30)
+        waiting = asyncio.create_task(waiter.aacquire())
+        while rconn.zcard(holder.keys.queue) != 1:
+            await asyncio.sleep(0.005)
+        proxy.set("delay", 0.5)  # each way: handed over ~0.5 s before the reply comes
+        releasing = asyncio.create_task(holder.arelease())
+        while rconn.hget(holder.key, "token") != waiter.token.encode():
+            await asyncio.sleep(0.005)
+        releasing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await releasing
+        proxy.set("forward")
+        got = await waiting
+        still_held = holder.held
+        again = await holder.arelease()
+        waiter_kept = rconn.hget(waiter.key, "token") == waiter.token.encode()
+        await waiter.arelease()
+        return got, still_held, again, waiter_kept
+
+    try:
+        got, still_held, again, waiter_kept = run(scenario)
+    finally:
+        proxy.set("forward")
+    assert got is True, "negative control: handed over before the cancellation"
+    assert still_held is False, "the lock is the waiter's now"
+    assert again is False and losses == [], "nothing left to release, and no loss"
+    assert waiter_kept

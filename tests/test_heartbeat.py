@@ -403,3 +403,36 @@ def test_a_renewal_that_reaches_redis_after_the_release_leaves_no_index_entry(pr
     time.sleep(0.5)  # it ran (RENEW found the lock gone)
     assert rconn.zscore(entry_key, member) is None, "no entry put back for a released lock"
     assert not rconn.exists(held.key)
+
+
+def test_a_handed_over_lock_on_a_black_holed_redis_is_declared_lost_before_another_enters(
+    proxy, rconn
+):
+    """Review bug: a lock handed over by a release lives ``WAITER_TTL`` (2 s) until renewed,
+    but its renewals' socket timeout came from its TTL (30 s: the 2 s ``REDIS_TIMEOUT``). Its
+    first renewal, due after 0.67 s, waited until 2.67 s on a black-holed Redis: the loss was
+    declared after the server had let another holder in."""
+    recorder = LostRecorder()
+    holder = lock("handed:1", ttl=30)
+    assert holder.acquire()
+    waiter = lock("handed:1", ttl=30, wait=10, cache="proxied", on_lost=recorder)
+    thread = threading.Thread(target=lambda: (time.sleep(0.3), holder.release()))
+    thread.start()
+    assert waiter.acquire()
+    proxy.set("blackhole")  # before its first renewal (within a third of 2 s)
+    thread.join()
+    assert rconn.pttl(waiter.key) <= 2000, "negative control: handed over with WAITER_TTL"
+    other_at = None
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        contender = lock("handed:1", ttl=5)
+        if contender.acquire():
+            other_at = time.monotonic()
+            contender.release()
+            break
+        time.sleep(0.005)
+    assert other_at is not None, "renewals were not actually blocked"
+    assert recorder.event.wait(5), "the holder never noticed it had lost the lock"
+    assert recorder.at < other_at, (
+        f"declared LOST {recorder.at - other_at:+.3f}s after another holder got in"
+    )

@@ -721,3 +721,61 @@ def test_a_one_try_acquire_interrupted_before_its_reply_gives_the_lock_back(prox
     assert got == [True], "negative control: the server had granted it when interrupted"
     assert rconn.hget(trying.key, "token") is None, "given back"
     assert lock("interrupted:2", ttl=30, wait=0).acquire(), "a newcomer gets it at once"
+
+
+@pytest.mark.slow  # the proxy
+def test_a_release_interrupted_before_its_reply_leaves_the_lock_not_held(proxy, rconn):
+    """Review bug: a ``release()`` interrupted while its reply was on its way (the server had
+    run it: the lock handed to the waiter) stopped the renewal but left the object HELD:
+    ``held`` and ``ensure_held()`` said it still held a lock that was the waiter's, and a second
+    ``release()`` reported it "taken by another owner" (on_lost, LockLost's warning)."""
+    load_scripts(rconn)
+    losses: list[str] = []
+    holder = lock(
+        "interrupted:3",
+        ttl=30,
+        heartbeat=False,
+        cache="proxied",
+        on_lost=lambda held, why: losses.append(why),
+    )
+    assert holder.acquire()
+    waiter = lock("interrupted:3", ttl=30, wait=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
+    thread.start()
+    assert wait_for(lambda: rconn.zcard(holder.keys.queue) == 1, 10), "the waiter is in line"
+    proxy.set("delay", 0.5)  # each way: the lock is handed over ~0.5 s before the reply comes
+    handed: list[bool] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    def watch() -> None:
+        done = wait_for(lambda: rconn.hget(holder.key, "token") == waiter.token.encode(), 10)
+        handed.append(done)
+        if done:
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    main = threading.get_ident()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        watcher.start()
+        with pytest.raises(_Interrupted):
+            holder.release()
+    finally:
+        watcher.join()
+        signal.signal(signal.SIGUSR1, previous)
+        proxy.set("forward")
+    thread.join(30)
+    assert handed == [True] and got == [True], "negative control: handed over when interrupted"
+    assert waiter.held
+    assert not holder.held, "the lock is the waiter's now"
+    with pytest.raises(LockLost):
+        holder.ensure_held()
+    assert holder.release() is False, "nothing left to release"
+    assert losses == [], "the holder's own release is no loss"
+    assert rconn.hget(waiter.key, "token") == waiter.token.encode(), "the waiter's, untouched"
+    assert waiter.release()
+    assert holder.acquire(wait=0), "the interrupted object can acquire again"
+    holder.release()

@@ -229,15 +229,15 @@ class BaseLock(Holding):
     def _hold(self, turn: waiting.Turn, valid_for: float, waited: float) -> None:
         """Record the lock as held: fence ``turn.reply``, valid for ``valid_for`` s from the
         monotonic ``turn.sent``. Then start renewing it (a handed-over lock within a third of
-        that validity), and signal and log the acquire, which waited ``waited`` s."""
+        the validity it has left, :meth:`.renewal.Renewer.add`), and signal and log the
+        acquire, which waited ``waited`` s."""
         self._next_ticket = turn.next_ticket
         self._spent = True
         self._begin(turn.reply, turn.sent, valid_for)
         if turn.valid_for is None:
-            renew_within = math.inf  # the full TTL: on the heartbeat's usual schedule
+            renewer().add(self)  # the full TTL: on the heartbeat's usual schedule
         else:
-            renew_within = valid_for / 3
-        renewer().add(self, renew_within=renew_within)
+            renewer().add(self, valid_for=self.remaining())  # what is left of the hand-over's
         if lock_acquired.receivers:  # what send() looks at first: no call when nobody listens
             lock_acquired.send(sender=self.signal_sender, lock=self, waited=waited)
         log_lock(logging.DEBUG, "acquired", self, "lock acquired")
@@ -333,6 +333,13 @@ class BaseLock(Holding):
             self.mark_released()
             metrics.add(pending)
             raise self._unavailable(exc, "release the lock") from exc
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, a cancelled task) with the release perhaps run on
+            # the server, the lock perhaps handed over: no longer held here, as after a Redis
+            # error (not renewed any more, it expires after its TTL if the release never ran).
+            self.mark_released()
+            metrics.add(pending)
+            raise
         if pending and isinstance(replies[len(also)], Exception):  # refused, or node down
             metrics.add(pending)
         # Sent twice, it finds the lock gone, or handed over (another owner), if the first one

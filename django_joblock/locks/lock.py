@@ -216,8 +216,10 @@ class Lock(BaseLock):
         A lock found lost here is marked LOST first (signal, log, metric, ``on_lost``), and
         ``lost`` / ``lost_reason`` keep saying so. Raises :class:`LockBackendUnavailable` if
         Redis cannot be asked (the lock then expires after its TTL), :class:`LockError` while
-        another thread is in this object's acquire or release. In a forked child: False,
-        without touching Redis (the lock is the parent's).
+        another thread is in this object's acquire or release. Failed or interrupted (a signal
+        handler's ``KeyboardInterrupt``), the lock is no longer held by this object either way
+        (it may have been released, even handed over). In a forked child: False, without
+        touching Redis (the lock is the parent's).
         """
         self._start_call()
         try:

@@ -70,7 +70,7 @@ class Entry:
     alias: str
     interval: float
     renew_due: float
-    timeout: float  # socket timeout (s) of the round trips that renew it: min(REDIS_TIMEOUT, ttl/5)
+    timeout: float  # socket timeout (s) of its renewals' round trips (:func:`_socket_timeout`)
     job: bool = False  # held by an RQ job: its release flushes the metrics
     failures: int = 0
     in_flight: bool = False
@@ -102,13 +102,15 @@ class Renewer:
         self._senders: dict[str, ThreadPoolExecutor] = {}  # with locks on several aliases
         self._stats = RenewalStats()
 
-    def add(self, held: Holding, *, renew_within: float = math.inf) -> None:
-        """Start keeping ``held`` (just acquired); renew it first within ``renew_within`` s if
-        sooner than its interval (a handed-over lock is valid for less than its TTL)."""
+    def add(self, held: Holding, *, valid_for: float = math.inf) -> None:
+        """Start keeping ``held`` (just acquired), valid for ``valid_for`` s from now when that
+        is less than its TTL (a lock handed over by a release lives ``WAITER_TTL``): until its
+        first renewal is confirmed, it is renewed within a third of that, and its round trips
+        time out after a fifth of it, so that a renewal that cannot be confirmed is given up
+        before the lock runs out on the server, as for the TTL."""
         interval = held.heartbeat_interval
-        due = time.monotonic() + min(interval, renew_within) if held.heartbeat else math.inf
-        wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, held.ttl / 5))
-        timeout = 2.0 ** math.floor(math.log2(wanted))  # few values: few clients (and pools)
+        due = time.monotonic() + min(interval, valid_for / 3) if held.heartbeat else math.inf
+        timeout = _socket_timeout(min(held.ttl, valid_for))
         ref = weakref.ref(held)
         entry = Entry(
             ref, id(held), held.key, held.cache, interval, due, timeout, job=bool(held.job_id)
@@ -367,6 +369,7 @@ class Renewer:
                     entry.renew_due = time.monotonic() + retry_in
                 elif reply == Outcome.OK:
                     held.confirm_renewed(sent)
+                    entry.timeout = _socket_timeout(held.ttl)  # valid for its TTL now
                     entry.failures = 0
                     entry.renew_due = sent + entry.interval
                     renewed[(held.family, held.job_func)] += 1
@@ -398,6 +401,14 @@ class Renewer:
             send(renewal_client(alias, timeout), calls)
         except REDIS_ERRORS as exc:
             logger.warning("lost locks' index entries not removed (%s); they expire", exc)
+
+
+def _socket_timeout(valid_for: float) -> float:
+    """The socket timeout (s) of the round trips renewing a lock valid for ``valid_for`` s:
+    ``min(REDIS_TIMEOUT, valid_for / 5)``, rounded down to a power of two (few values: few
+    clients, and pools)."""
+    wanted = max(0.01, min(conf.get().REDIS_TIMEOUT, valid_for / 5))
+    return float(2.0 ** math.floor(math.log2(wanted)))
 
 
 def _renewals(found: Any, items: list[_Work]) -> tuple[list[Any], list[Any]]:
