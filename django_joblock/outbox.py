@@ -8,7 +8,9 @@ sent nothing. A failed delivery, or one whose process died after the commit, is 
 up to :data:`MAX_ATTEMPTS` deliveries: then it is dead-lettered (status ``dead``, kept, alerted
 on; admin's "deliver now" tries it again).
 At least once, with the same key each time (hand it to the provider); a delivery holds the row lock
-while its handler runs, so keep handlers short. The whole story: docs/idempotency.md."""
+while its handler runs, so keep handlers short. Each attempt is counted before its handler runs:
+one whose process dies in the handler is retried after its backoff, and dead-lettered in the end.
+The whole story: docs/idempotency.md."""
 
 from __future__ import annotations
 
@@ -134,47 +136,92 @@ def after_job() -> Iterator[None]:
 
 def deliver(pk: int, *, using: str | None = None, dead: bool = False) -> bool:
     """Deliver one pending (or, ``dead=True``, dead-lettered) message now: True if its handler
-    returned; False when delivered already, locked by another deliverer, or its handler raised
-    (recorded; retried later, or dead-lettered after :data:`MAX_ATTEMPTS` deliveries)."""
+    returned; False when delivered already, locked or taken by another deliverer, or its handler
+    raised (recorded; retried later, or dead-lettered after :data:`MAX_ATTEMPTS` deliveries).
+
+    The attempt is committed, with its backoff, before the handler runs (:func:`_claim`): a
+    delivery whose process dies in the handler (the OOM killer) is counted like a failed one,
+    so the message waits its backoff behind the others and is dead-lettered in the end, instead
+    of being due at once with the same count for ever, ending every sweeper pass first."""
     from .models import OutboxMessage
 
     database = using or router.db_for_write(OutboxMessage)
-    # Skip a row another deliverer holds (SQLite has no FOR UPDATE: one writer at a time).
-    skip = connections[database].features.has_select_for_update_skip_locked
+    attempt = _claim(pk, database, dead)
+    if attempt is None:
+        return False
     with transaction.atomic(using=database):
-        locked = OutboxMessage.objects.using(database).select_for_update(skip_locked=skip)
-        wanted = [OutboxStatus.PENDING, *([OutboxStatus.DEAD] if dead else [])]
-        message = locked.filter(pk=pk, status__in=wanted).first()
+        # Still this attempt's: a deliverer that claimed it since has counted another one.
+        message = _locked(pk, database, dead).filter(attempts=attempt).first()
         if message is None:
             return False
-        message.attempts += 1
         try:
             with transaction.atomic(using=database):  # a handler's failed write rolls back alone
                 import_string(message.handler)(message.payload, idempotency_key=message.key)
         except Exception as exc:  # noqa: BLE001 - any failure is recorded and retried
-            delay = ceiling(message.attempts - 1, base=1.0, factor=2.0, max_delay=RETRY_MAX)
-            message.last_error = storable_error(f"{type(exc).__name__}: {exc}", 2000)
-            message.next_attempt_at = timezone.now() + timedelta(seconds=delay)
-            gone = message.attempts >= MAX_ATTEMPTS
-            message.status = OutboxStatus.DEAD if gone else OutboxStatus.PENDING
-            message.save(update_fields=["attempts", "status", "last_error", "next_attempt_at"])
-            then = "dead-lettered" if gone else f"retry in {delay:.0f} s"
-            logger.warning(
-                f"outbox: delivery %d of %s (%s) failed, {then}: %s",
-                message.attempts,
-                message.key,
-                message.handler,
-                message.last_error,
-            )
+            _record_failure(message, f"{type(exc).__name__}: {exc}")
             return False
         message.status = OutboxStatus.DELIVERED
         message.delivered_at = timezone.now()
         message.last_error = ""  # it was delivered: an earlier attempt's error is history
-        message.save(update_fields=["attempts", "status", "delivered_at", "last_error"])
+        message.save(update_fields=["status", "delivered_at", "last_error"])
     logger.info(
         "outbox: delivered %s (%s), attempt %d", message.key, message.handler, message.attempts
     )
     return True
+
+
+def _locked(pk: int, database: str, dead: bool) -> Any:
+    """Message ``pk`` if pending (or dead, ``dead=True``), row-locked; another deliverer's row is
+    skipped (SQLite has no FOR UPDATE: one writer at a time)."""
+    from .models import OutboxMessage
+
+    skip = connections[database].features.has_select_for_update_skip_locked
+    locked = OutboxMessage.objects.using(database).select_for_update(skip_locked=skip)
+    wanted = [OutboxStatus.PENDING, *([OutboxStatus.DEAD] if dead else [])]
+    return locked.filter(pk=pk, status__in=wanted)
+
+
+def _claim(pk: int, database: str, dead: bool) -> int | None:
+    """Count the next delivery attempt of message ``pk`` and set its retry time (its backoff),
+    committed before the handler runs: the attempt's number, or None when there is nothing to
+    deliver. A pending message whose :data:`MAX_ATTEMPTS` deliveries are counted (the last one
+    died with its process) is dead-lettered instead."""
+    with transaction.atomic(using=database):
+        message = _locked(pk, database, dead).first()
+        if message is None:
+            return None
+        if message.status == OutboxStatus.PENDING and message.attempts >= MAX_ATTEMPTS:
+            _record_failure(message, f"delivery {message.attempts} never ended (process died?)")
+            return None
+        message.attempts += 1
+        message.next_attempt_at = timezone.now() + timedelta(seconds=_backoff(message.attempts))
+        message.save(update_fields=["attempts", "next_attempt_at"])
+        return int(message.attempts)
+
+
+def _backoff(attempts: int) -> float:
+    """Seconds before the next delivery after ``attempts`` of them: 1 s doubling, at most
+    :data:`RETRY_MAX`."""
+    return ceiling(attempts - 1, base=1.0, factor=2.0, max_delay=RETRY_MAX)
+
+
+def _record_failure(message: Any, error: str) -> None:
+    """Record the failure of the message's last counted attempt: retried after its backoff, or
+    dead-lettered once :data:`MAX_ATTEMPTS` are counted."""
+    delay = _backoff(message.attempts)
+    message.last_error = storable_error(error, 2000)
+    message.next_attempt_at = timezone.now() + timedelta(seconds=delay)
+    gone = message.attempts >= MAX_ATTEMPTS
+    message.status = OutboxStatus.DEAD if gone else OutboxStatus.PENDING
+    message.save(update_fields=["status", "last_error", "next_attempt_at"])
+    then = "dead-lettered" if gone else f"retry in {delay:.0f} s"
+    logger.warning(
+        f"outbox: delivery %d of %s (%s) failed, {then}: %s",
+        message.attempts,
+        message.key,
+        message.handler,
+        message.last_error,
+    )
 
 
 def deliver_due(*, limit: int = 100, using: str | None = None) -> OutboxReport:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from rq.exceptions import NoSuchJobError
 from rq.utils import current_timestamp
 
 from . import metrics, outbox
-from .backend import REDIS_ERRORS
+from .backend import REDIS_ERRORS, text
 from .idempotency import store
 from .jobs import liveness
 from .logs import logger
@@ -53,6 +54,8 @@ class _Loop:
 
     maintenance_interval: int
     name: str
+    key: str
+    hostname: str | None
     connection: Any
     exponential_backoff_factor: float
     max_connection_wait_time: float
@@ -76,6 +79,32 @@ class _Loop:
         self._burst = bool(kwargs.get("burst", args[0] if args else False))
         self.stop_requested = False
         return super().work(*args, **kwargs)  # type: ignore[misc, no-any-return]
+
+    def register_birth(self) -> None:
+        """RQ's, after ending the registration a killed worker of this name left behind (see
+        :meth:`end_dead_namesake`): RQ refuses a name while its key lives, up to ``worker_ttl``
+        + 60 s (480 s) after a SIGKILL, and a supervisor restarting a named worker failed until
+        then. A namesake that may be alive is still refused, with RQ's ``ValueError``."""
+        self.end_dead_namesake()
+        super().register_birth()  # type: ignore[misc]
+
+    def end_dead_namesake(self) -> None:
+        """Register the death of the worker of this name still registered without one, when its
+        process is gone: it ran on this host (same hostname) under a pid that no longer runs,
+        or under this process's own pid (a container restarted). Its executions stay in RQ's
+        started registry, for RQ's maintenance to settle as abandoned."""
+        hostname, pid, death = self.connection.hmget(self.key, ["hostname", "pid", "death"])
+        if hostname is None or death is not None or text(hostname) != self.hostname:
+            return
+        old_pid = int(text(pid)) if pid is not None and text(pid).isdigit() else 0
+        if old_pid <= 0 or (old_pid != os.getpid() and _process_runs(old_pid)):
+            return
+        message = (
+            "worker %s: the worker of this name (pid %s) was not stopped (killed?): "
+            "its registration is ended"
+        )
+        logger.warning(message, self.name, old_pid)
+        self.register_death()  # type: ignore[attr-defined]
 
     def handle_warm_shutdown_request(self) -> None:
         """RQ's hook, called by its SIGINT / SIGTERM handler on the first signal (a second one
@@ -314,6 +343,24 @@ class JoblockSimpleWorker(_Loop, SimpleWorker):
             return super().execute_job(job, queue)
         finally:
             close_connections(stale_only=True)
+
+
+def _process_runs(pid: int) -> bool:
+    """True if process ``pid`` runs on this host (a zombie, already dead, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # gone meanwhile; or no /proc (macOS): the signal reached it
+        return not os.path.isdir("/proc")
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def default_job_class() -> str | None:

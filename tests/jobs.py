@@ -197,6 +197,11 @@ def mail_handler_then_hang(payload: dict, *, idempotency_key: str) -> None:
     _wait_for_flag(f"deliver:{idempotency_key}")
 
 
+def mail_handler_killing_its_process(payload: dict, *, idempotency_key: str) -> None:
+    """A delivery the process does not survive (the OOM killer, a segfault in a C library)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 @locked_job("default", lock="mail:{order}", idempotency_key="mail:{order}", ttl=2)
 def mail_via_outbox(order: int, hang_in: str = "job") -> str:
     """Records the e-mail in the outbox, then hangs between that and its commit (first run)."""

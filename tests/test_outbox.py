@@ -195,6 +195,9 @@ def test_a_delivery_killed_after_the_provider_took_it_is_redelivered_with_its_ke
     assert message.status == "pending", "committed, never acknowledged"
     assert "6. Are side effects guarded by the key? [info]" in _doctor("mail:8")
     assert "not delivered yet: mail:8" in _doctor("mail:8")
+    assert message.attempts == 1, "the attempt the kill ended is counted"
+    assert message.next_attempt_at > message.created_at, "it waits its backoff (1 s)"
+    OutboxMessage.objects.filter(pk=message.pk).update(next_attempt_at=timezone.now())
     rconn.set("test:go:deliver:mail:8", 1)
     swept = subprocess.run(
         [sys.executable, "-m", "django", "joblock_outbox"],
@@ -461,3 +464,48 @@ def test_a_big_float_in_the_payload_reaches_the_handler_as_a_float(provider):
     assert provider.calls[-1].body == {"amount": 1.5e300}
     assert type(provider.calls[-1].body["amount"]) is float
     assert OutboxMessage.objects.get(key="mail:float").payload == {"amount": 1.5e300}
+
+
+@pytest.mark.slow
+def test_a_delivery_that_kills_its_process_is_counted_and_holds_up_no_other_message(provider):
+    """A handler the process does not survive (the OOM killer) rolled its attempt back with the
+    process: the message stayed due at once with 0 attempts, so every ``joblock_outbox`` pass
+    died on it first and the messages due after it were never delivered, and it was never
+    dead-lettered. The attempt is recorded before the handler runs: the message waits its
+    backoff, the others go out, and it is dead-lettered after ``MAX_ATTEMPTS`` like any other."""
+    now = timezone.now()
+    OutboxMessage.objects.create(
+        key="mail:poison",
+        handler="tests.jobs.mail_handler_killing_its_process",
+        payload={"order": 12},
+        next_attempt_at=now - timedelta(seconds=1),
+    )
+    OutboxMessage.objects.create(
+        key="mail:12", handler="tests.jobs.mail_handler", payload={"order": 12}, next_attempt_at=now
+    )
+
+    def sweep() -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "django", "joblock_outbox"]
+        return subprocess.run(
+            command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60
+        )
+
+    assert sweep().returncode == -signal.SIGKILL, "the poison message killed the pass"
+    poison = OutboxMessage.objects.get(key="mail:poison")
+    assert (poison.status, poison.attempts) == ("pending", 1), "the attempt is counted"
+    assert poison.next_attempt_at > now, "it waits its backoff"
+    second = sweep()
+    assert second.returncode == 0, second.stderr
+    assert "1 delivered, 0 failed, 1 pending" in second.stdout, second.stdout
+    assert OutboxMessage.objects.get(key="mail:12").status == "delivered"
+    assert [c.key for c in provider.calls] == ["mail:12"]
+    OutboxMessage.objects.filter(key="mail:poison").update(
+        attempts=outbox.MAX_ATTEMPTS - 1, next_attempt_at=timezone.now()
+    )
+    assert sweep().returncode == -signal.SIGKILL, "its last delivery"
+    OutboxMessage.objects.filter(key="mail:poison").update(next_attempt_at=timezone.now())
+    report = outbox.deliver_due()  # in this process: its handler is not run again
+    assert (report.delivered, report.failed, report.pending) == (0, 1, 0)
+    poison = OutboxMessage.objects.get(key="mail:poison")
+    assert (poison.status, poison.attempts) == ("dead", outbox.MAX_ATTEMPTS), "dead-lettered"
+    assert "never ended" in poison.last_error

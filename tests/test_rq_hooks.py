@@ -37,6 +37,7 @@ SIGNATURES: dict[str, list[list[str]]] = {
     "__init__": [["queues", "name", "default_result_ttl", "connection", "exception_handlers"]],
     "work": [["burst"]],
     "handle_warm_shutdown_request": [[]],
+    "register_birth": [[]],
     "handle_execution_ended": [["job", "queue", "heartbeat_ttl"]],
     "maintain_heartbeats": [["job"], ["job", "execution"]],  # rq 2, rq 3
     "set_state": [["state", "pipeline"]],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -241,3 +243,37 @@ def test_a_worker_goes_on_after_an_outage_at_a_jobs_start(worker_class, rconn, c
         for link in links:
             link.close()
         queues.close()
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_under_its_name_after_a_crash_starts_at_once(rconn):
+    """A supervisor restarts a SIGKILLed ``--name``d worker (OOM killer, a node's hard stop):
+    RQ refused the name while the dead worker's key lived (``worker_ttl`` + 60 = 480 s) with a
+    ``ValueError`` traceback, so the queue had no worker for 8 minutes. A worker of that name
+    whose pid is gone from this host is dead: the new one takes its name and runs the queue."""
+    crew = Workers(extra_args=["--name", "restarted-worker"])
+    try:
+        first = crew.start()
+        assert wait_for(lambda: rconn.hget("rq:worker:restarted-worker", "state") == b"idle", 30)
+        os.kill(first.pid, signal.SIGKILL)  # no death registered
+        first.wait(10)
+        assert rconn.exists("rq:worker:restarted-worker"), "the dead worker's key lives on"
+        second = crew.start()
+        job = jobs.hold_resource.delay(9, "restarted-name", 0.0)
+        assert wait_status(job, {JobStatus.FINISHED, JobStatus.FAILED}, 30, crew) is (
+            JobStatus.FINISHED
+        )
+        assert second.poll() is None, crew.logs()
+        assert "was not stopped" in crew.logs(), "the take-over is logged"
+    finally:
+        crew.stop()
+
+
+def test_a_name_a_live_worker_may_hold_is_refused_in_one_line(rconn):
+    """A worker of that name registered from another host (or under a pid still running) may be
+    alive: the name is refused, as RQ refuses it, in one line (RQ's ValueError traceback before)."""
+    rconn.hset("rq:worker:taken-name", mapping={"hostname": "another-host", "pid": 1})
+    rconn.expire("rq:worker:taken-name", 60)
+    with pytest.raises(CommandError, match="There exists an active worker named 'taken-name'"):
+        call_command("joblock_worker", "default", "--burst", "--name", "taken-name")
+    assert not rconn.hexists("rq:worker:taken-name", "death"), "left to its live owner"

@@ -96,11 +96,7 @@ class Command(BaseCommand):
                 Path(options["pid"]).write_text(str(os.getpid()))
             except OSError as exc:
                 raise CommandError(f"--pid {options['pid']!r}: cannot write the pid file: {exc}")
-        run = ("burst", "with_scheduler", "max_jobs", "max_idle_time")
-        try:  # once started, RQ's loop and ours ride outages out
-            worker.work(**{name: options[name] for name in run})
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            raise _no_redis(exc) from exc
+        _work(worker, options)
 
     def _worker_class(self, dotted: str | None, *, simple: bool) -> Any:
         if dotted is None:
@@ -120,6 +116,17 @@ class Command(BaseCommand):
                 "database connections are not closed before each fork.\n"
             )
         return found
+
+
+def _work(worker: Any, options: dict[str, Any]) -> None:
+    """Run the worker's loop; a start that fails is one line, not RQ's traceback."""
+    run = ("burst", "with_scheduler", "max_jobs", "max_idle_time")
+    try:  # once started, RQ's loop and ours ride outages out
+        worker.work(**{name: options[name] for name in run})
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise _no_redis(exc) from exc
+    except ValueError as exc:  # RQ's: a live worker has the name (a dead one's is taken over)
+        raise CommandError(f"Cannot start the worker: {exc}") from exc
 
 
 def _no_redis(exc: Exception) -> CommandError:
