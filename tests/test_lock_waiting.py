@@ -480,14 +480,18 @@ def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(settings, rconn)
     unpacked its missing details: a raw ResponseError, the lock left held for its TTL and the
     live waiter behind them waiting in vain. Now the release frees the lock and the waiter,
     cleaning the line on its next tries, takes it."""
-    settings.JOBLOCK = {"WAITER_TTL": 40}  # the live waiter looks at the line every 10 s
+    settings.JOBLOCK = {"WAITER_TTL": 40}
     keys = _keys("order:dead")
     holder = lock("order:dead", ttl=30)
     assert holder.acquire()
-    # Joined the line, then died: tickets of 1.5 s (long enough for the live waiter to join
-    # behind them on a busy machine), never refreshed.
-    for n in range(120):
-        args = [f"dead{n}", 30_000, 86_400_000, "host", 1, "", "", "", f"t{n}", 1500, 1500, 0]
+    # Joined the line, then died: never refreshed, their tickets all run out at one moment, a
+    # few seconds on (time for the live waiter to join behind them on a busy machine). 300: the
+    # live waiter's own look at the line (about every second) drops at most 100 of them.
+    dead = 300
+    started = time.monotonic()
+    for n in range(dead):
+        left_ms = max(1, int((3.0 - (time.monotonic() - started)) * 1000))
+        args = [f"dead{n}", 30_000, 86_400_000, "host", 1, "", "", "", f"t{n}", left_ms, 1500, 0]
         wake = keys.wake(f"t{n}")
         scripts.WAIT(rconn, [keys.lock, keys.fence, keys.queue, keys.tickets, wake], args)
     waiter = lock("order:dead", ttl=30, wait=30)
@@ -495,9 +499,9 @@ def test_a_release_behind_a_hundred_dead_tickets_frees_the_lock(settings, rconn)
     thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
     thread.start()
     try:
-        assert _in_line(rconn, keys.queue, 121)  # the fault: 120 dead first, the live one last
-        time.sleep(1.7)  # the dead tickets' 1.5 s run out
-        assert rconn.zcard(keys.queue) == 121, "negative control: the dead are still first"
+        assert _in_line(rconn, keys.queue, dead + 1)  # the fault: the dead first, the live last
+        time.sleep(max(0.0, 3.2 - (time.monotonic() - started)))  # the dead tickets ran out
+        assert rconn.zcard(keys.queue) > 100, "negative control: 100 or more dead still first"
         assert holder.release() is True
         assert rconn.hget(keys.lock, "token") != holder.token.encode()
     finally:
