@@ -612,15 +612,18 @@ class _Interrupted(BaseException):
     """What a signal handler raises in the main thread, as ``KeyboardInterrupt`` would."""
 
 
-def _interrupted_during(rconn: Any, command: str, acquire: Any) -> None:
-    """Run ``acquire()`` in this (main) thread and interrupt it with a signal once a client is
-    blocked in ``command`` on the server: :class:`_Interrupted` must come out of it."""
+def _interrupted_when(condition: Any, call: Any) -> bool:
+    """Run ``call()`` in this (main) thread and interrupt it with a signal once ``condition()``
+    holds (polled from another thread): :class:`_Interrupted` must come out of it. Returns
+    whether the condition was met (the negative control: the interruption came then)."""
+    met: list[bool] = []
 
     def interrupt(signum: int, frame: Any) -> None:
         raise _Interrupted
 
     def watch() -> None:
-        if wait_for(lambda: any(c["cmd"] == command for c in rconn.client_list()), 10):
+        met.append(wait_for(condition, 10))
+        if met[0]:
             signal.pthread_kill(main, signal.SIGUSR1)
 
     main = threading.get_ident()
@@ -629,10 +632,11 @@ def _interrupted_during(rconn: Any, command: str, acquire: Any) -> None:
     try:
         watcher.start()
         with pytest.raises(_Interrupted):
-            acquire()
+            call()
     finally:
         watcher.join()
         signal.signal(signal.SIGUSR1, previous)
+    return met == [True]
 
 
 def test_an_acquire_interrupted_after_it_got_the_lock_gives_it_back(settings, rconn):
@@ -642,7 +646,11 @@ def test_an_acquire_interrupted_after_it_got_the_lock_gives_it_back(settings, rc
     acked = {"REPLICA_ACKS": 1, "REPLICA_ACK_TIMEOUT": 5, "REDIS_TIMEOUT": 10}
     settings.JOBLOCK = {**settings.JOBLOCK, **acked}
     trying = lock("interrupted:1", ttl=30, heartbeat=False)
-    _interrupted_during(rconn, "wait", lambda: trying.acquire(wait=0))
+
+    def blocked_in_wait() -> bool:  # the replica WAIT after the ACQUIRE
+        return any(c["cmd"] == "wait" for c in rconn.client_list())
+
+    assert _interrupted_when(blocked_in_wait, lambda: trying.acquire(wait=0))
     # The replica WAIT follows a granted ACQUIRE only, which moved the resource's fence.
     assert rconn.exists("joblock:{interrupted:1}:fence"), "negative control: it got the lock"
     assert rconn.hget(trying.key, "token") is None, "given back"
@@ -685,29 +693,15 @@ def test_a_one_try_acquire_interrupted_before_its_reply_gives_the_lock_back(prox
     load_scripts(rconn)
     trying = lock("interrupted:2", ttl=30, cache="proxied")
     proxy.set("delay", 0.5)  # each way: the lock is granted ~0.5 s before the reply comes
-    got: list[bool] = []
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise _Interrupted
+    def granted() -> bool:
+        return bool(rconn.hget(trying.key, "token") == trying.token.encode())
 
-    def watch() -> None:
-        granted = wait_for(lambda: rconn.hget(trying.key, "token") == trying.token.encode(), 10)
-        got.append(granted)
-        if granted:
-            signal.pthread_kill(main, signal.SIGUSR1)
-
-    main = threading.get_ident()
-    previous = signal.signal(signal.SIGUSR1, interrupt)
-    watcher = threading.Thread(target=watch, daemon=True)
     try:
-        watcher.start()
-        with pytest.raises(_Interrupted):
-            trying.acquire(wait=0)
+        got = _interrupted_when(granted, lambda: trying.acquire(wait=0))
     finally:
-        watcher.join()
-        signal.signal(signal.SIGUSR1, previous)
         proxy.set("forward")
-    assert got == [True], "negative control: the server had granted it when interrupted"
+    assert got, "negative control: the server had granted it when interrupted"
     assert rconn.hget(trying.key, "token") is None, "given back"
     assert lock("interrupted:2", ttl=30, wait=0).acquire(), "a newcomer gets it at once"
 
@@ -734,30 +728,16 @@ def test_a_release_interrupted_before_its_reply_leaves_the_lock_not_held(proxy, 
     thread.start()
     assert wait_for(lambda: rconn.zcard(holder.keys.queue) == 1, 10), "the waiter is in line"
     proxy.set("delay", 0.5)  # each way: the lock is handed over ~0.5 s before the reply comes
-    handed: list[bool] = []
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise _Interrupted
+    def to_waiter() -> bool:
+        return bool(rconn.hget(holder.key, "token") == waiter.token.encode())
 
-    def watch() -> None:
-        done = wait_for(lambda: rconn.hget(holder.key, "token") == waiter.token.encode(), 10)
-        handed.append(done)
-        if done:
-            signal.pthread_kill(main, signal.SIGUSR1)
-
-    main = threading.get_ident()
-    previous = signal.signal(signal.SIGUSR1, interrupt)
-    watcher = threading.Thread(target=watch, daemon=True)
     try:
-        watcher.start()
-        with pytest.raises(_Interrupted):
-            holder.release()
+        handed = _interrupted_when(to_waiter, holder.release)
     finally:
-        watcher.join()
-        signal.signal(signal.SIGUSR1, previous)
         proxy.set("forward")
     thread.join(30)
-    assert handed == [True] and got == [True], "negative control: handed over when interrupted"
+    assert handed and got == [True], "negative control: handed over when interrupted"
     assert waiter.held
     assert not holder.held, "the lock is the waiter's now"
     with pytest.raises(LockLost):
